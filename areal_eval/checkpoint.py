@@ -1,0 +1,150 @@
+"""Saving and verifying checkpoints on local disk.
+
+Saving never blocks the training loop for longer than a CPU snapshot of the weights: the
+files are written, hashed and announced by a background thread. A checkpoint directory is
+renamed into place only when complete, so readers never see a partial one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from areal_eval.manifest import CheckpointError, CheckpointEvent, FileEntry, Manifest
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe_files(directory: Path) -> tuple[FileEntry, ...]:
+    return tuple(
+        FileEntry(name=p.name, size=p.stat().st_size, sha256=sha256_file(p))
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    )
+
+
+def verify_checkpoint(directory: str | Path, files: tuple[FileEntry, ...]) -> None:
+    """Raise CheckpointError unless every recorded file is present with its size and sha256."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory is missing")
+    if not files:
+        raise CheckpointError(f"{directory}: manifest records no files for this checkpoint")
+    for entry in files:
+        path = directory / entry.name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file recorded in the manifest is missing")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise CheckpointError(f"{path}: size {size} != recorded {entry.size} (truncated?)")
+        if sha256_file(path) != entry.sha256:
+            raise CheckpointError(f"{path}: sha256 differs from the manifest (corrupt)")
+
+
+def checkpoint_name(global_step: int) -> str:
+    return f"global_step_{global_step:08d}"
+
+
+@dataclasses.dataclass
+class SaveRequest:
+    state_dict: dict[str, torch.Tensor]
+    epoch: int
+    epoch_step: int
+    global_step: int
+    train_metrics: dict
+    final: bool
+
+
+class CheckpointWriter:
+    """Writes checkpoints in a background thread and appends them to the manifest when durable.
+
+    ``save`` copies the weights to CPU (the only part the training loop waits for) and queues
+    the write. ``close`` waits for queued writes; call it before the process exits.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        out_dir: str | Path,
+        manifest: Manifest,
+        run_id: str,
+        on_durable: Callable[[CheckpointEvent], None] | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.out_dir = Path(out_dir)
+        self.manifest = manifest
+        self.run_id = run_id
+        self.on_durable = on_durable
+        self.blocked_seconds = 0.0
+        self._queue: queue.Queue[SaveRequest | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def save(self, epoch: int, epoch_step: int, global_step: int, train_metrics: dict, final: bool = False) -> None:
+        if self._error:
+            raise CheckpointError(f"an earlier checkpoint write failed: {self._error}") from self._error
+        start = time.perf_counter()
+        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        self.blocked_seconds += time.perf_counter() - start
+        self._queue.put(SaveRequest(snapshot, epoch, epoch_step, global_step, dict(train_metrics), final))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error:
+            raise CheckpointError(f"checkpoint write failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        while (request := self._queue.get()) is not None:
+            if self._error:
+                continue
+            try:
+                self._write(request)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by save()/close()
+                self._error = exc
+
+    def _write(self, req: SaveRequest) -> None:
+        final_dir = self.out_dir / checkpoint_name(req.global_step)
+        tmp_dir = self.out_dir / f".{final_dir.name}.partial"
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        tmp_dir.mkdir(parents=True)
+        self.model.save_pretrained(str(tmp_dir), state_dict=req.state_dict, safe_serialization=True)
+        self.tokenizer.save_pretrained(str(tmp_dir))
+        for path in tmp_dir.iterdir():
+            with path.open("rb") as fh:
+                os.fsync(fh.fileno())
+        files = describe_files(tmp_dir)
+        shutil.rmtree(final_dir, ignore_errors=True)
+        tmp_dir.rename(final_dir)
+        event = CheckpointEvent(
+            run_id=self.run_id,
+            uri=str(final_dir.resolve()),
+            epoch=req.epoch,
+            epoch_step=req.epoch_step,
+            global_step=req.global_step,
+            wall_time=time.time(),
+            train_metrics=req.train_metrics,
+            files=files,
+            final=req.final,
+        )
+        self.manifest.append(event)
+        if self.on_durable:
+            self.on_durable(event)

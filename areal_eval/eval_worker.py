@@ -1,0 +1,134 @@
+"""Evaluation worker: the torchrun entry point that evaluates one checkpoint.
+
+    torchrun --nproc-per-node M -m areal_eval.eval_worker --checkpoint DIR --data valid.jsonl --out result.json
+
+Runs in its own processes, never in training's. Data-parallel heads read their exact shard and
+broadcast each batch to their model-parallel group; statistics are summed over the world;
+rank 0 writes the result file atomically. Any failure exits non-zero with the reason on stderr
+and in the result file's ``error`` field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from areal_eval import distributed
+from areal_eval.checkpoint import verify_checkpoint
+from areal_eval.evaluator import BaseEvaluator, make_evaluator
+from areal_eval.manifest import FileEntry
+
+FAULT_ENV = "AREAL_EVAL_INJECT_FAULT"
+"""Fault injection for tests: ``RANK:exit`` or ``RANK:hang`` after that rank's first batch."""
+
+
+def _inject_fault(done_batches: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or done_batches != 1:
+        return
+    fault_rank, mode = spec.split(":")
+    if int(fault_rank) != distributed.rank():
+        return
+    if mode == "exit":
+        os._exit(17)
+    while mode == "hang":
+        time.sleep(3600)
+
+
+def evaluate(evaluator: BaseEvaluator, layout: distributed.ParallelLayout, batch_size: int, mp_group=None) -> dict:
+    """Run ``evaluator`` over its shard; returns metrics (identical on every rank)."""
+    keys: list[str] | None = None
+    local: dict[str, float] = {}
+    batches = iter(evaluator.batches(layout.dp_rank, layout.dp_size, batch_size)) if layout.is_dp_head else None
+    done = 0
+    while True:
+        batch = next(batches, None) if batches is not None else None
+        if layout.mp_size > 1:
+            batch = distributed.broadcast_tensor_container(batch, src_rank=layout.dp_head, group=mp_group)
+        if batch is None:
+            break
+        sums = evaluator.batch_sums(batch)
+        done += 1
+        _inject_fault(done)
+        if layout.is_dp_head:  # model-parallel peers computed the same batch: count it once
+            for key, value in sums.items():
+                local[key] = local.get(key, 0.0) + value
+        keys = keys or sorted(sums)
+    # Every rank must reduce the same keys, including a head whose shard was empty.
+    keys = _agreed_keys(keys)
+    totals = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64, device=distributed.device())
+    distributed.all_reduce_sum(totals)
+    return evaluator.metrics(dict(zip(keys, totals.tolist())))
+
+
+def _agreed_keys(keys: list[str] | None) -> list[str]:
+    if distributed.world_size() == 1:
+        return keys or []
+    gathered: list = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(gathered, keys)
+    union = sorted({k for ks in gathered if ks for k in ks})
+    return union
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="local checkpoint directory")
+    parser.add_argument("--data", required=True, help="validation pairs (JSONL)")
+    parser.add_argument("--out", required=True, help="result JSON, written by rank 0")
+    parser.add_argument("--files", help="JSON list of {name,size,sha256} to verify before loading")
+    parser.add_argument("--evaluator", default="reward_model")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--mp-size", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
+    parser.add_argument("--allow-pickle", action="store_true")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(int(os.environ.get("AREAL_EVAL_THREADS", "1")))
+    out = Path(args.out)
+    start = time.time()
+    distributed.init(timeout_s=args.timeout)
+    try:
+        layout = distributed.ParallelLayout(distributed.world_size(), distributed.rank(), args.mp_size)
+        mp_group = distributed.new_mp_group(layout)
+        if args.files and distributed.local_rank() == 0:
+            files = tuple(FileEntry(**f) for f in json.loads(Path(args.files).read_text()))
+            verify_checkpoint(args.checkpoint, files)
+        if distributed.world_size() > 1:
+            torch.distributed.barrier()  # nobody loads before the node's copy is verified
+        evaluator = make_evaluator(args.evaluator, max_length=args.max_length)
+        evaluator.load(Path(args.checkpoint), Path(args.data), allow_pickle=args.allow_pickle)
+        metrics = evaluate(evaluator, layout, args.batch_size, mp_group)
+        if layout.rank == 0:
+            _write_json(out, {
+                "checkpoint": args.checkpoint,
+                "metrics": metrics,
+                "world_size": layout.world_size,
+                "mp_size": layout.mp_size,
+                "seconds": time.time() - start,
+            })
+        return 0
+    except Exception as exc:
+        print(f"[rank {distributed.rank()}] evaluation failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if distributed.rank() == 0:
+            _write_json(out, {"checkpoint": args.checkpoint, "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    finally:
+        # Destroying a group whose peer died can block; the launcher's kill is the backstop.
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Evaluating one checkpoint on separate torchrun workers, from the orchestrator's side."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+from areal_eval.launcher import TorchrunJob, WorkerError
+from areal_eval.manifest import CheckpointEvent
+
+
+class EvaluationFailed(RuntimeError):
+    """The evaluation of a checkpoint failed; the message says why (and where the log is)."""
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    nproc: int = 2
+    """Evaluation ranks (torchrun --nproc-per-node)."""
+    mp_size: int = 1
+    """Ranks per model-parallel group; the data-parallel head broadcasts batches to it."""
+    batch_size: int = 32
+    """Pairs per batch."""
+    evaluator: str = "reward_model"
+    """Registered evaluator name or ``module:Class``."""
+    collective_timeout_s: float = 60.0
+    """Timeout of every collective: a dead or hung rank fails the evaluation."""
+    job_timeout_s: float = 600.0
+    """Wall-clock limit for one evaluation, start-up included."""
+    allow_pickle: bool = False
+    """Load checkpoints that need pickle (unsafe); safetensors only otherwise."""
+
+    def __post_init__(self):
+        if self.nproc < 1:
+            raise ValueError("eval.nproc must be >= 1")
+        if self.nproc % self.mp_size:
+            raise ValueError(f"eval.nproc ({self.nproc}) must be divisible by eval.mp_size ({self.mp_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    global_step: int
+    uri: str
+    metrics: dict
+    seconds: float
+
+    def nonfinite(self) -> list[str]:
+        return [k for k, v in self.metrics.items() if not math.isfinite(v)]
+
+
+def evaluate_checkpoint(
+    event: CheckpointEvent, data_path: str | Path, cfg: EvalConfig, work_dir: str | Path, max_length: int = 64
+) -> EvalResult:
+    """Evaluate ``event``'s checkpoint on ``cfg.nproc`` fresh torchrun ranks."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"global_step_{event.global_step:08d}"
+    out = work_dir / f"{stem}.json"
+    out.unlink(missing_ok=True)
+    files = work_dir / f"{stem}.files.json"
+    files.write_text(json.dumps([dataclasses.asdict(f) for f in event.files]))
+    args = [
+        "--checkpoint", event.uri, "--data", str(data_path), "--out", str(out), "--files", str(files),
+        "--evaluator", cfg.evaluator, "--batch-size", str(cfg.batch_size), "--max-length", str(max_length),
+        "--mp-size", str(cfg.mp_size), "--timeout", str(cfg.collective_timeout_s),
+    ] + (["--allow-pickle"] if cfg.allow_pickle else [])
+    start = time.monotonic()
+    job = TorchrunJob("areal_eval.eval_worker", args, cfg.nproc, work_dir / f"{stem}.log")
+    try:
+        job.wait(cfg.job_timeout_s)
+        result = json.loads(out.read_text()) if out.exists() else {}
+        if "error" in result:
+            raise EvaluationFailed(f"checkpoint step {event.global_step} ({event.uri}): {result['error']}")
+        job.raise_for_status(f"evaluation of step {event.global_step}")
+        if "metrics" not in result:
+            raise EvaluationFailed(f"checkpoint step {event.global_step}: worker wrote no result ({job.log_path})")
+    except WorkerError as exc:
+        raise EvaluationFailed(f"checkpoint step {event.global_step} ({event.uri}): {exc}") from exc
+    finally:
+        if job.poll() is None:
+            job.kill()
+    return EvalResult(event.global_step, event.uri, result["metrics"], time.monotonic() - start)

@@ -1,0 +1,123 @@
+"""Starting and stopping torchrun jobs (training and evaluation workers) as subprocesses.
+
+Each job runs in its own session (process group) so that a timeout or cancel can kill torchrun
+and every rank it started: nothing is left behind, whatever state the ranks are in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class WorkerError(RuntimeError):
+    """A torchrun job failed or timed out; the message carries its reason and log tail."""
+
+
+def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={nproc}",
+        # A failing rank brings the job down at once instead of being restarted.
+        "--max-restarts=0", "--monitor-interval=0.5",
+        "-m", module, *args,
+    ]
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    interesting = [l for l in text if "evaluation failed" in l or "Error" in l or "error" in l]
+    return "\n".join((interesting[-5:] if interesting else []) + text[-lines:])
+
+
+class TorchrunJob:
+    """A running torchrun job; its output goes to ``log_path``."""
+
+    def __init__(self, module: str, args: list[str], nproc: int, log_path: str | Path, env: dict | None = None):
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
+        full_env = {**os.environ, **(env or {})}
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                torchrun_command(module, args, nproc),
+                stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left after ``grace_s``."""
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if not group_alive(self.proc.pid):
+                break
+        self._reap_group()
+
+    def _reap_group(self) -> None:
+        # Ranks may outlive torchrun briefly; make sure the group is gone.
+        deadline = time.monotonic() + 5
+        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float | None) -> int:
+        """Wait for exit; on timeout kill the group and raise WorkerError."""
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise WorkerError(
+                f"torchrun job timed out after {timeout_s:.0f}s and was killed; log {self.log_path}:\n{_log_tail(self.log_path)}"
+            ) from None
+        self._reap_group()
+        return code
+
+    def raise_for_status(self, what: str) -> None:
+        code = self.proc.returncode
+        if code:
+            raise WorkerError(f"{what} failed (torchrun exit {code}); log {self.log_path}:\n{_log_tail(self.log_path)}")
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie leader still counts; check for live members via /proc.
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False

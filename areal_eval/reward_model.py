@@ -1,0 +1,120 @@
+"""The reward model: a transformers sequence classifier with one output (num_labels=1).
+
+Built from a small local config and a tokenizer trained here with ``tokenizers``, or loaded
+with ``from_pretrained`` from any local path (a saved checkpoint, or a downloaded model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class RewardModelConfig:
+    pretrained_path: str | None = None
+    """Local path of a model to start from (``from_pretrained``); None builds a fresh one."""
+    tokenizer_path: str | None = None
+    """Local tokenizer path; None trains a word-level tokenizer on the training data."""
+    hidden_size: int = 64
+    """Width of the freshly built model."""
+    num_layers: int = 2
+    """Transformer layers of the freshly built model."""
+    num_heads: int = 4
+    """Attention heads of the freshly built model."""
+    max_length: int = 64
+    """Token limit per sequence; longer texts are truncated from the left (keep the answer)."""
+    vocab_size: int = 512
+    """Vocabulary size of a locally trained tokenizer."""
+
+
+def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512):
+    """Train a word-level tokenizer locally and save it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[EOS]"])
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    )
+    fast.truncation_side = "left"
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.truncation_side = "left"
+    return tok
+
+
+def build_model(cfg: RewardModelConfig, tokenizer):
+    """A fresh small Llama-style reward model sized by ``cfg``."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.hidden_size * 4,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=max(128, cfg.max_length),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        num_labels=1,
+        tie_word_embeddings=False,
+    )
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def load_model(path: str | Path, allow_pickle: bool = False):
+    """Load a reward model from a local directory, safetensors only unless ``allow_pickle``."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = Path(path)
+    if not allow_pickle and not any(path.glob("*.safetensors")):
+        raise ValueError(f"{path}: no *.safetensors weights (pickle checkpoints need allow_pickle)")
+    return AutoModelForSequenceClassification.from_pretrained(
+        str(path), num_labels=1, use_safetensors=not allow_pickle
+    )
+
+
+def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int) -> list[dict]:
+    """Token ids of each pair's chosen and rejected text (unpadded; batches pad dynamically)."""
+    texts = [t for row in pairs for t in (row["chosen"], row["rejected"])]
+    ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=False)["input_ids"]
+    return [{"chosen_ids": ids[2 * i], "rejected_ids": ids[2 * i + 1]} for i in range(len(pairs))]
+
+
+def collate_pairs(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad to the longest sequence in the batch; rows alternate chosen, rejected (as AReaL)."""
+    seqs = [ids for item in items for ids in (item["chosen_ids"], item["rejected_ids"])]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[row, : len(seq)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def pair_scores(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of the chosen and rejected rows of a collated batch."""
+    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    return scores[0::2], scores[1::2]
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """``-log sigmoid(r_chosen - r_rejected)``: the pairwise reward-model loss."""
+    loss = -F.logsigmoid(chosen - rejected)
+    return loss.sum() if reduction == "sum" else loss.mean()

@@ -1,0 +1,176 @@
+"""Training task: data-parallel reward-model training that publishes checkpoints.
+
+    torchrun --nproc-per-node 2 -m areal_eval.train --config RUN/train_config.json
+
+DDP over torchrun (gloo on CPU, nccl with CUDA), Bradley-Terry loss, checkpoints on its own
+trigger control. It never waits for an evaluation: checkpoints are written in the background
+and announced in the manifest; a stop request (from an alert) ends it at the next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from areal_eval import distributed, reward_model
+from areal_eval.checkpoint import CheckpointWriter
+from areal_eval.config import from_dict
+from areal_eval.control import StopSignal
+from areal_eval.freq_ctl import EpochStepTimeFreqCtl
+from areal_eval.manifest import Manifest
+from areal_eval.preference_data import read_pairs
+from areal_eval.reward_model import RewardModelConfig
+from areal_eval.run_dir import RunDir
+
+
+@dataclasses.dataclass
+class SaveConfig:
+    freq_epochs: int | None = None
+    """Save every this many epochs."""
+    freq_steps: int | None = 25
+    """Save every this many steps."""
+    freq_secs: float | None = None
+    """Save every this many seconds of training (monotonic, not counting downtime)."""
+    eval_before_train: bool = True
+    """Save the untrained model before step 1, so its evaluation is the baseline."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    nproc: int = 2
+    """Training ranks (torchrun --nproc-per-node)."""
+    epochs: int = 3
+    """Passes over the training pairs."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (None: run all epochs)."""
+    batch_size: int = 16
+    """Pairs per rank per step."""
+    lr: float = 2e-3
+    """Peak learning rate (AdamW), with linear warm-up and cosine decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    seed: int = 1
+    """Seed of model init and data order."""
+    log_every: int = 5
+    """Write the training loss every this many steps."""
+    collective_timeout_s: float = 120.0
+    """Timeout of every collective: a dead rank fails training instead of hanging it."""
+    save: SaveConfig = dataclasses.field(default_factory=SaveConfig)
+    """When to save checkpoints."""
+
+
+@dataclasses.dataclass
+class TrainJobSpec:
+    """What the orchestrator hands the training job (written to ``train_config.json``)."""
+
+    run_id: str
+    run_dir: str
+    model: RewardModelConfig
+    train: TrainConfig
+
+
+def _batches_per_rank(n: int, world: int, batch: int) -> int:
+    # Equal step counts on every rank: DDP needs them; the remainder is reshuffled next epoch.
+    return (n // world) // batch
+
+
+def train(spec: TrainJobSpec) -> None:
+    cfg, run = spec.train, RunDir(spec.run_dir)
+    distributed.init(timeout_s=cfg.collective_timeout_s)
+    rank, world = distributed.rank(), distributed.world_size()
+    torch.set_num_threads(int(os.environ.get("AREAL_TRAIN_THREADS", "1")))
+    torch.manual_seed(cfg.seed)
+    dev = distributed.device()
+
+    tok_path = spec.model.tokenizer_path or run.tokenizer
+    tokenizer = reward_model.load_tokenizer(tok_path)
+    if spec.model.pretrained_path:
+        model = reward_model.load_model(spec.model.pretrained_path)
+    else:
+        model = reward_model.build_model(spec.model, tokenizer)
+    model.to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    pairs = reward_model.tokenize_pairs(tokenizer, read_pairs(run.train_data), spec.model.max_length)
+    steps_per_epoch = _batches_per_rank(len(pairs), world, cfg.batch_size)
+    if steps_per_epoch == 0:
+        raise ValueError(f"{run.train_data}: {len(pairs)} pairs is too few for {world} ranks x batch {cfg.batch_size}")
+    total = min(cfg.max_steps or math.inf, steps_per_epoch * cfg.epochs)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+    )
+    ctl = EpochStepTimeFreqCtl(
+        freq_epochs=cfg.save.freq_epochs, freq_steps=cfg.save.freq_steps, freq_secs=cfg.save.freq_secs,
+        eval_before_train=cfg.save.eval_before_train, sync_elapsed=distributed.all_reduce_max_scalar,
+    )
+    stop = StopSignal(run.stop_file)
+    writer = CheckpointWriter(model, tokenizer, run.checkpoints, Manifest(run.manifest), spec.run_id) if rank == 0 else None
+    log = run.train_log.open("a") if rank == 0 else None
+
+    if ctl.before_train() and writer:
+        writer.save(epoch=0, epoch_step=0, global_step=0, train_metrics={})
+    global_step, metrics = 0, {}
+    started, stop_reason = time.monotonic(), None
+    for epoch in range(cfg.epochs):
+        order = list(range(len(pairs)))
+        random.Random(cfg.seed * 1000 + epoch).shuffle(order)
+        for epoch_step in range(steps_per_epoch):
+            if global_step >= total:
+                break
+            base = (epoch_step * world + rank) * cfg.batch_size
+            batch = reward_model.collate_pairs([pairs[i] for i in order[base : base + cfg.batch_size]], tokenizer.pad_token_id)
+            batch = {k: v.to(dev) for k, v in batch.items()}
+            chosen, rejected = reward_model.pair_scores(ddp, batch)
+            loss = reward_model.bradley_terry_loss(chosen, rejected)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            global_step += 1
+            # One small all-reduce per step: mean loss for the log, and any rank's stop request.
+            local_stop = 1.0 if rank == 0 and stop.requested() else 0.0
+            stats = distributed.all_reduce_sum(torch.tensor([loss.item(), local_stop], dtype=torch.float64, device=dev))
+            metrics = {"loss": stats[0].item() / world, "lr": sched.get_last_lr()[0], "epoch": epoch}
+            if log and global_step % cfg.log_every == 0:
+                elapsed = time.monotonic() - started
+                log.write(json.dumps({"step": global_step, **metrics, "samples_per_s": global_step * cfg.batch_size * world / elapsed}) + "\n")
+                log.flush()
+            if stats[1].item() > 0:
+                stop_reason = stop.requested() or "stop requested"
+                break
+            is_last = global_step >= total
+            if ctl.check(epochs=int(epoch_step == steps_per_epoch - 1), steps=1) and not is_last and writer:
+                writer.save(epoch, epoch_step, global_step, metrics)
+        if stop_reason or global_step >= total:
+            break
+    if writer:
+        # The final checkpoint is always published (and always evaluated downstream).
+        writer.save(epoch, epoch_step, global_step, {**metrics, **({"stopped": stop_reason} if stop_reason else {})}, final=True)
+        writer.close()
+        log.write(json.dumps({"step": global_step, "done": True, "stopped": stop_reason, "blocked_s": writer.blocked_seconds,
+                              "train_s": time.monotonic() - started}) + "\n")
+        log.close()
+    distributed.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="train_config.json written by the orchestrator")
+    args = parser.parse_args(argv)
+    spec = from_dict(TrainJobSpec, json.loads(Path(args.config).read_text()))
+    train(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
