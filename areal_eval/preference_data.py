@@ -70,7 +70,7 @@ class SyntheticPreferences:
 
     @dataclasses.dataclass
     class Config:
-        train_pairs: int = 4000
+        train_pairs: int = 8000
         """Training pairs to generate."""
         valid_pairs: int = 501
         """Validation pairs; odd by default, so exact sharding is exercised."""

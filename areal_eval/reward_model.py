@@ -19,9 +19,9 @@ class RewardModelConfig:
     """Local path of a model to start from (``from_pretrained``); None builds a fresh one."""
     tokenizer_path: str | None = None
     """Local tokenizer path; None trains a word-level tokenizer on the training data."""
-    hidden_size: int = 64
+    hidden_size: int = 128
     """Width of the freshly built model."""
-    num_layers: int = 2
+    num_layers: int = 4
     """Transformer layers of the freshly built model."""
     num_heads: int = 4
     """Attention heads of the freshly built model."""

@@ -21,3 +21,8 @@ class RunDir:
     ledger = property(lambda self: self.root / "ledger.jsonl")
     evals = property(lambda self: self.root / "evals")
     logs = property(lambda self: self.root / "logs")
+    run_id_file = property(lambda self: self.root / "run_id")
+
+    @property
+    def run_id(self) -> str:
+        return self.run_id_file.read_text().strip()

@@ -54,7 +54,7 @@ class TrainConfig:
     """Stop after this many optimizer steps (None: run all epochs)."""
     batch_size: int = 16
     """Pairs per rank per step."""
-    lr: float = 2e-3
+    lr: float = 1e-3
     """Peak learning rate (AdamW), with linear warm-up and cosine decay."""
     warmup_steps: int = 20
     """Linear warm-up steps."""

@@ -1,0 +1,117 @@
+"""Alert rules evaluated on every evaluation outcome, with throttling.
+
+Pure logic: which rules fire for a result. Sending notifications and stopping training are
+the orchestrator's job (the alert task branch), so rules are testable without any service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Literal
+
+
+@dataclasses.dataclass
+class AlertRule:
+    name: str
+    """Unique name; throttling is per rule."""
+    kind: Literal["threshold", "regression", "nonfinite", "eval_failed"]
+    """``threshold``: metric crosses ``value``; ``regression``: metric falls ``tolerance`` below
+    the best so far; ``nonfinite``: any metric is NaN/inf; ``eval_failed``: the evaluation failed."""
+    metric: str = "accuracy"
+    """Metric the rule watches (threshold, regression)."""
+    op: Literal["<", ">"] = "<"
+    """Fire when ``metric op value`` (threshold)."""
+    value: float = 0.0
+    """Threshold value."""
+    tolerance: float = 0.0
+    """Allowed drop below the best before a regression fires."""
+    higher_is_better: bool = True
+    """Direction of ``metric`` for regressions."""
+    min_step: int = 0
+    """Ignore checkpoints before this step (e.g. the untrained baseline)."""
+    stop_training: bool = False
+    """Ask training to stop when this rule fires."""
+    throttle_secs: float = 300.0
+    """After a notification, further firings of this rule are only logged for this long."""
+
+
+@dataclasses.dataclass
+class AlertsConfig:
+    rules: list[AlertRule] = dataclasses.field(default_factory=list)
+    """The rules; see AlertRule."""
+    webhook_url: str | None = None
+    """Generic webhook to notify (Prefect CustomWebhookNotificationBlock)."""
+    notification_block: str | None = None
+    """Name of a saved Prefect notification block (Slack, e-mail, ...) to notify as well."""
+
+    def __post_init__(self):
+        names = [r.name for r in self.rules]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"alerts.rules: duplicate rule names {sorted(dupes)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Alert:
+    rule: str
+    step: int
+    message: str
+    stop_training: bool
+    throttled: bool = False
+
+
+class AlertEngine:
+    def __init__(self, cfg: AlertsConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self._clock = clock
+        self._best: dict[str, float] = {}
+        self._last_notified: dict[str, float] = {}
+
+    def check(self, step: int, metrics: dict | None, error: str | None = None) -> list[Alert]:
+        """Alerts for one outcome; ``metrics`` None with ``error`` means the evaluation failed."""
+        alerts = []
+        for rule in self.cfg.rules:
+            message = self._message(rule, step, metrics or {}, error)
+            if message:
+                alerts.append(self._throttle(rule, step, message))
+        for key, value in (metrics or {}).items():  # track bests after judging this result
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                rule_dirs = [r.higher_is_better for r in self.cfg.rules if r.metric == key]
+                higher = rule_dirs[0] if rule_dirs else True
+                best = self._best.get(key)
+                if best is None or (value > best if higher else value < best):
+                    self._best[key] = value
+        return alerts
+
+    def _message(self, rule: AlertRule, step: int, metrics: dict, error: str | None) -> str | None:
+        if rule.kind == "eval_failed":
+            return f"evaluation of step {step} failed: {error}" if error else None
+        if error or step < rule.min_step:
+            return None
+        if rule.kind == "nonfinite":
+            bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+            return f"non-finite metrics at step {step}: {', '.join(bad)}" if bad else None
+        value = metrics.get(rule.metric)
+        if value is None or not math.isfinite(value):
+            return None
+        if rule.kind == "threshold":
+            crossed = value < rule.value if rule.op == "<" else value > rule.value
+            return f"{rule.metric}={value:.4g} {rule.op} {rule.value} at step {step}" if crossed else None
+        if rule.kind == "regression":
+            best = self._best.get(rule.metric)
+            if best is None:
+                return None
+            drop = (best - value) if rule.higher_is_better else (value - best)
+            if drop > rule.tolerance:
+                return f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than the best {best:.4g}"
+        return None
+
+    def _throttle(self, rule: AlertRule, step: int, message: str) -> Alert:
+        now = self._clock()
+        last = self._last_notified.get(rule.name)
+        throttled = last is not None and now - last < rule.throttle_secs
+        if not throttled:
+            self._last_notified[rule.name] = now
+        return Alert(rule.name, step, message, rule.stop_training, throttled)

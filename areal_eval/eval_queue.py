@@ -1,0 +1,44 @@
+"""The bounded queue between the scheduler and the evaluation workers.
+
+When evaluation falls behind training, waiting checkpoints are coalesced to the newest: the
+older ones are returned as superseded (to be recorded with that reason), never silently lost,
+and the backlog cannot grow without bound.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class CoalescingQueue(Generic[T]):
+    def __init__(self, capacity: int, step_of=lambda item: item.global_step):
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._step_of = step_of
+        self._items: list[T] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def items(self) -> list[T]:
+        return list(self._items)
+
+    def push(self, item: T) -> list[T]:
+        """Add ``item``; returns the items it superseded (oldest first) when over capacity."""
+        self._items.append(item)
+        self._items.sort(key=self._step_of)
+        superseded = []
+        while len(self._items) > self.capacity:
+            superseded.append(self._items.pop(0))
+        return superseded
+
+    def pop(self) -> tuple[T, list[T]]:
+        """The newest item, and the older ones it supersedes."""
+        if not self._items:
+            raise IndexError("pop from an empty queue")
+        newest = self._items.pop()
+        superseded, self._items = self._items, []
+        return newest, superseded

@@ -1,0 +1,70 @@
+"""The pipeline's config: one section per component, each the component's own ``Config``.
+
+Defaults run the demo on one machine. Load with :func:`load_pipeline_config` from a JSON/YAML
+file, a dict (Prefect parameters) and ``section.field=value`` overrides; unknown fields fail
+with their dotted name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from areal_eval.alerts import AlertRule, AlertsConfig
+from areal_eval.config import from_dict, merge, parse_overrides, read_file
+from areal_eval.evaluation import EvalConfig
+from areal_eval.preference_data import SyntheticPreferences
+from areal_eval.reward_model import RewardModelConfig
+from areal_eval.scheduler import SchedulerConfig
+from areal_eval.tracking import TrackingConfig
+from areal_eval.train import TrainConfig
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train_path: str | None = None
+    """Training pairs (HH-RLHF JSONL); None generates the synthetic set."""
+    valid_path: str | None = None
+    """Validation pairs (HH-RLHF JSONL); None generates the synthetic set."""
+    synthetic: SyntheticPreferences.Config = dataclasses.field(default_factory=SyntheticPreferences.Config)
+    """Generator settings, used when a path is None."""
+
+
+def _default_rules() -> list[AlertRule]:
+    return [
+        AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0),
+        AlertRule(name="nonfinite-metric", kind="nonfinite", stop_training=True, throttle_secs=0),
+        AlertRule(name="accuracy-regression", kind="regression", metric="accuracy", tolerance=0.08, min_step=1),
+    ]
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    run_name: str = "demo"
+    """Name of the training run (MLflow run name, run directory name)."""
+    work_dir: str = "runs"
+    """Root of run directories (and of the default SQLite MLflow store)."""
+    poll_interval_s: float = 0.5
+    """How often the flow looks for new checkpoints and finished evaluations."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    scheduler: SchedulerConfig = dataclasses.field(
+        default_factory=lambda: SchedulerConfig(min_interval_steps=25, max_interval_steps=300)
+    )
+    tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
+    alerts: AlertsConfig = dataclasses.field(default_factory=lambda: AlertsConfig(rules=_default_rules()))
+
+    @property
+    def run_root(self) -> Path:
+        return Path(self.work_dir).resolve() / self.run_name
+
+
+def load_pipeline_config(
+    path: str | Path | None = None, params: dict | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
+    data: dict = read_file(path) if path else {}
+    data = merge(data, params or {})
+    data = merge(data, parse_overrides(overrides or []))
+    return from_dict(PipelineConfig, data)

@@ -1,0 +1,126 @@
+"""Which checkpoints to evaluate: a pure decision, ``decide(event, history) -> Decision``.
+
+History is the evaluations so far (step, time, metric, stderr; metric None while pending), so
+the scheduler keeps no state of its own: a restarted flow rebuilds it from the ledger.
+
+The adaptive policy spends evaluations where they change what the dashboard shows. From the
+last two finished evaluations it estimates how fast the metric moves, after subtracting their
+noise, and evaluates once the drift predicted since the last evaluation reaches
+``drift_tolerance`` standard errors. So it evaluates densely while the metric moves, rarely on a
+plateau, densely again after a regression, always within ``[min_interval_steps,
+max_interval_steps]``, and always the first and the final checkpoint. It reasons in steps, not
+checkpoint counts, so uneven checkpoint spacing does not change it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Protocol, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryEntry:
+    step: int
+    time: float
+    metric: float | None
+    """None while the evaluation is queued or running."""
+    stderr: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    evaluate: bool
+    reason: str
+
+
+class StepEvent(Protocol):
+    global_step: int
+    final: bool
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    policy: Literal["adaptive", "fixed"] = "adaptive"
+    """``adaptive``: follow the metric; ``fixed``: every ``fixed_interval_steps``."""
+    metric: str = "accuracy"
+    """Monitored evaluation metric."""
+    stderr_metric: str | None = "accuracy_stderr"
+    """Metric holding the monitored metric's standard error (None: use ``default_stderr``)."""
+    higher_is_better: bool = True
+    """Direction of the monitored metric (for regressions)."""
+    fixed_interval_steps: int = 100
+    """Interval of the fixed policy, in training steps."""
+    min_interval_steps: int = 0
+    """Never evaluate two checkpoints closer than this (the final one excepted)."""
+    max_interval_steps: int | None = None
+    """Always evaluate once this many steps passed since the last evaluation (None: no bound)."""
+    drift_tolerance: float = 1.0
+    """Evaluate when the predicted drift since the last evaluation reaches this many stderr."""
+    noise_discount: float = 1.0
+    """Standard errors subtracted from an observed change before it counts as movement."""
+    regression_z: float = 2.0
+    """A result this many (combined) stderr below the best is a regression."""
+    default_stderr: float = 0.01
+    """Noise assumed when an evaluation reports none."""
+    queue_capacity: int = 2
+    """Evaluations waiting for a worker; beyond that the queue coalesces to the newest."""
+
+    def __post_init__(self):
+        if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
+            raise ValueError("max_interval_steps must be >= min_interval_steps")
+        if self.fixed_interval_steps < 1:
+            raise ValueError("fixed_interval_steps must be >= 1")
+        if self.queue_capacity < 1:
+            raise ValueError("queue_capacity must be >= 1")
+
+
+def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConfig) -> Decision:
+    step = event.global_step
+    if any(h.step == step for h in history):
+        return Decision(False, f"step {step} already evaluated or queued")
+    if not history:
+        return Decision(True, "first checkpoint")
+    if event.final:
+        return Decision(True, "final checkpoint")
+    last = max(history, key=lambda h: h.step)
+    gap = step - last.step
+    if gap < 0:
+        return Decision(False, f"older than step {last.step}, which is already evaluated or queued")
+    if gap < cfg.min_interval_steps:
+        return Decision(False, f"{gap} steps since step {last.step} < min interval {cfg.min_interval_steps}")
+    if cfg.max_interval_steps is not None and gap >= cfg.max_interval_steps:
+        return Decision(True, f"{gap} steps since step {last.step} >= max interval {cfg.max_interval_steps}")
+    if cfg.policy == "fixed":
+        if gap >= cfg.fixed_interval_steps:
+            return Decision(True, f"fixed interval: {gap} >= {cfg.fixed_interval_steps} steps")
+        return Decision(False, f"fixed interval: {gap} < {cfg.fixed_interval_steps} steps")
+    return _adaptive(step, last, history, cfg)
+
+
+def _stderr(h: HistoryEntry, cfg: SchedulerConfig) -> float:
+    return h.stderr if h.stderr and h.stderr > 0 else cfg.default_stderr
+
+
+def _adaptive(step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cfg: SchedulerConfig) -> Decision:
+    done = sorted((h for h in history if h.metric is not None and math.isfinite(h.metric)), key=lambda h: h.step)
+    if len(done) < 2:
+        return Decision(True, "too few results to estimate the trend")
+    sign = 1.0 if cfg.higher_is_better else -1.0
+    latest, prev = done[-1], done[-2]
+    best = max(done, key=lambda h: sign * h.metric)
+    se_latest = _stderr(latest, cfg)
+    drop = sign * (best.metric - latest.metric)
+    noise_best = math.hypot(se_latest, _stderr(best, cfg))
+    prev_drop = sign * (best.metric - prev.metric)
+    newly_regressed = prev_drop <= cfg.regression_z * math.hypot(_stderr(prev, cfg), _stderr(best, cfg))
+    # A fresh regression is confirmed at once; after that the drop itself reads as movement.
+    if best is not latest and drop > cfg.regression_z * noise_best and newly_regressed:
+        return Decision(True, f"regression: {drop:.4g} below best at step {best.step} (> {cfg.regression_z} stderr)")
+    change = abs(latest.metric - prev.metric)
+    noise = math.hypot(se_latest, _stderr(prev, cfg))
+    rate = max(0.0, change - cfg.noise_discount * noise) / max(1, latest.step - prev.step)
+    drift = rate * (step - last.step)
+    if drift >= cfg.drift_tolerance * se_latest:
+        return Decision(True, f"moving: predicted drift {drift:.3g} >= {cfg.drift_tolerance} stderr ({se_latest:.3g})")
+    return Decision(False, f"plateau: predicted drift {drift:.3g} < {cfg.drift_tolerance} stderr ({se_latest:.3g})")

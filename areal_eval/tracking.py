@@ -1,0 +1,117 @@
+"""MLflow tracking: one MLflow run per training run, metrics at ``step=global_step``.
+
+Evaluation logging is idempotent: a checkpoint's metrics go in one ``log_batch`` (atomic in
+MLflow's SQL store) and are skipped when the step is already there, so a retried or re-run
+evaluation never duplicates a point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+from areal_eval.config import flatten
+
+RUN_ID_TAG = "areal.run_id"
+EVAL_PREFIX = "eval/"
+TRAIN_PREFIX = "train/"
+
+
+@dataclasses.dataclass
+class TrackingConfig:
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None: ``$MLFLOW_TRACKING_URI``, else SQLite in the work dir."""
+    experiment: str = "areal-eval"
+    """MLflow experiment name."""
+
+
+def resolve_tracking_uri(cfg: TrackingConfig, work_root: str | Path) -> str:
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{Path(work_root).resolve() / 'mlflow.db'}"
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str, experiment: str):
+        from mlflow.tracking import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+
+    def find_run(self, training_run_id: str) -> str | None:
+        runs = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{training_run_id}'", max_results=1
+        )
+        return runs[0].info.run_id if runs else None
+
+    def start_run(self, training_run_id: str, params: dict, tags: dict | None = None) -> str:
+        """The MLflow run of a training run: created once, reused when a flow resumes it."""
+        from mlflow.entities import Param
+
+        run_id = self.find_run(training_run_id)
+        if run_id is None:
+            run = self.client.create_run(
+                self.experiment_id, run_name=training_run_id, tags={RUN_ID_TAG: training_run_id, **(tags or {})}
+            )
+            run_id = run.info.run_id
+            items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
+                self.client.log_batch(run_id, params=items[i : i + 100])
+        return run_id
+
+    def log_train_metrics(self, run_id: str, rows: list[dict]) -> int:
+        """Log training rows (``{"step": .., "loss": ..}``) newer than what the run already has."""
+        from mlflow.entities import Metric
+
+        done = {m.step for m in self.client.get_metric_history(run_id, TRAIN_PREFIX + "loss")}
+        now = int(time.time() * 1000)
+        metrics = [
+            Metric(TRAIN_PREFIX + k, float(v), now, int(row["step"]))
+            for row in rows
+            if row["step"] not in done
+            for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(run_id, metrics=metrics[i : i + 1000])
+        return len(metrics)
+
+    def eval_steps(self, run_id: str, key: str = "n_pairs") -> set[int]:
+        return {m.step for m in self.client.get_metric_history(run_id, EVAL_PREFIX + key)}
+
+    def log_evaluation(self, run_id: str, step: int, metrics: dict, tags: dict | None = None, marker: str = "n_pairs") -> bool:
+        """Log one checkpoint's metrics at ``step``; False (and nothing logged) if already there."""
+        from mlflow.entities import Metric, RunTag
+
+        if step in self.eval_steps(run_id, marker if marker in metrics else sorted(metrics)[0]):
+            return False
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric(EVAL_PREFIX + k, float(v), now, step) for k, v in sorted(metrics.items())],
+            tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
+        )
+        return True
+
+    def eval_history(self, run_id: str, metric: str) -> dict[int, float]:
+        return {m.step: m.value for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}
+
+    def set_tags(self, run_id: str, tags: dict) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_dict(self, run_id: str, data, artifact_file: str) -> None:
+        self.client.log_dict(run_id, data, artifact_file)
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)

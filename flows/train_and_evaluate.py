@@ -1,0 +1,167 @@
+"""``train-and-evaluate``: train, follow checkpoints, evaluate adaptively, track, alert.
+
+    python -m flows.train_and_evaluate [--config FILE] [--set section.field=value ...]
+
+The flow body is the pipeline diagram: training runs in its own torchrun job; each durable
+checkpoint is announced and put to the scheduler; chosen ones are evaluated on separate
+torchrun workers (one evaluation in flight, the queue coalescing when training is faster);
+results go to MLflow and through the alert rules, a firing rule starting the alert branch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from areal_eval.alerts import AlertEngine
+from areal_eval.launcher import TorchrunJob
+from areal_eval.ledger import Ledger
+from areal_eval.manifest import Manifest
+from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
+from areal_eval.planner import EvaluationPlanner, JsonlFollower, ManifestFollower
+from areal_eval.run_dir import RunDir
+from areal_eval.run_setup import total_train_steps
+from areal_eval.tracking import resolve_tracking_uri
+from tasks.alerts import send_alert
+from tasks.checkpoints import announce_checkpoint
+from tasks.evaluate import evaluate
+from tasks.tracking import finish_tracking, log_evaluation, log_training_metrics, start_tracking
+from tasks.training import prepare_run_dir, start_training, wait_for_training
+
+TRAIN_LOG_EVERY_S = 5.0
+
+
+@dataclasses.dataclass
+class InFlight:
+    event: object
+    future: object
+    reason: str
+
+
+@flow(name="train-and-evaluate", log_prints=True)
+def train_and_evaluate(params: dict | None = None, config_path: str | None = None, overrides: list[str] | None = None) -> dict:
+    """Run the whole pipeline for one training run; returns a summary."""
+    cfg = load_pipeline_config(config_path, params, overrides)
+    run = prepare_run_dir(cfg)
+    mlflow_run_id = start_tracking(cfg, run)
+    training = start_training(cfg, run)
+    try:
+        ledger = follow_and_evaluate(cfg, run, mlflow_run_id, training)
+        wait_for_training(training)
+    finally:
+        if training.poll() is None:
+            training.kill()
+    finish_tracking(cfg, mlflow_run_id, ledger)
+    return summarize(cfg, run, mlflow_run_id, ledger)
+
+
+def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, training: TorchrunJob | None) -> Ledger:
+    """Follow the run's manifest until its final checkpoint is handled (call inside a flow).
+
+    Each checkpoint is announced and decided on; one evaluation runs at a time while training
+    goes on; finished ones are logged and checked by the alert rules. ``training`` None follows
+    a run whose training is already over (or happens elsewhere).
+    """
+    logger = get_run_logger()
+    planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger))
+    alert_rules = AlertEngine(cfg.alerts)
+    checkpoints, train_log = ManifestFollower(Manifest(run.manifest)), JsonlFollower(run.train_log)
+    total_steps = total_train_steps(run, cfg)
+    progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
+    in_flight: InFlight | None = None
+    final_seen, pending_rows, last_train_log = False, [], 0.0
+    while True:
+        for event in checkpoints.poll():
+            announce_checkpoint(event)
+            decision = planner.offer(event)
+            logger.info("checkpoint step %d: %s (%s)", event.global_step, "evaluate" if decision.evaluate else "skip", decision.reason)
+            final_seen |= event.final
+
+        pending_rows += train_log.poll()
+        if pending_rows and (final_seen or time.monotonic() - last_train_log > TRAIN_LOG_EVERY_S):
+            log_training_metrics(cfg, mlflow_run_id, pending_rows)
+            update_progress_artifact(progress, 100.0 * min(1.0, pending_rows[-1]["step"] / total_steps))
+            pending_rows, last_train_log = [], time.monotonic()
+
+        if in_flight and in_flight.future.state.is_final():
+            collect_evaluation(cfg, run, mlflow_run_id, planner, alert_rules, in_flight)
+            in_flight = None
+        if in_flight is None and (event := planner.next()):
+            reason = planner.ledger.latest(event.global_step).reason
+            future = evaluate.submit(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length)
+            in_flight = InFlight(event, future, reason)
+
+        if final_seen and in_flight is None and not planner.waiting:
+            break
+        if training is not None and training.poll() not in (None, 0):
+            wait_for_training(training)  # raises with the training log tail
+        if training is None and not final_seen and in_flight is None and not planner.waiting:
+            raise RuntimeError(f"{run.manifest}: no final checkpoint and no training job to wait for")
+        time.sleep(cfg.poll_interval_s)
+    update_progress_artifact(progress, 100.0)
+    return planner.ledger
+
+
+def collect_evaluation(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, planner: EvaluationPlanner,
+                       alert_rules: AlertEngine, done: InFlight) -> None:
+    """Record a finished evaluation (or its failure), log it, and branch into alerts."""
+    step = done.event.global_step
+    if done.future.state.is_completed():
+        result = done.future.result()
+        planner.evaluated(done.event, result.metrics)
+        log_evaluation(cfg, mlflow_run_id, result, done.reason)
+        alerts = alert_rules.check(step, result.metrics)
+    else:
+        error = str(done.future.result(raise_on_failure=False))
+        planner.failed(done.event, error)
+        alerts = alert_rules.check(step, None, error)
+    for alert in alerts:
+        send_alert(alert, cfg.alerts, cfg, mlflow_run_id, run)
+
+
+def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger) -> dict:
+    evaluated = [e for e in ledger.entries() if e.status == "evaluated"]
+    counts = ledger.counts()
+    summary = {
+        "run_name": run.run_id,
+        "mlflow_run_id": mlflow_run_id,
+        "tracking_uri": resolve_tracking_uri(cfg.tracking, cfg.work_dir),
+        "run_dir": str(run.root),
+        "checkpoints": sum(counts.values()),
+        **{k: counts.get(k, 0) for k in ("evaluated", "skipped", "superseded", "failed")},
+        "curve": [(e.step, round(e.metrics.get(cfg.scheduler.metric, float("nan")), 4)) for e in evaluated],
+    }
+    table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
+    create_markdown_artifact(
+        key="evaluation-summary",
+        markdown=(f"# {cfg.run_name}\n\nMLflow run `{mlflow_run_id}` at `{summary['tracking_uri']}`\n\n"
+                  f"Checkpoints: {summary['checkpoints']} ({counts})\n\n| step | {cfg.scheduler.metric} |\n|---|---|\n{table}\n"),
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the train-and-evaluate flow (Prefect, MLflow, torchrun).")
+    parser.add_argument("--config", help="JSON or YAML pipeline config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    args = parser.parse_args(argv)
+    load_pipeline_config(args.config, None, args.overrides)  # fail on bad config before Prefect starts
+    start = time.monotonic()
+    summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)
+    minutes = (time.monotonic() - start) / 60
+    curve = ", ".join(f"{s}:{v}" for s, v in summary["curve"])
+    print(f"\nDone in {minutes:.1f} min. Checkpoints: {summary['checkpoints']} "
+          f"(evaluated {summary['evaluated']}, skipped {summary['skipped']}, superseded {summary['superseded']}, failed {summary['failed']})")
+    print(f"Accuracy by step: {curve}")
+    print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")
+    print(f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}   then open http://127.0.0.1:5000")
+    print(f"Run files: {summary['run_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

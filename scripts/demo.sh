@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The demo: set up, then run train-and-evaluate on its embedded defaults.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PREFECT_LOGGING_LEVEL=${PREFECT_LOGGING_LEVEL:-INFO}
+exec .venv/bin/python -m flows.train_and_evaluate "$@"

@@ -1,0 +1,45 @@
+"""The alert branch: notify through Prefect notification blocks, log, record, maybe stop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger, task
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.blocks.core import Block
+
+from areal_eval.alerts import Alert, AlertsConfig
+from areal_eval.control import StopSignal
+from areal_eval.run_dir import RunDir
+from tasks.tracking import tracker_for
+
+
+def notification_blocks(cfg: AlertsConfig) -> list:
+    blocks = []
+    if cfg.webhook_url:
+        blocks.append(CustomWebhookNotificationBlock(
+            name="areal-eval-alerts", url=cfg.webhook_url,
+            json_data={"subject": "{{subject}}", "body": "{{body}}"},
+        ))
+    if cfg.notification_block:
+        blocks.append(Block.load(cfg.notification_block))
+    return blocks
+
+
+@task(cache_policy=NO_CACHE, name="send-alert", task_run_name="alert-{alert.rule}-step-{alert.step}")
+def send_alert(alert: Alert, alerts_cfg: AlertsConfig, pipeline_cfg, run_id: str, run: RunDir) -> None:
+    """Always logs and records the alert in MLflow; notifies unless throttled; stops training if asked."""
+    logger = get_run_logger()
+    logger.warning("ALERT %s%s: %s", alert.rule, " (throttled)" if alert.throttled else "", alert.message)
+    tracker = tracker_for(pipeline_cfg)
+    tracker.log_dict(run_id, dataclasses.asdict(alert), f"alerts/step_{alert.step:08d}_{alert.rule}.json")
+    tracker.set_tags(run_id, {f"alert.{alert.rule}": f"step {alert.step}: {alert.message}"[:5000]})
+    if not alert.throttled:
+        subject = f"[areal-eval] {alert.rule} at step {alert.step}"
+        for block in notification_blocks(alerts_cfg):
+            block.notify(body=json.dumps(dataclasses.asdict(alert)), subject=subject)
+    if alert.stop_training:
+        StopSignal(run.stop_file).request(f"alert {alert.rule}: {alert.message}")
+        logger.warning("asked training to stop: %s", alert.rule)

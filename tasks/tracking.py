@@ -1,0 +1,48 @@
+"""Prefect tasks that write to MLflow."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prefect.cache_policies import NO_CACHE
+from prefect import task
+
+from areal_eval.evaluation import EvalResult
+from areal_eval.ledger import Ledger
+from areal_eval.pipeline_config import PipelineConfig
+from areal_eval.run_dir import RunDir
+from areal_eval.tracking import Tracker, resolve_tracking_uri
+
+
+def tracker_for(cfg: PipelineConfig) -> Tracker:
+    return Tracker(resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment)
+
+
+@task(cache_policy=NO_CACHE, name="start-tracking")
+def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
+    """The MLflow run for this training run, with the whole config as params."""
+    return tracker_for(cfg).start_run(run.run_id, dataclasses.asdict(cfg), tags={"areal.run_dir": str(run.root)})
+
+
+@task(cache_policy=NO_CACHE, name="log-training-metrics")
+def log_training_metrics(cfg: PipelineConfig, run_id: str, rows: list[dict]) -> int:
+    return tracker_for(cfg).log_train_metrics(run_id, [r for r in rows if "loss" in r])
+
+
+@task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")
+def log_evaluation(cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str) -> bool:
+    """Metrics at ``step=global_step`` plus checkpoint tags; False if the step was already logged."""
+    step = result.global_step
+    return tracker_for(cfg).log_evaluation(
+        run_id, step, result.metrics,
+        tags={f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason, "last_evaluated_step": step},
+    )
+
+
+@task(cache_policy=NO_CACHE, name="finish-tracking")
+def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, status: str = "FINISHED") -> None:
+    """Scheduler decisions as an artifact, counts as tags, the run marked finished."""
+    tracker = tracker_for(cfg)
+    tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
+    tracker.set_tags(run_id, {f"checkpoints.{k}": v for k, v in ledger.counts().items()})
+    tracker.finish(run_id, status)

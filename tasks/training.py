@@ -1,0 +1,38 @@
+"""Prefect tasks around the training job (a torchrun subprocess that never touches Prefect)."""
+
+from __future__ import annotations
+
+from prefect.cache_policies import NO_CACHE
+from prefect import task
+
+from areal_eval.control import StopSignal
+from areal_eval.launcher import TorchrunJob
+from areal_eval.pipeline_config import PipelineConfig
+from areal_eval.run_dir import RunDir
+from areal_eval.run_setup import prepare_run
+
+
+@task(cache_policy=NO_CACHE, name="prepare-run")
+def prepare_run_dir(cfg: PipelineConfig) -> RunDir:
+    """Validate or generate the data, train the tokenizer, write the training spec."""
+    return prepare_run(cfg)
+
+
+@task(cache_policy=NO_CACHE, name="start-training")
+def start_training(cfg: PipelineConfig, run: RunDir) -> TorchrunJob:
+    """Launch DDP training on ``cfg.train.nproc`` ranks; returns at once."""
+    return TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
+
+
+@task(cache_policy=NO_CACHE, name="stop-training")
+def request_training_stop(run: RunDir, reason: str) -> None:
+    """Ask training to stop at its next step."""
+    StopSignal(run.stop_file).request(reason)
+
+
+@task(cache_policy=NO_CACHE, name="wait-for-training")
+def wait_for_training(job: TorchrunJob, timeout_s: float = 120) -> int:
+    """Training has announced its final checkpoint; collect its exit status."""
+    job.wait(timeout_s)
+    job.raise_for_status("training")
+    return job.proc.returncode
