@@ -53,8 +53,12 @@ def init(timeout_s: float, backend: str | None = None) -> None:
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group. ``clean``: every rank got here, so wait for all of them first
+    (tearing gloo down while a peer is still in a collective can abort the process)."""
     if dist.is_initialized():
+        if clean and world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -2,7 +2,9 @@
 
 When evaluation falls behind training, waiting checkpoints are coalesced to the newest: the
 older ones are returned as superseded (to be recorded with that reason), never silently lost,
-and the backlog cannot grow without bound.
+and the backlog cannot grow without bound. Pinned items (the first and final checkpoint) are
+never superseded; they are served first, oldest first. With ``coalesce=False`` it is a plain
+FIFO that supersedes nothing.
 """
 
 from __future__ import annotations
@@ -13,21 +15,24 @@ T = TypeVar("T")
 
 
 class CoalescingQueue(Generic[T]):
-    def __init__(self, capacity: int, step_of=lambda item: item.global_step):
+    def __init__(self, capacity: int, step_of=lambda item: item.global_step, coalesce: bool = True):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
+        self.coalesce = coalesce
         self._step_of = step_of
         self._items: list[T] = []
+        self._pinned: list[T] = []
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._pinned)
 
-    def items(self) -> list[T]:
-        return list(self._items)
-
-    def push(self, item: T) -> list[T]:
+    def push(self, item: T, pinned: bool = False) -> list[T]:
         """Add ``item``; returns the items it superseded (oldest first) when over capacity."""
+        if pinned or not self.coalesce:
+            self._pinned.append(item)
+            self._pinned.sort(key=self._step_of)
+            return []
         self._items.append(item)
         self._items.sort(key=self._step_of)
         superseded = []
@@ -36,7 +41,10 @@ class CoalescingQueue(Generic[T]):
         return superseded
 
     def pop(self) -> tuple[T, list[T]]:
-        """The newest item, and the older ones it supersedes."""
+        """The next item and the older ones it supersedes: a pinned item (none superseded),
+        else the newest."""
+        if self._pinned:
+            return self._pinned.pop(0), []
         if not self._items:
             raise IndexError("pop from an empty queue")
         newest = self._items.pop()

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     start = time.time()
     distributed.init(timeout_s=args.timeout)
+    ok = False
     try:
         layout = distributed.ParallelLayout(distributed.world_size(), distributed.rank(), args.mp_size)
         mp_group = distributed.new_mp_group(layout)
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mp_size": layout.mp_size,
                 "seconds": time.time() - start,
             })
+        ok = True
         return 0
     except Exception as exc:
         print(f"[rank {distributed.rank()}] evaluation failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(out, {"checkpoint": args.checkpoint, "error": f"{type(exc).__name__}: {exc}"})
         return 1
     finally:
-        # Destroying a group whose peer died can block; the launcher's kill is the backstop.
-        distributed.shutdown()
+        # After a failure peers may be gone: skip the barrier; the launcher's kill is the backstop.
+        distributed.shutdown(clean=ok)
 
 
 if __name__ == "__main__":

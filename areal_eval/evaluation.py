@@ -8,7 +8,7 @@ import math
 import time
 from pathlib import Path
 
-from areal_eval.launcher import TorchrunJob, WorkerError
+from areal_eval.launcher import TorchrunJob, WorkerError, failure_summary
 from areal_eval.manifest import CheckpointEvent
 
 
@@ -70,13 +70,16 @@ def evaluate_checkpoint(
     start = time.monotonic()
     job = TorchrunJob("areal_eval.eval_worker", args, cfg.nproc, work_dir / f"{stem}.log")
     try:
-        job.wait(cfg.job_timeout_s)
+        code = job.wait(cfg.job_timeout_s)
         result = json.loads(out.read_text()) if out.exists() else {}
-        if "error" in result:
-            raise EvaluationFailed(f"checkpoint step {event.global_step} ({event.uri}): {result['error']}")
-        job.raise_for_status(f"evaluation of step {event.global_step}")
-        if "metrics" not in result:
-            raise EvaluationFailed(f"checkpoint step {event.global_step}: worker wrote no result ({job.log_path})")
+        if code or "error" in result or "metrics" not in result:
+            summary = failure_summary(job.log_path)
+            reason = result.get("error") or (
+                "workers exited abnormally" if "metrics" in result else "worker wrote no result")
+            raise EvaluationFailed(
+                f"checkpoint step {event.global_step} ({event.uri}): {reason} [torchrun exit {code}; log {job.log_path}]"
+                + (f"\n{summary}" if summary else "")
+            )
     except WorkerError as exc:
         raise EvaluationFailed(f"checkpoint step {event.global_step} ({event.uri}): {exc}") from exc
     finally:

@@ -28,13 +28,22 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     ]
 
 
-def _log_tail(path: Path, lines: int = 25) -> str:
+def failure_summary(path: Path) -> str:
+    """Which ranks died and why, from torchrun's log (its "failed (exitcode: N) local_rank: R" lines)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    found = [l.split("] ", 1)[-1] for l in lines if "failed (exitcode" in l or "evaluation failed" in l or "Error:" in l]
+    return "\n".join(dict.fromkeys(found))  # keep order, drop repeats
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return ""
-    interesting = [l for l in text if "evaluation failed" in l or "Error" in l or "error" in l]
-    return "\n".join((interesting[-5:] if interesting else []) + text[-lines:])
+    return "\n".join(text[-lines:])
 
 
 class TorchrunJob:
@@ -99,7 +108,8 @@ class TorchrunJob:
     def raise_for_status(self, what: str) -> None:
         code = self.proc.returncode
         if code:
-            raise WorkerError(f"{what} failed (torchrun exit {code}); log {self.log_path}:\n{_log_tail(self.log_path)}")
+            summary = failure_summary(self.log_path) or _log_tail(self.log_path)
+            raise WorkerError(f"{what} failed (torchrun exit {code}); log {self.log_path}:\n{summary}")
 
 
 def group_alive(pgid: int) -> bool:

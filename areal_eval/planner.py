@@ -50,7 +50,7 @@ class EvaluationPlanner:
     def __init__(self, cfg: SchedulerConfig, ledger: Ledger):
         self.cfg = cfg
         self.ledger = ledger
-        self.queue: CoalescingQueue[CheckpointEvent] = CoalescingQueue(cfg.queue_capacity)
+        self.queue: CoalescingQueue[CheckpointEvent] = CoalescingQueue(cfg.queue_capacity, coalesce=cfg.coalesce)
         self._events: dict[int, CheckpointEvent] = {}
 
     def history(self):
@@ -63,7 +63,7 @@ class EvaluationPlanner:
         if status in FINAL_STATES:
             return Decision(False, f"already {status} (ledger)")
         if status == "scheduled":  # scheduled before a restart: resume it
-            decision = Decision(True, "resumed: scheduled before restart")
+            decision = Decision(True, "resumed: scheduled before restart", pinned=True)
         else:
             decision = decide(event, self.history(), self.cfg)
         if not decision.evaluate:
@@ -71,7 +71,7 @@ class EvaluationPlanner:
             return decision
         if status != "scheduled":
             self.ledger.record(event.global_step, event.uri, "scheduled", decision.reason)
-        for old in self.queue.push(event):
+        for old in self.queue.push(event, pinned=decision.pinned):
             self._supersede(old, event)
         return decision
 

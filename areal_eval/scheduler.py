@@ -32,6 +32,8 @@ class HistoryEntry:
 class Decision:
     evaluate: bool
     reason: str
+    pinned: bool = False
+    """Never coalesced away when evaluation falls behind (the first and the final checkpoint)."""
 
 
 class StepEvent(Protocol):
@@ -65,6 +67,9 @@ class SchedulerConfig:
     """Noise assumed when an evaluation reports none."""
     queue_capacity: int = 2
     """Evaluations waiting for a worker; beyond that the queue coalesces to the newest."""
+    coalesce: bool = True
+    """When evaluation falls behind, evaluate the newest waiting checkpoint and record the older
+    ones as superseded. False evaluates every scheduled checkpoint in order (offline sweeps)."""
 
     def __post_init__(self):
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
@@ -80,9 +85,9 @@ def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConf
     if any(h.step == step for h in history):
         return Decision(False, f"step {step} already evaluated or queued")
     if not history:
-        return Decision(True, "first checkpoint")
+        return Decision(True, "first checkpoint", pinned=True)
     if event.final:
-        return Decision(True, "final checkpoint")
+        return Decision(True, "final checkpoint", pinned=True)
     last = max(history, key=lambda h: h.step)
     gap = step - last.step
     if gap < 0:

@@ -1,0 +1,82 @@
+"""Shared fixtures: a tiny trained run (real torchrun training), Prefect, a webhook receiver."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+TINY = {
+    "data": {"synthetic": {"train_pairs": 256, "valid_pairs": 101}},
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2},
+    "train": {"epochs": 1, "batch_size": 8, "max_steps": 12, "log_every": 2, "save": {"freq_steps": 4}},
+    "eval": {"batch_size": 16, "collective_timeout_s": 30, "job_timeout_s": 120},
+    "scheduler": {"min_interval_steps": 0, "max_interval_steps": 8},
+    "poll_interval_s": 0.2,
+}
+
+
+def tiny_config(tmp_path: Path, **sections):
+    from areal_eval.config import merge
+    from areal_eval.pipeline_config import load_pipeline_config
+
+    params = merge(TINY, {"work_dir": str(tmp_path), "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}})
+    return load_pipeline_config(params=merge(params, sections))
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A run directory trained for 12 steps on 2 ranks: checkpoints at 0, 4, 8 and final 12."""
+    from areal_eval.launcher import TorchrunJob
+    from areal_eval.run_setup import prepare_run
+
+    cfg = tiny_config(tmp_path_factory.mktemp("trained"))
+    run = prepare_run(cfg)
+    job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], 2, run.logs / "train.log")
+    job.wait(300)
+    job.raise_for_status("training")
+    return cfg, run
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One Prefect test harness (a real temporary API server) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+class WebhookReceiver:
+    def __init__(self):
+        self.requests: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                receiver.requests.append({"path": self.path, "json": json.loads(body or b"null")})
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def webhook():
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.server.shutdown()

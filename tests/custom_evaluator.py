@@ -1,0 +1,18 @@
+"""A user-defined evaluator, loaded by the workers as ``tests.custom_evaluator:MarginOver``."""
+
+from areal_eval.evaluator import RewardModelEvaluator
+
+
+class MarginOver(RewardModelEvaluator):
+    """Share of pairs whose reward margin exceeds 0.1: a user metric on top of the built-in one."""
+
+    name = "margin_over"
+
+    def batch_sums(self, batch):
+        from areal_eval import reward_model
+
+        chosen, rejected = reward_model.pair_scores(self.model, batch)
+        return {"n": float(chosen.numel()), "over": float(((chosen - rejected) > 0.1).sum())}
+
+    def metrics(self, sums):
+        return {"margin_over_0.1": sums["over"] / sums["n"], "n_pairs": sums["n"]}

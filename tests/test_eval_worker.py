@@ -1,0 +1,99 @@
+"""Evaluation workers as real torchrun process groups (gloo)."""
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+
+from areal_eval import distributed
+from areal_eval.eval_worker import evaluate
+from areal_eval.evaluation import EvalConfig, EvaluationFailed, evaluate_checkpoint
+from areal_eval.evaluator import BaseEvaluator, RewardModelEvaluator, make_evaluator
+from areal_eval.manifest import Manifest
+from tests.helpers import live_processes
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def final_checkpoint(trained_run):
+    cfg, run = trained_run
+    return run, Manifest(run.manifest).events()[-1]
+
+
+def single_process_metrics(event, data, batch_size=7):
+    evaluator = RewardModelEvaluator(max_length=64)
+    evaluator.load(Path(event.uri), data)
+    return evaluate(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+
+
+def test_shards_are_exact_without_padding():
+    for n in (0, 1, 7, 101):
+        for shards in (1, 2, 3, 4):
+            covered = [i for s in range(shards) for i in distributed.shard_range(n, s, shards)]
+            assert covered == list(range(n))
+
+
+def test_parallel_layout():
+    layout = distributed.ParallelLayout(world_size=4, rank=3, mp_size=2)
+    assert (layout.dp_size, layout.dp_rank, layout.dp_head, layout.is_dp_head) == (2, 1, 2, False)
+    assert layout.mp_groups() == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        distributed.ParallelLayout(world_size=3, rank=0, mp_size=2)
+
+
+@pytest.mark.parametrize("world,mp", [(1, 1), (2, 1), (3, 1), (4, 2)])
+def test_distributed_equals_single_process(final_checkpoint, tmp_path, world, mp):
+    run, event = final_checkpoint
+    assert sum(1 for _ in run.valid_data.open()) % 2 == 1  # an odd number of pairs
+    reference = single_process_metrics(event, run.valid_data)
+    result = evaluate_checkpoint(event, run.valid_data, EvalConfig(nproc=world, mp_size=mp, batch_size=16), tmp_path)
+    assert result.metrics["n_pairs"] == reference["n_pairs"] == 101  # each pair exactly once
+    assert set(result.metrics) == set(reference) >= {"accuracy", "loss", "chosen_score", "rejected_score", "margin", "n_pairs"}
+    for key, value in reference.items():
+        assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_dead_rank_fails_clearly_and_leaves_no_process(final_checkpoint, tmp_path, monkeypatch):
+    run, event = final_checkpoint
+    monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", "1:exit")
+    with pytest.raises(EvaluationFailed, match=r"(?s)step 12.*failed \(exitcode: 17\) local_rank: 1"):
+        evaluate_checkpoint(event, run.valid_data, EvalConfig(nproc=2, batch_size=16, collective_timeout_s=20), tmp_path)
+    assert live_processes(str(tmp_path)) == []
+
+
+def test_hung_rank_times_out_instead_of_hanging(final_checkpoint, tmp_path, monkeypatch):
+    run, event = final_checkpoint
+    monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", "1:hang")
+    cfg = EvalConfig(nproc=2, batch_size=16, collective_timeout_s=5, job_timeout_s=90)
+    with pytest.raises(EvaluationFailed, match="(?i)timed? ?out|timeout"):
+        evaluate_checkpoint(event, run.valid_data, cfg, tmp_path)
+    assert live_processes(str(tmp_path)) == []
+
+
+def test_corrupt_checkpoint_is_a_clear_error(final_checkpoint, tmp_path):
+    run, event = final_checkpoint
+    copy = tmp_path / "ckpt"
+    shutil.copytree(event.uri, copy)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10:] = b"\x00" * 10
+    weights.write_bytes(bytes(data))
+    bad = dataclasses.replace(event, uri=str(copy))
+    with pytest.raises(EvaluationFailed, match="model.safetensors: sha256 differs"):
+        evaluate_checkpoint(bad, run.valid_data, EvalConfig(nproc=2), tmp_path / "out")
+    missing = dataclasses.replace(event, uri=str(tmp_path / "gone"))
+    with pytest.raises(EvaluationFailed, match="checkpoint directory is missing"):
+        evaluate_checkpoint(missing, run.valid_data, EvalConfig(nproc=1), tmp_path / "out")
+
+
+def test_users_add_evaluators_by_subclassing(final_checkpoint, tmp_path, monkeypatch):
+    run, event = final_checkpoint
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    cfg = EvalConfig(nproc=2, evaluator="tests.custom_evaluator:MarginOver")
+    result = evaluate_checkpoint(event, run.valid_data, cfg, tmp_path)
+    assert set(result.metrics) == {"margin_over_0.1", "n_pairs"} and result.metrics["n_pairs"] == 101
+    assert isinstance(make_evaluator("tests.custom_evaluator:MarginOver"), BaseEvaluator)
+    with pytest.raises(ValueError, match="unknown evaluator"):
+        make_evaluator("nope")

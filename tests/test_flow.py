@@ -1,0 +1,110 @@
+"""The train-and-evaluate flow against a real Prefect API (test harness), MLflow on SQLite,
+torchrun training and evaluation, and a webhook receiver on loopback."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from areal_eval.ledger import FINAL_STATES, Ledger
+from areal_eval.manifest import Manifest
+from areal_eval.run_dir import RunDir
+from areal_eval.tracking import Tracker
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.integration
+
+
+def mlflow_run(cfg):
+    tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+    runs = tracker.client.search_runs([tracker.experiment_id])
+    return tracker, runs
+
+
+def test_pipeline_end_to_end(prefect_server, tmp_path, webhook):
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    from flows.train_and_evaluate import train_and_evaluate
+
+    always = {"name": "accuracy-seen", "kind": "threshold", "metric": "accuracy", "op": ">", "value": 0.0, "throttle_secs": 3600}
+    cfg = tiny_config(tmp_path, alerts={"webhook_url": webhook.url, "rules": [always]})
+    state = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))), return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+
+    run = RunDir(cfg.run_root)
+    steps = [e.global_step for e in Manifest(run.manifest).events()]
+    ledger = Ledger(run.ledger)
+    # Every checkpoint ends evaluated or recorded with a reason; the last one evaluated.
+    assert [e.step for e in ledger.entries()] == steps
+    assert all(e.status in FINAL_STATES and (e.status == "evaluated" or e.reason) for e in ledger.entries())
+    assert ledger.status(steps[-1]) == "evaluated" and ledger.status(0) == "evaluated"
+
+    tracker, runs = mlflow_run(cfg)
+    assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    history = tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")
+    assert sorted(m.step for m in history) == evaluated  # distinct steps, no duplicates, none lost
+    assert tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")
+    data = runs[0].data
+    assert data.params["train.max_steps"] == "12"
+    assert data.tags[f"checkpoint.{steps[-1]}.uri"].endswith(f"global_step_{steps[-1]:08d}")
+    artifacts = [a.path for a in tracker.client.list_artifacts(runs[0].info.run_id)]
+    assert "scheduler_decisions.json" in artifacts and "alerts" in artifacts
+
+    # The alert rule fired on every evaluation; throttling let one notification through.
+    assert len(webhook.requests) == 1
+    body = json.loads(webhook.requests[0]["json"]["body"])
+    assert body["rule"] == "accuracy-seen" and body["step"] == 0
+
+    with get_client(sync_client=True) as client:
+        page = client.read_events(EventFilter(event=EventNameFilter(name=["areal.checkpoint.saved"])), limit=50)
+    announced = sorted(e.payload["global_step"] for e in page.events if e.payload.get("run_id") == run.run_id)
+    assert announced == steps
+
+
+def test_bad_checkpoint_fails_alerts_and_the_flow_goes_on(prefect_server, trained_run, tmp_path, webhook):
+    from prefect import flow
+
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.tracking import start_tracking
+
+    cfg, original = trained_run
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path), scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        alerts=dataclasses.replace(cfg.alerts, webhook_url=webhook.url),
+    )
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    weights = run.checkpoints / "global_step_00000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    shutil.rmtree(run.checkpoints / "global_step_00000008")  # missing
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, start_tracking(cfg, run), training=None)
+
+    ledger = evaluate_existing()
+    assert {s: ledger.status(s) for s in (0, 4, 8, 12)} == {0: "evaluated", 4: "failed", 8: "failed", 12: "evaluated"}
+    assert "truncated" in ledger.latest(4).reason and "missing" in ledger.latest(8).reason
+    failed = [json.loads(r["json"]["body"]) for r in webhook.requests]
+    assert [(a["rule"], a["step"]) for a in failed] == [("eval-failed", 4), ("eval-failed", 8)]
+
+
+def test_alert_can_stop_training(prefect_server, tmp_path):
+    from flows.train_and_evaluate import train_and_evaluate
+
+    stop_rule = {"name": "good-enough", "kind": "threshold", "op": ">", "value": 0.0, "min_step": 1, "stop_training": True}
+    cfg = tiny_config(
+        tmp_path, alerts={"rules": [stop_rule]},
+        train={"max_steps": 100000, "epochs": 100000, "save": {"freq_steps": 10, "eval_before_train": False}},
+    )
+    summary = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))))
+    final = Manifest(RunDir(cfg.run_root).manifest).events()[-1]
+    assert final.final and final.global_step < 100000
+    assert final.train_metrics["stopped"].startswith("alert good-enough")
+    assert summary["evaluated"] >= 2

@@ -1,0 +1,91 @@
+from areal_eval.eval_queue import CoalescingQueue
+from areal_eval.ledger import FINAL_STATES, Ledger
+from areal_eval.manifest import CheckpointEvent
+from areal_eval.planner import EvaluationPlanner, JsonlFollower
+from areal_eval.scheduler import SchedulerConfig
+
+
+def ev(step, final=False):
+    return CheckpointEvent("r", f"/ckpt/{step}", 0, step, step, 0.0, {}, final=final)
+
+
+CFG = SchedulerConfig(min_interval_steps=0, max_interval_steps=None, queue_capacity=2)
+
+
+def test_queue_coalesces_to_newest():
+    q = CoalescingQueue(capacity=2)
+    assert q.push(ev(1)) == [] and q.push(ev(2)) == []
+    assert [e.global_step for e in q.push(ev(3))] == [1]
+    newest, older = q.pop()
+    assert newest.global_step == 3 and [e.global_step for e in older] == [2]
+    assert len(q) == 0
+
+
+def test_pinned_items_are_never_superseded():
+    q = CoalescingQueue(capacity=1)
+    q.push(ev(0), pinned=True)
+    for step in (1, 2, 3):
+        q.push(ev(step))
+    q.push(ev(9, final=True), pinned=True)
+    assert q.pop() == (ev(0), [])
+    assert q.pop() == (ev(9, final=True), [])
+    newest, older = q.pop()
+    assert newest.global_step == 3 and older == []
+
+
+def test_every_checkpoint_ends_evaluated_or_recorded_with_reason(tmp_path):
+    planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
+    for step in range(0, 50, 5):
+        planner.offer(ev(step, final=step == 45))
+        # evaluation is slow: one finishes every third checkpoint
+        if step % 15 == 0 and (nxt := planner.next()):
+            planner.evaluated(nxt, {"accuracy": 0.5 + step / 100, "accuracy_stderr": 0.01})
+    while (nxt := planner.next()):
+        planner.evaluated(nxt, {"accuracy": 0.9, "accuracy_stderr": 0.01})
+    entries = planner.ledger.entries()
+    assert [e.step for e in entries] == list(range(0, 50, 5))
+    assert all(e.status in FINAL_STATES for e in entries)
+    assert all(e.reason for e in entries if e.status != "evaluated")
+    assert planner.ledger.status(45) == "evaluated"
+    assert planner.ledger.counts().get("superseded", 0) > 0
+
+
+def test_restart_resumes_without_repeating_or_losing(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    first = EvaluationPlanner(CFG, Ledger(path))
+    first.offer(ev(0))
+    first.evaluated(first.next(), {"accuracy": 0.5})
+    first.offer(ev(10))  # scheduled, then the flow dies before evaluating it
+
+    second = EvaluationPlanner(CFG, Ledger(path))  # a restarted flow re-reads the manifest
+    assert not second.offer(ev(0)).evaluate
+    d = second.offer(ev(10))
+    assert d.evaluate and "resumed" in d.reason
+    assert second.next().global_step == 10
+
+
+def test_ledger_history_feeds_the_scheduler(tmp_path):
+    ledger = Ledger(tmp_path / "l.jsonl")
+    ledger.record(0, "/a", "evaluated", metrics={"accuracy": 0.5, "accuracy_stderr": 0.02})
+    ledger.record(5, "/b", "skipped", "plateau")
+    ledger.record(10, "/c", "scheduled", "moving")
+    hist = ledger.history("accuracy", "accuracy_stderr")
+    assert [(h.step, h.metric, h.stderr) for h in hist] == [(0, 0.5, 0.02), (10, None, None)]
+
+
+def test_jsonl_follower_reads_only_complete_lines(tmp_path):
+    path = tmp_path / "log.jsonl"
+    f = JsonlFollower(path)
+    assert f.poll() == []
+    path.write_text('{"step": 1}\n{"step": 2')
+    assert f.poll() == [{"step": 1}]
+    with path.open("a") as fh:
+        fh.write("}\n")
+    assert f.poll() == [{"step": 2}]
+
+
+def test_without_coalescing_every_item_is_served_in_order():
+    q = CoalescingQueue(capacity=1, coalesce=False)
+    for step in (1, 2, 3):
+        assert q.push(ev(step)) == []
+    assert [q.pop()[0].global_step for _ in range(3)] == [1, 2, 3]

@@ -1,0 +1,69 @@
+import math
+
+import pytest
+import torch
+
+from areal_eval import reward_model
+from areal_eval.preference_data import SyntheticPreferences
+from areal_eval.reward_model import RewardModelConfig
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    corpus = ["\n\nHuman: hello there\n\nAssistant: kind words here", "rude wrong answer"] * 5
+    reward_model.train_tokenizer(corpus, out, vocab_size=64)
+    return reward_model.load_tokenizer(out)
+
+
+def test_model_is_a_one_label_sequence_classifier(tokenizer):
+    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
+    assert model.config.num_labels == 1
+    items = reward_model.tokenize_pairs(tokenizer, [{"chosen": "kind words", "rejected": "rude wrong answer here"}], 64)
+    batch = reward_model.collate_pairs(items, tokenizer.pad_token_id)
+    assert batch["input_ids"].shape[0] == 2
+    chosen, rejected = reward_model.pair_scores(model, batch)
+    assert chosen.shape == rejected.shape == (1,)
+
+
+def test_right_padding_does_not_change_scores(tokenizer):
+    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer).eval()
+    short = {"chosen": "kind words", "rejected": "rude"}
+    long = {"chosen": "kind words here there hello", "rejected": "rude wrong answer here there"}
+    alone = reward_model.pair_scores(model, reward_model.collate_pairs(reward_model.tokenize_pairs(tokenizer, [short], 64), 0))
+    padded = reward_model.pair_scores(model, reward_model.collate_pairs(reward_model.tokenize_pairs(tokenizer, [short, long], 64), 0))
+    assert torch.allclose(alone[0], padded[0][:1], atol=1e-5)
+
+
+def test_bradley_terry_loss():
+    loss = reward_model.bradley_terry_loss(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0]))
+    expected = (math.log1p(math.exp(-2.0)) + math.log(2)) / 2
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_save_and_load_from_a_local_path(tokenizer, tmp_path):
+    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = reward_model.load_model(tmp_path)
+    assert torch.equal(loaded.score.weight, model.score.weight)
+    assert reward_model.load_tokenizer(tmp_path).pad_token_id == tokenizer.pad_token_id
+
+
+def test_pickle_checkpoints_are_refused_unless_allowed(tokenizer, tmp_path):
+    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # a pickle checkpoint
+    with pytest.raises(ValueError, match="allow_pickle"):
+        reward_model.load_model(tmp_path)
+    loaded = reward_model.load_model(tmp_path, allow_pickle=True)
+    assert torch.equal(loaded.score.weight, model.score.weight)
+
+
+def test_tokenizer_trained_locally_covers_the_synthetic_vocabulary(tmp_path):
+    SyntheticPreferences(SyntheticPreferences.Config(train_pairs=50, valid_pairs=3)).generate(tmp_path)
+    from areal_eval.preference_data import read_pairs
+
+    tok = reward_model.train_tokenizer(SyntheticPreferences.corpus(read_pairs(tmp_path / "train.jsonl")), tmp_path / "tok")
+    ids = tok("tell me about the garden please", add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids

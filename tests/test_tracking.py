@@ -1,0 +1,46 @@
+"""MLflow on a real SQLite store."""
+
+import pytest
+
+from areal_eval.tracking import Tracker, TrackingConfig, resolve_tracking_uri
+
+
+@pytest.fixture
+def tracker(tmp_path):
+    return Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test")
+
+
+def test_one_run_per_training_run_with_params(tracker):
+    run_id = tracker.start_run("demo-1", {"train": {"lr": 0.001, "save": {"freq_steps": 25}}})
+    assert tracker.start_run("demo-1", {"ignored": True}) == run_id  # a resumed flow reuses it
+    assert tracker.start_run("demo-2", {}) != run_id
+    params = tracker.client.get_run(run_id).data.params
+    assert params["train.lr"] == "0.001" and params["train.save.freq_steps"] == "25"
+
+
+def test_evaluation_logging_is_idempotent(tracker):
+    run_id = tracker.start_run("r", {})
+    metrics = {"accuracy": 0.8, "loss": 0.4, "n_pairs": 101.0}
+    assert tracker.log_evaluation(run_id, 25, metrics, tags={"checkpoint.25.uri": "/c/25"})
+    assert not tracker.log_evaluation(run_id, 25, metrics)  # re-run of the same checkpoint
+    assert tracker.log_evaluation(run_id, 50, {**metrics, "accuracy": 0.85})
+    history = tracker.client.get_metric_history(run_id, "eval/accuracy")
+    assert sorted((m.step, m.value) for m in history) == [(25, 0.8), (50, 0.85)]
+    assert tracker.client.get_run(run_id).data.tags["checkpoint.25.uri"] == "/c/25"
+
+
+def test_training_metrics_at_global_step_without_duplicates(tracker):
+    run_id = tracker.start_run("r", {})
+    rows = [{"step": 5, "loss": 0.7, "lr": 0.001}, {"step": 10, "loss": 0.6, "lr": 0.001}]
+    tracker.log_train_metrics(run_id, rows)
+    tracker.log_train_metrics(run_id, rows + [{"step": 15, "loss": 0.5, "lr": 0.001}])
+    steps = [m.step for m in tracker.client.get_metric_history(run_id, "train/loss")]
+    assert sorted(steps) == [5, 10, 15]
+
+
+def test_tracking_uri_resolution(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(TrackingConfig(), tmp_path) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere.db")
+    assert resolve_tracking_uri(TrackingConfig(), tmp_path) == "sqlite:////elsewhere.db"
+    assert resolve_tracking_uri(TrackingConfig(tracking_uri="http://mlflow:5000"), tmp_path) == "http://mlflow:5000"
