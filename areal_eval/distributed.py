@@ -177,3 +177,17 @@ def broadcast_tensor_container(data: Any, src_rank: int = 0, group=None) -> Any:
         return info[0]
 
     return build(meta[0])
+
+
+def exit_process(code: int) -> None:
+    """Exit without interpreter finalization.
+
+    Torch's C++ threads (gloo) can abort the process while Python tears itself down
+    ("terminate called without an active exception"), turning a finished job into a failure.
+    Results are written and the group destroyed by now, so skipping finalization loses nothing.
+    """
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

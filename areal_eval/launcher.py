@@ -55,6 +55,10 @@ class TorchrunJob:
         self.started = time.monotonic()
         full_env = {**os.environ, **(env or {})}
         full_env.setdefault("OMP_NUM_THREADS", "1")
+        # Workers load local paths only, and progress bars would flood the job logs.
+        full_env.setdefault("HF_HUB_OFFLINE", "1")
+        full_env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        full_env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 torchrun_command(module, args, nproc),

@@ -1,0 +1,50 @@
+"""``areal-eval``: command-line tools that need no orchestrator.
+
+    areal-eval replay CURVES.jsonl [--policy adaptive] [--policy fixed:K ...] [--inject-regression] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from areal_eval import replay as replay_mod
+
+
+def _replay(args) -> int:
+    curves = replay_mod.read_curves(args.curves)
+    specs = args.policy or ["adaptive", "fixed:1", "fixed:2", "fixed:3", "fixed:4"]
+    policies = [replay_mod.parse_policy(s) for s in specs]
+    result = replay_mod.replay(curves, policies, regression=args.inject_regression, seed=args.seed)
+    if not args.json or sys.stdout.isatty():
+        cols = ["evaluations", "mean_tracking_error", "mean_regret", "max_regret"] + (["detection_delay"] if args.inject_regression else [])
+        print(f"{len(curves)} curves, {sum(len(c.points) for c in curves)} checkpoints")
+        print(f"{'policy':<28}" + "".join(f"{c:>22}" for c in cols))
+        for name, row in result["policies"].items():
+            print(f"{name:<28}" + "".join(f"{row[c]:>22}" for c in cols))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="areal-eval", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rp = sub.add_parser("replay", help="score scheduling policies on recorded learning curves")
+    rp.add_argument("curves", help="curves JSONL: one {curve, higher_is_better, points:[{step,value,stderr}]} a line")
+    rp.add_argument("--policy", action="append", help="adaptive | adaptive:field=value,... | fixed:K (repeatable)")
+    rp.add_argument("--inject-regression", action="store_true", help="drop 5 stderr from a seeded checkpoint in the second half")
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
+    rp.set_defaults(run=_replay)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        print(f"areal-eval: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
