@@ -29,12 +29,21 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
 
 
 def failure_summary(path: Path) -> str:
-    """Which ranks died and why, from torchrun's log (its "failed (exitcode: N) local_rank: R" lines)."""
+    """Which ranks failed and how, from torchrun's log: each rank's own error line and exit
+    code (torchrun's "Failures" report lists every failed rank, not just the first seen)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return ""
-    found = [l.split("] ", 1)[-1] for l in lines if "failed (exitcode" in l or "evaluation failed" in l or "Error:" in l]
+    found = [l.split("] ", 1)[-1] for l in lines if "evaluation failed" in l or "Error:" in l]
+    rank = None
+    for line in lines:
+        field = line.strip()
+        if field.startswith("rank "):
+            rank = field.split(":", 1)[1].strip()
+        elif field.startswith("exitcode ") and rank is not None:
+            found.append(f"rank {rank} exit code {field.split(':', 1)[1].strip()}")
+            rank = None
     return "\n".join(dict.fromkeys(found))  # keep order, drop repeats
 
 

@@ -56,12 +56,15 @@ class SchedulerConfig:
     min_interval_steps: int = 0
     """Never evaluate two checkpoints closer than this (the final one excepted)."""
     max_interval_steps: int | None = None
-    """Always evaluate once this many steps passed since the last evaluation (None: no bound)."""
-    drift_tolerance: float = 1.0
+    """Adaptive: always evaluate once this many steps passed since the last evaluation."""
+    max_interval_fraction: float | None = 0.3
+    """Adaptive: also evaluate once the gap reaches this fraction of the checkpoint's step: a scale-free
+    bound (log-spaced: dense early, sparser later) that bounds how late a regression is seen."""
+    drift_tolerance: float = 2.0
     """Evaluate when the predicted drift since the last evaluation reaches this many stderr."""
     noise_discount: float = 1.0
     """Standard errors subtracted from an observed change before it counts as movement."""
-    regression_z: float = 2.0
+    regression_z: float = 3.0
     """A result this many (combined) stderr below the best is a regression."""
     default_stderr: float = 0.01
     """Noise assumed when an evaluation reports none."""
@@ -74,6 +77,8 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
             raise ValueError("max_interval_steps must be >= min_interval_steps")
+        if self.max_interval_fraction is not None and self.max_interval_fraction <= 0:
+            raise ValueError("max_interval_fraction must be positive")
         if self.fixed_interval_steps < 1:
             raise ValueError("fixed_interval_steps must be >= 1")
         if self.queue_capacity < 1:
@@ -94,13 +99,22 @@ def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConf
         return Decision(False, f"older than step {last.step}, which is already evaluated or queued")
     if gap < cfg.min_interval_steps:
         return Decision(False, f"{gap} steps since step {last.step} < min interval {cfg.min_interval_steps}")
-    if cfg.max_interval_steps is not None and gap >= cfg.max_interval_steps:
-        return Decision(True, f"{gap} steps since step {last.step} >= max interval {cfg.max_interval_steps}")
     if cfg.policy == "fixed":
         if gap >= cfg.fixed_interval_steps:
             return Decision(True, f"fixed interval: {gap} >= {cfg.fixed_interval_steps} steps")
         return Decision(False, f"fixed interval: {gap} < {cfg.fixed_interval_steps} steps")
+    limit = max_interval(step, cfg)
+    if limit is not None and gap >= limit:
+        return Decision(True, f"{gap} steps since step {last.step} >= max interval {limit:.0f}")
     return _adaptive(step, last, history, cfg)
+
+
+def max_interval(step: int, cfg: SchedulerConfig) -> float | None:
+    """The largest gap allowed before ``step``: the tighter of the absolute and relative bounds."""
+    bounds = [b for b in (cfg.max_interval_steps,) if b is not None]
+    if cfg.max_interval_fraction is not None:
+        bounds.append(max(cfg.min_interval_steps, cfg.max_interval_fraction * step))
+    return min(bounds) if bounds else None
 
 
 def _stderr(h: HistoryEntry, cfg: SchedulerConfig) -> float:

@@ -58,7 +58,7 @@ def test_distributed_equals_single_process(final_checkpoint, tmp_path, world, mp
 def test_dead_rank_fails_clearly_and_leaves_no_process(final_checkpoint, tmp_path, monkeypatch):
     run, event = final_checkpoint
     monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", "1:exit")
-    with pytest.raises(EvaluationFailed, match=r"(?s)step 12.*failed \(exitcode: 17\) local_rank: 1"):
+    with pytest.raises(EvaluationFailed, match=r"(?s)step 12.*rank 1 \(local_rank: 1\) exit code 17"):
         evaluate_checkpoint(event, run.valid_data, EvalConfig(nproc=2, batch_size=16, collective_timeout_s=20), tmp_path)
     assert live_processes(str(tmp_path)) == []
 

@@ -1,3 +1,4 @@
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -15,7 +16,10 @@ def H(step, metric, se=0.01):
     return HistoryEntry(step, float(step), metric, se)
 
 
-ADAPTIVE = SchedulerConfig(min_interval_steps=10, max_interval_steps=400)
+ADAPTIVE = SchedulerConfig(
+    min_interval_steps=10, max_interval_steps=400, max_interval_fraction=None,
+    drift_tolerance=1.0, noise_discount=1.0, regression_z=2.0,
+)
 
 
 def test_first_and_final_are_always_evaluated():
@@ -60,9 +64,9 @@ def test_regression_triggers_dense_evaluation_again():
 
 
 def test_lower_is_better_metrics():
-    cfg = SchedulerConfig(metric="loss", stderr_metric=None, higher_is_better=False, default_stderr=0.01)
+    cfg = dataclasses.replace(ADAPTIVE, metric="loss", stderr_metric=None, higher_is_better=False, default_stderr=0.01)
     history = [H(0, 0.70, None), H(100, 0.40, None), H(200, 0.40, None), H(300, 0.46, None)]
-    assert decide(Ev(305), history, cfg).reason.startswith("regression")
+    assert decide(Ev(310), history, cfg).reason.startswith("regression")
 
 
 def test_pending_evaluations_count_for_intervals():
@@ -96,6 +100,15 @@ def test_uneven_spacing_reasons_in_steps():
     gap = lambda steps: sorted(b - a for a, b in zip(steps, steps[1:]))[len(steps) // 2]
     assert abs(gap(fine) - gap(coarse)) <= 40, (fine, coarse)
     assert 3 < len(coarse) < 60
+
+
+def test_relative_max_interval_is_scale_free():
+    cfg = SchedulerConfig(max_interval_fraction=0.25, drift_tolerance=1e9)
+    flat = [H(0, 0.8), H(100, 0.8)]
+    assert not decide(Ev(120), flat, cfg).evaluate  # 20 < 0.25 * 120
+    assert decide(Ev(140), flat, cfg).evaluate  # 40 >= 0.25 * 140
+    big = [H(0, 0.8), H(100_000, 0.8)]
+    assert not decide(Ev(120_000), big, cfg).evaluate and decide(Ev(140_000), big, cfg).evaluate
 
 
 def test_config_validation():

@@ -1,0 +1,73 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from areal_eval import cli, replay
+from areal_eval.replay import Curve, FixedEvery, Point, parse_policy
+
+SHARED_CURVES = Path(__file__).resolve().parents[2] / "shared" / "data" / "curves" / "pythia-v0.jsonl"
+
+
+def curve(values, steps=None, se=0.01, higher=True):
+    steps = steps or [i * 10 for i in range(len(values))]
+    return Curve("c", higher, tuple(Point(s, v, se) for s, v in zip(steps, values)))
+
+
+def test_fixed_every_k_includes_first_and_last():
+    assert FixedEvery(3).select(curve([0.0] * 8)) == [0, 3, 6, 7]
+
+
+def test_scores_by_definition():
+    c = curve([0.50, 0.52, 0.60, 0.58])
+    s = replay.score(c, [0, 2])
+    # shown: .50 .50 .60 .60 -> errors 0, 2, 0, 2 (in stderr units)
+    assert s["tracking_error"] == pytest.approx(1.0)
+    assert s["regret"] == pytest.approx(0.0)
+    assert replay.score(c, [0, 3])["regret"] == pytest.approx(0.02)
+    low = curve([0.9, 0.5, 0.7], higher=False)
+    assert replay.score(low, [0, 2])["regret"] == pytest.approx(0.2)
+
+
+def test_injected_regression_and_delay():
+    c = curve([0.5] * 10)
+    result = replay.replay([c], [FixedEvery(1), FixedEvery(4)], regression=True, seed=1)["policies"]
+    assert result["fixed:1"]["detection_delay"] == 0
+    import random
+
+    _, start = replay.inject_regression(c, random.Random("1:c"))
+    assert 5 <= start < 10
+    expected = min(i for i in (0, 4, 8, 9) if i >= start) - start
+    assert result["fixed:4"]["detection_delay"] == expected
+
+
+def test_adaptive_runs_the_production_scheduler():
+    policy = parse_policy("adaptive:max_interval_fraction=0.5,drift_tolerance=1.0")
+    fast_then_flat = curve([0.5, 0.6, 0.7, 0.75, 0.76] + [0.76] * 20, steps=[100 * (i + 1) for i in range(25)])
+    chosen = policy.select(fast_then_flat)
+    assert chosen[:3] == [0, 1, 2] and chosen[-1] == 24
+    flat_part = [i for i in chosen if i >= 5]
+    assert len(flat_part) < 10  # sparse on the plateau
+
+
+def test_bad_curve_file_names_the_line(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"curve": "a", "points": [{"step": 1, "value": 0.5}]}\n{"curve": "b"}\n')
+    with pytest.raises(ValueError, match="c.jsonl:2"):
+        replay.read_curves(f)
+    assert cli.main(["replay", str(f)]) == 2
+
+
+@pytest.mark.skipif(not SHARED_CURVES.exists(), reason="shared curves not beside the checkout")
+def test_cli_json_on_the_shared_curves(capsys):
+    assert cli.main(["replay", str(SHARED_CURVES), "--policy", "adaptive", "--policy", "fixed:1",
+                     "--policy", "fixed:2", "--inject-regression", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    policies = result["policies"]
+    assert set(policies) == {"adaptive", "fixed:1", "fixed:2"}
+    assert policies["fixed:1"]["evaluations"] == 1920 and policies["fixed:1"]["mean_tracking_error"] == 0
+    for row in policies.values():
+        assert set(row) == {"evaluations", "mean_tracking_error", "mean_regret", "max_regret", "detection_delay"}
+    # The adaptive policy tracks better than fixed:2 and sees regressions within a checkpoint.
+    assert policies["adaptive"]["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
+    assert policies["adaptive"]["detection_delay"] <= 1.0
