@@ -94,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mp-size", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
     parser.add_argument("--allow-pickle", action="store_true")
+    parser.add_argument("--launched-at", type=float, default=0.0, help="launcher's wall time, for latency records")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(int(os.environ.get("AREAL_EVAL_THREADS", "1")))
     out = Path(args.out)
-    start = time.time()
+    start = time.time()  # workers are up (interpreter, torch imported): start-up latency ends here
     distributed.init(timeout_s=args.timeout)
     ok = False
     try:
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.distributed.barrier()  # nobody loads before the node's copy is verified
         evaluator = make_evaluator(args.evaluator, max_length=args.max_length)
         evaluator.load(Path(args.checkpoint), Path(args.data), allow_pickle=args.allow_pickle)
+        loop_start = time.time()
         metrics = evaluate(evaluator, layout, args.batch_size, mp_group)
         if layout.rank == 0:
             _write_json(out, {
@@ -118,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                 "metrics": metrics,
                 "world_size": layout.world_size,
                 "mp_size": layout.mp_size,
+                "launched_at": args.launched_at,
+                "started_at": start,
                 "seconds": time.time() - start,
+                "eval_loop_seconds": time.time() - loop_start,
             })
         ok = True
         return 0

@@ -46,6 +46,10 @@ class EvalResult:
     uri: str
     metrics: dict
     seconds: float
+    launched_at: float = 0.0
+    """Wall time the torchrun job was started."""
+    workers_started_at: float = 0.0
+    """Wall time rank 0 entered its main (after interpreter and torch start-up)."""
 
     def nonfinite(self) -> list[str]:
         return [k for k, v in self.metrics.items() if not math.isfinite(v)]
@@ -67,7 +71,8 @@ def evaluate_checkpoint(
         "--evaluator", cfg.evaluator, "--batch-size", str(cfg.batch_size), "--max-length", str(max_length),
         "--mp-size", str(cfg.mp_size), "--timeout", str(cfg.collective_timeout_s),
     ] + (["--allow-pickle"] if cfg.allow_pickle else [])
-    start = time.monotonic()
+    start, launched_at = time.monotonic(), time.time()
+    args += ["--launched-at", repr(launched_at)]
     job = TorchrunJob("areal_eval.eval_worker", args, cfg.nproc, work_dir / f"{stem}.log")
     try:
         code = job.wait(cfg.job_timeout_s)
@@ -85,4 +90,6 @@ def evaluate_checkpoint(
     finally:
         if job.poll() is None:
             job.kill()
-    return EvalResult(event.global_step, event.uri, result["metrics"], time.monotonic() - start)
+    return EvalResult(
+        event.global_step, event.uri, result["metrics"], time.monotonic() - start, launched_at, result.get("started_at", 0.0)
+    )

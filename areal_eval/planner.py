@@ -8,6 +8,8 @@ skipped, superseded or failed, with a reason.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 from areal_eval.eval_queue import CoalescingQueue
@@ -26,6 +28,21 @@ class ManifestFollower:
     def poll(self) -> list[CheckpointEvent]:
         events, self._offset = self.manifest.read_from(self._offset)
         return events
+
+    def wait(self, timeout_s: float, every_s: float = 0.002) -> None:
+        """Return as soon as the manifest grows, or after ``timeout_s``.
+
+        A stat every 2 ms costs nothing and keeps durable-to-decision latency in milliseconds,
+        where sleeping a whole poll interval would add hundreds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if os.stat(self.manifest.path).st_size > self._offset:
+                    return
+            except FileNotFoundError:
+                pass
+            time.sleep(every_s)
 
 
 class JsonlFollower:

@@ -76,8 +76,8 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     final_seen, pending_rows, last_train_log = False, [], 0.0
     while True:
         for event in checkpoints.poll():
+            decision = planner.offer(event)  # first: the decision is on the feedback path
             announce_checkpoint(event)
-            decision = planner.offer(event)
             logger.info("checkpoint step %d: %s (%s)", event.global_step, "evaluate" if decision.evaluate else "skip", decision.reason)
             final_seen |= event.final
 
@@ -101,7 +101,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
             wait_for_training(training)  # raises with the training log tail
         if training is None and not final_seen and in_flight is None and not planner.waiting:
             raise RuntimeError(f"{run.manifest}: no final checkpoint and no training job to wait for")
-        time.sleep(cfg.poll_interval_s)
+        checkpoints.wait(cfg.poll_interval_s)
     update_progress_artifact(progress, 100.0)
     return planner.ledger
 

@@ -89,3 +89,17 @@ def test_without_coalescing_every_item_is_served_in_order():
     for step in (1, 2, 3):
         assert q.push(ev(step)) == []
     assert [q.pop()[0].global_step for _ in range(3)] == [1, 2, 3]
+
+
+def test_manifest_follower_wakes_when_the_manifest_grows(tmp_path):
+    import threading
+
+    from areal_eval.manifest import Manifest
+    from areal_eval.planner import ManifestFollower
+
+    manifest = Manifest(tmp_path / "m.jsonl")
+    follower = ManifestFollower(manifest)
+    follower.wait(0.01)  # no file yet: returns after the timeout
+    threading.Timer(0.05, manifest.append, args=(ev(7),)).start()
+    follower.wait(30)  # returns once the line is there, long before 30 s
+    assert [e.global_step for e in follower.poll()] == [7]

@@ -1,0 +1,124 @@
+"""Evaluation throughput: areal-eval's evaluator against transformers' Trainer.evaluate.
+
+    .venv/bin/python bench/eval_throughput.py [--pairs 2001] [--rounds 3]
+
+Same reward model, same validation pairs, same batch size, one process, A and B alternating;
+then areal-eval on 2 torchrun ranks against 1. Pairs per second count the evaluation loop only
+(model loading excluded on both sides). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from common import emit, median, prepared_run
+
+
+def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int) -> tuple[float, float]:
+    """Pairwise accuracy the way a transformers user would get it: Trainer + compute_metrics."""
+    import numpy as np
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from areal_eval import reward_model
+    from areal_eval.preference_data import read_pairs
+
+    tok = reward_model.load_tokenizer(checkpoint)
+    model = reward_model.load_model(checkpoint)
+    items = reward_model.tokenize_pairs(tok, read_pairs(pairs_path), max_length)
+
+    def collate(batch):
+        out = reward_model.collate_pairs(batch, tok.pad_token_id)
+        out["labels"] = torch.zeros(out["input_ids"].shape[0])  # Trainer needs labels to call compute_metrics
+        return out
+
+    def compute_metrics(pred):
+        scores = np.asarray(pred.predictions).reshape(-1, 2)
+        return {"accuracy": float((scores[:, 0] > scores[:, 1]).mean())}
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_eval_batch_size=batch_size, report_to=[],
+                                 use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, eval_dataset=items, data_collator=collate, compute_metrics=compute_metrics)
+        start = time.perf_counter()
+        metrics = trainer.evaluate()
+        return time.perf_counter() - start, metrics["eval_accuracy"]
+
+
+def areal_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int) -> tuple[float, float]:
+    from areal_eval import distributed
+    from areal_eval.eval_worker import evaluate
+    from areal_eval.evaluator import RewardModelEvaluator
+
+    evaluator = RewardModelEvaluator(max_length=max_length)
+    evaluator.load(checkpoint, pairs_path)
+    start = time.perf_counter()
+    metrics = evaluate(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+    return time.perf_counter() - start, metrics["accuracy"]
+
+
+def areal_torchrun(event, pairs_path: Path, batch_size: int, nproc: int, work: Path) -> tuple[float, float]:
+    from areal_eval.evaluation import EvalConfig, evaluate_checkpoint
+
+    result = evaluate_checkpoint(event, pairs_path, EvalConfig(nproc=nproc, batch_size=batch_size), work)
+    loop = json.loads((work / f"global_step_{event.global_step:08d}.json").read_text())["eval_loop_seconds"]
+    return loop, result.metrics["accuracy"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=2001)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)  # both sides single-threaded: the comparison is the loop, not BLAS
+    from areal_eval import reward_model
+    from areal_eval.checkpoint import CheckpointWriter
+    from areal_eval.manifest import Manifest
+
+    work = Path(tempfile.mkdtemp(prefix="bench-eval-"))
+    cfg, run = prepared_run("bench-eval", work, data={"synthetic": {"train_pairs": 200, "valid_pairs": args.pairs}})
+    tok = reward_model.load_tokenizer(run.tokenizer)
+    torch.manual_seed(0)
+    model = reward_model.build_model(cfg.model, tok)
+    writer = CheckpointWriter(model, tok, run.checkpoints, Manifest(run.manifest), "bench")
+    writer.save(0, 0, 0, {}, final=True)
+    writer.close()
+    event = Manifest(run.manifest).events()[0]
+    ckpt, pairs, bs, ml = Path(event.uri), run.valid_data, args.batch_size, cfg.model.max_length
+
+    trainer_s, ours_s, accs = [], [], set()
+    for _ in range(args.rounds):  # alternate A and B: this machine is noisy
+        t, a = trainer_evaluate(ckpt, pairs, bs, ml)
+        trainer_s.append(t)
+        o, b = areal_evaluate(ckpt, pairs, bs, ml)
+        ours_s.append(o)
+        accs.add((round(a, 9), round(b, 9)))
+    one, two = [], []
+    for _ in range(args.rounds):
+        one.append(areal_torchrun(event, pairs, bs, 1, work / "w1")[0])
+        two.append(areal_torchrun(event, pairs, bs, 2, work / "w2")[0])
+    n = args.pairs
+    emit({
+        "benchmark": "eval_throughput",
+        "pairs": n, "batch_size": bs, "rounds": args.rounds,
+        "trainer_pairs_per_s": round(n / median(trainer_s), 1),
+        "areal_pairs_per_s": round(n / median(ours_s), 1),
+        "speedup_vs_trainer": round(median(trainer_s) / median(ours_s), 2),
+        "identical_accuracy": all(a == b for a, b in accs),
+        "accuracy": sorted(accs)[0][1],
+        "areal_1rank_pairs_per_s": round(n / median(one), 1),
+        "areal_2rank_pairs_per_s": round(n / median(two), 1),
+        "scaling_2_vs_1": round(median(one) / median(two), 2),
+    })
+
+
+if __name__ == "__main__":
+    main()
