@@ -74,7 +74,7 @@ class RewardModelEvaluator(BaseEvaluator):
 
     @torch.inference_mode()
     def batch_sums(self, batch):
-        chosen, rejected = reward_model.pair_scores(self.model, batch)
+        chosen, rejected = reward_model.pair_scores_trimmed(self.model, batch)
         chosen, rejected = chosen.double(), rejected.double()
         return {
             "n_pairs": float(chosen.numel()),

@@ -78,6 +78,9 @@ class SyntheticPreferences:
         """Share of pairs whose preference is flipped: the accuracy ceiling is about 1 - this."""
         response_words: int = 12
         """Words per assistant response."""
+        length_jitter: int = 0
+        """Up to this many extra neutral words per response: lengths vary as in real
+        conversations (HH-RLHF answers run from a few tokens to hundreds)."""
         seed: int = 0
         """Seed of the generator; the same seed gives the same files."""
 
@@ -94,7 +97,8 @@ class SyntheticPreferences:
         distractors = rng.randint(0, 2)
         good = max(quality, 0) + distractors
         bad = max(-quality, 0) + distractors
-        words = [rng.choice(_NEUTRAL) for _ in range(self.config.response_words)]
+        length = self.config.response_words + (rng.randint(0, self.config.length_jitter) if self.config.length_jitter else 0)
+        words = [rng.choice(_NEUTRAL) for _ in range(length)]
         slots = rng.sample(range(len(words)), k=min(len(words), good + bad))
         for i, slot in enumerate(slots):
             words[slot] = rng.choice(_GOOD if i < good else _BAD)

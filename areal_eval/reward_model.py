@@ -114,6 +114,20 @@ def pair_scores(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     return scores[0::2], scores[1::2]
 
 
+def pair_scores_trimmed(model, batch: dict[str, torch.Tensor], chunks: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pair_scores`` with less padding: rows sorted by length and scored in ``chunks`` forward
+    passes, each trimmed to its own longest row. Same scores (right padding is masked)."""
+    mask = batch["attention_mask"]
+    lengths = mask.sum(dim=1)
+    order = torch.argsort(lengths)
+    scores = torch.empty(mask.shape[0], dtype=torch.float32, device=mask.device)
+    for part in torch.chunk(order, chunks):
+        width = int(lengths[part].max())
+        out = model(input_ids=batch["input_ids"][part, :width], attention_mask=mask[part, :width]).logits.squeeze(-1)
+        scores[part] = out.float()
+    return scores[0::2], scores[1::2]
+
+
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """``-log sigmoid(r_chosen - r_rejected)``: the pairwise reward-model loss."""
     loss = -F.logsigmoid(chosen - rejected)

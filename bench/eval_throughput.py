@@ -31,19 +31,28 @@ def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_le
     model = reward_model.load_model(checkpoint)
     items = reward_model.tokenize_pairs(tok, read_pairs(pairs_path), max_length)
 
+    class PairwiseTrainer(Trainer):
+        """As TRL's RewardTrainer: one [chosen, rejected] row of scores per pair."""
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            with torch.no_grad():
+                chosen, rejected = reward_model.pair_scores(model, inputs)
+                loss = reward_model.bradley_terry_loss(chosen, rejected)
+            logits = torch.stack([chosen, rejected], dim=1)
+            return loss, logits, torch.zeros(logits.shape[0])
+
     def collate(batch):
-        out = reward_model.collate_pairs(batch, tok.pad_token_id)
-        out["labels"] = torch.zeros(out["input_ids"].shape[0])  # Trainer needs labels to call compute_metrics
-        return out
+        return reward_model.collate_pairs(batch, tok.pad_token_id)
 
     def compute_metrics(pred):
-        scores = np.asarray(pred.predictions).reshape(-1, 2)
+        scores = np.asarray(pred.predictions)
         return {"accuracy": float((scores[:, 0] > scores[:, 1]).mean())}
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, per_device_eval_batch_size=batch_size, report_to=[],
-                                 use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, eval_dataset=items, data_collator=collate, compute_metrics=compute_metrics)
+                                 use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+                                 remove_unused_columns=False)  # pairs are not forward() kwargs
+        trainer = PairwiseTrainer(model=model, args=args, eval_dataset=items, data_collator=collate, compute_metrics=compute_metrics)
         start = time.perf_counter()
         metrics = trainer.evaluate()
         return time.perf_counter() - start, metrics["eval_accuracy"]
@@ -74,6 +83,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2001)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--length-jitter", type=int, default=100, help="extra words per response, 0..N (HH-RLHF-like spread)")
     args = parser.parse_args()
 
     import torch
@@ -84,7 +94,10 @@ def main() -> None:
     from areal_eval.manifest import Manifest
 
     work = Path(tempfile.mkdtemp(prefix="bench-eval-"))
-    cfg, run = prepared_run("bench-eval", work, data={"synthetic": {"train_pairs": 200, "valid_pairs": args.pairs}})
+    cfg, run = prepared_run(
+        "bench-eval", work, model={"max_length": 256},
+        data={"synthetic": {"train_pairs": 200, "valid_pairs": args.pairs, "length_jitter": args.length_jitter}},
+    )
     tok = reward_model.load_tokenizer(run.tokenizer)
     torch.manual_seed(0)
     model = reward_model.build_model(cfg.model, tok)
@@ -108,7 +121,7 @@ def main() -> None:
     n = args.pairs
     emit({
         "benchmark": "eval_throughput",
-        "pairs": n, "batch_size": bs, "rounds": args.rounds,
+        "pairs": n, "batch_size": bs, "rounds": args.rounds, "length_jitter": args.length_jitter,
         "trainer_pairs_per_s": round(n / median(trainer_s), 1),
         "areal_pairs_per_s": round(n / median(ours_s), 1),
         "speedup_vs_trainer": round(median(trainer_s) / median(ours_s), 2),

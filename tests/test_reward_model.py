@@ -35,6 +35,16 @@ def test_right_padding_does_not_change_scores(tokenizer):
     assert torch.allclose(alone[0], padded[0][:1], atol=1e-5)
 
 
+def test_trimmed_scoring_matches_plain_scoring(tokenizer):
+    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer).eval()
+    pairs = [{"chosen": "kind " * n, "rejected": "rude wrong " * (7 - n)} for n in range(1, 7)]
+    batch = reward_model.collate_pairs(reward_model.tokenize_pairs(tokenizer, pairs, 64), tokenizer.pad_token_id)
+    with torch.inference_mode():
+        plain = reward_model.pair_scores(model, batch)
+        trimmed = reward_model.pair_scores_trimmed(model, batch, chunks=3)
+    assert torch.allclose(plain[0], trimmed[0], atol=1e-5) and torch.allclose(plain[1], trimmed[1], atol=1e-5)
+
+
 def test_bradley_terry_loss():
     loss = reward_model.bradley_terry_loss(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0]))
     expected = (math.log1p(math.exp(-2.0)) + math.log(2)) / 2
