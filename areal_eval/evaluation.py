@@ -32,10 +32,15 @@ class EvalConfig:
     """Wall-clock limit for one evaluation, start-up included."""
     allow_pickle: bool = False
     """Load checkpoints that need pickle (unsafe); safetensors only otherwise."""
+    nice: int = 0
+    """Lower the workers' CPU priority by this much (0-19) when they share CPUs with training,
+    so training keeps its throughput and evaluation takes what is left."""
 
     def __post_init__(self):
         if self.nproc < 1:
             raise ValueError("eval.nproc must be >= 1")
+        if not 0 <= self.nice <= 19:
+            raise ValueError("eval.nice must be in 0..19")
         if self.nproc % self.mp_size:
             raise ValueError(f"eval.nproc ({self.nproc}) must be divisible by eval.mp_size ({self.mp_size})")
 
@@ -73,7 +78,7 @@ def evaluate_checkpoint(
     ] + (["--allow-pickle"] if cfg.allow_pickle else [])
     start, launched_at = time.monotonic(), time.time()
     args += ["--launched-at", repr(launched_at)]
-    job = TorchrunJob("areal_eval.eval_worker", args, cfg.nproc, work_dir / f"{stem}.log")
+    job = TorchrunJob("areal_eval.eval_worker", args, cfg.nproc, work_dir / f"{stem}.log", nice=cfg.nice)
     try:
         code = job.wait(cfg.job_timeout_s)
         result = json.loads(out.read_text()) if out.exists() else {}

@@ -55,10 +55,25 @@ def _log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text[-lines:])
 
 
+def lower_priority(nice: int) -> None:
+    """Lower this process's CPU priority (runs in the child, after setsid).
+
+    With autogroup scheduling (Linux's default on desktops and many servers) each session is
+    its own scheduling group and a plain nice only ranks processes inside it, so the new
+    session's group gets the same nice value.
+    """
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as fh:
+            fh.write(str(nice))
+    except OSError:
+        pass  # no autogroup: the plain nice is enough
+
+
 class TorchrunJob:
     """A running torchrun job; its output goes to ``log_path``."""
 
-    def __init__(self, module: str, args: list[str], nproc: int, log_path: str | Path, env: dict | None = None):
+    def __init__(self, module: str, args: list[str], nproc: int, log_path: str | Path, env: dict | None = None, nice: int = 0):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
@@ -72,6 +87,7 @@ class TorchrunJob:
             self.proc = subprocess.Popen(
                 torchrun_command(module, args, nproc),
                 stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                preexec_fn=(lambda: lower_priority(nice)) if nice else None,
             )
 
     @property

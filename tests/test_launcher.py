@@ -1,0 +1,28 @@
+import subprocess
+
+from areal_eval.launcher import failure_summary, lower_priority
+
+
+def test_lower_priority_reaches_the_scheduler():
+    # Run in a new session as the launcher does: with autogroup on, the group's nice is what counts.
+    out = subprocess.run(
+        ["sh", "-c", "nice; cat /proc/self/autogroup 2>/dev/null || true"],
+        start_new_session=True, preexec_fn=lambda: lower_priority(7), capture_output=True, text=True, check=True,
+    ).stdout.split("\n")
+    assert out[0] == "7"
+    if out[1]:
+        assert out[1].endswith("nice 7")
+
+
+def test_failure_summary_names_every_failed_rank(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text(
+        "[rank 0] evaluation failed: RuntimeError: Connection closed by peer\n"
+        "Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 17 (pid: 11)\n"
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 10)\n"
+    )
+    summary = failure_summary(log)
+    assert "evaluation failed: RuntimeError" in summary
+    assert "rank 1 (local_rank: 1) exit code 17 (pid: 11)" in summary
+    assert "rank 0 (local_rank: 0) exit code 1 (pid: 10)" in summary
+    assert failure_summary(tmp_path / "missing.log") == ""
