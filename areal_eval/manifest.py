@@ -101,3 +101,10 @@ class Manifest:
 
     def events(self) -> list[CheckpointEvent]:
         return self.read_from(0)[0]
+
+    def find(self, global_step: int) -> CheckpointEvent:
+        """The announced checkpoint at ``global_step`` (the last entry wins)."""
+        matches = [e for e in self.events() if e.global_step == global_step]
+        if not matches:
+            raise CheckpointError(f"{self.path}: no checkpoint at step {global_step} in the manifest")
+        return matches[-1]

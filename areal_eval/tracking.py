@@ -102,6 +102,14 @@ class Tracker:
     def eval_history(self, run_id: str, metric: str) -> dict[int, float]:
         return {m.step: m.value for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}
 
+    def scheduler_history(self, run_id: str, metric: str, stderr_metric: str | None):
+        """Past evaluations as the scheduler's history: triggered runs share state through MLflow."""
+        from areal_eval.scheduler import HistoryEntry
+
+        values = {m.step: m for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}
+        stderrs = self.eval_history(run_id, stderr_metric) if stderr_metric else {}
+        return [HistoryEntry(s, m.timestamp / 1000, m.value, stderrs.get(s)) for s, m in sorted(values.items())]
+
     def set_tags(self, run_id: str, tags: dict) -> None:
         from mlflow.entities import RunTag
 

@@ -77,7 +77,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     while True:
         for event in checkpoints.poll():
             decision = planner.offer(event)  # first: the decision is on the feedback path
-            announce_checkpoint(event)
+            announce_checkpoint(event, run.manifest)
             logger.info("checkpoint step %d: %s (%s)", event.global_step, "evaluate" if decision.evaluate else "skip", decision.reason)
             final_seen |= event.final
 

@@ -19,9 +19,13 @@ def tracker_for(cfg: PipelineConfig) -> Tracker:
 
 
 @task(cache_policy=NO_CACHE, name="start-tracking")
+def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str) -> str:
+    """The MLflow run of a training run (created once), with the whole config as params."""
+    return tracker_for(cfg).start_run(training_run_id, dataclasses.asdict(cfg), tags={"areal.run_dir": run_dir})
+
+
 def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
-    """The MLflow run for this training run, with the whole config as params."""
-    return tracker_for(cfg).start_run(run.run_id, dataclasses.asdict(cfg), tags={"areal.run_dir": str(run.root)})
+    return start_tracking_run(cfg, run.run_id, str(run.root))
 
 
 @task(cache_policy=NO_CACHE, name="log-training-metrics")

@@ -1,0 +1,84 @@
+"""Publish checkpoints from any training loop: your own script, or AReaL's trainer.
+
+    from areal_eval.publisher import publish_checkpoint
+    publish_checkpoint("/ckpt/run-7/global_step_400", manifest="/ckpt/run-7/manifest.jsonl",
+                       run_id="run-7", global_step=400, epoch=1, epoch_step=150, train_metrics={"loss": 0.41})
+
+Call it after the checkpoint's files are written. It records sizes and sha256, appends the
+checkpoint to the manifest (the durable log), then posts an ``areal.checkpoint.saved`` event to
+the Prefect API at ``$PREFECT_API_URL`` if one is set. Plain HTTP: the training process needs no
+Prefect client and starts no temporary server. A deployment trigger on that event starts
+``evaluate-checkpoint``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from areal_eval.checkpoint import describe_files
+from areal_eval.manifest import CheckpointEvent, Manifest
+
+CHECKPOINT_SAVED = "areal.checkpoint.saved"
+
+
+def checkpoint_resource(event: CheckpointEvent) -> dict[str, str]:
+    return {
+        "prefect.resource.id": f"areal.checkpoint.{event.run_id}.{event.global_step}",
+        "prefect.resource.name": f"{event.run_id} step {event.global_step}",
+        "areal.run_id": event.run_id,
+    }
+
+
+def event_payload(event: CheckpointEvent, manifest: str | Path) -> dict:
+    return {**event.payload(), "manifest": str(Path(manifest).resolve())}
+
+
+def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float = 10.0) -> None:
+    """POST one ``areal.checkpoint.saved`` event to a Prefect API (``.../api``)."""
+    body = [{
+        "id": str(uuid.uuid4()),
+        "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "event": CHECKPOINT_SAVED,
+        "resource": checkpoint_resource(event),
+        "related": [],
+        "payload": event_payload(event, manifest),
+    }]
+    request = urllib.request.Request(
+        api_url.rstrip("/") + "/events", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        if response.status >= 300:
+            raise RuntimeError(f"Prefect API {api_url} refused the event: HTTP {response.status}")
+
+
+def publish_checkpoint(
+    checkpoint_dir: str | Path,
+    manifest: str | Path,
+    run_id: str,
+    global_step: int,
+    epoch: int = 0,
+    epoch_step: int = 0,
+    train_metrics: dict | None = None,
+    final: bool = False,
+    api_url: str | None = None,
+) -> CheckpointEvent:
+    """Announce a written checkpoint: manifest first (durable), then the event."""
+    directory = Path(checkpoint_dir).resolve()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
+    event = CheckpointEvent(
+        run_id=run_id, uri=str(directory), epoch=epoch, epoch_step=epoch_step, global_step=global_step,
+        wall_time=time.time(), train_metrics=dict(train_metrics or {}), files=describe_files(directory), final=final,
+    )
+    Manifest(manifest).append(event)
+    api_url = api_url or os.environ.get("PREFECT_API_URL")
+    if api_url:
+        post_event(api_url, event, manifest)
+    return event

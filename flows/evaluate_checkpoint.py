@@ -1,0 +1,77 @@
+"""``evaluate-checkpoint``: evaluate one announced checkpoint, log it, run the alert rules.
+
+Started by a deployment trigger on ``areal.checkpoint.saved`` (parameters templated from the
+event payload), by ``prefect deployment run``, or by ``sweep-checkpoints``. Scheduling state is
+the run's evaluation history in MLflow, so separate triggered runs decide consistently and a
+second event for the same checkpoint does not evaluate it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.concurrency.sync import concurrency
+
+from areal_eval.alerts import AlertEngine
+from areal_eval.manifest import Manifest
+from areal_eval.pipeline_config import load_pipeline_config
+from areal_eval.run_dir import RunDir
+from areal_eval.scheduler import decide
+from tasks.alerts import send_alert
+from tasks.evaluate import evaluate
+from tasks.tracking import log_evaluation, start_tracking_run, tracker_for
+
+
+@flow(name="evaluate-checkpoint", log_prints=True)
+def evaluate_checkpoint(
+    global_step: int,
+    manifest: str,
+    run_id: str | None = None,
+    checkpoint_uri: str | None = None,
+    data_path: str | None = None,
+    params: dict | None = None,
+    use_scheduler: bool = True,
+    gpu_slot: str | None = None,
+) -> dict:
+    """Evaluate the checkpoint at ``global_step`` of ``manifest``.
+
+    Args:
+        global_step: the checkpoint's step (from the event payload).
+        manifest: the run's manifest.jsonl, which holds the checkpoint's files and hashes.
+        run_id: training run id (default: the manifest entry's).
+        checkpoint_uri: expected checkpoint location; must match the manifest entry.
+        data_path: validation pairs (default: ``data/valid.jsonl`` beside the manifest).
+        params: pipeline config sections (eval, scheduler, alerts, tracking, ...).
+        use_scheduler: False evaluates whenever the step has no result yet (sweeps).
+        gpu_slot: a Prefect global concurrency limit to hold while evaluating (e.g. ``gpu:0``).
+    """
+    logger = get_run_logger()
+    cfg = load_pipeline_config(params=params)
+    event = Manifest(manifest).find(global_step)
+    if checkpoint_uri and Path(checkpoint_uri).resolve() != Path(event.uri).resolve():
+        raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
+    run = RunDir(Path(manifest).resolve().parent)
+    mlflow_run_id = start_tracking_run(cfg, run_id or event.run_id, str(run.root))
+    tracker = tracker_for(cfg)
+    history = tracker.scheduler_history(mlflow_run_id, cfg.scheduler.metric, cfg.scheduler.stderr_metric)
+    if any(h.step == global_step for h in history):
+        logger.info("step %d already evaluated: nothing to do", global_step)
+        return {"global_step": global_step, "evaluated": False, "reason": "already evaluated"}
+    if use_scheduler:
+        decision = decide(event, history, cfg.scheduler)
+        tracker.set_tags(mlflow_run_id, {f"decision.{global_step}": decision.reason})
+        if not decision.evaluate:
+            logger.info("step %d skipped: %s", global_step, decision.reason)
+            return {"global_step": global_step, "evaluated": False, "reason": decision.reason}
+
+    with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
+        result = evaluate(event, Path(data_path) if data_path else run.valid_data, cfg.eval, run.evals, cfg.model.max_length)
+    log_evaluation(cfg, mlflow_run_id, result, "triggered")
+    rules = AlertEngine(cfg.alerts)
+    for past in history:  # the alert rules judge against the run's best so far
+        rules.check(past.step, {cfg.scheduler.metric: past.metric})
+    for alert in rules.check(global_step, result.metrics):
+        send_alert(alert, cfg.alerts, cfg, mlflow_run_id, run)
+    return {"global_step": global_step, "evaluated": True, "metrics": result.metrics}
