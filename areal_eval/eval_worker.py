@@ -25,16 +25,22 @@ from areal_eval.evaluator import BaseEvaluator, make_evaluator
 from areal_eval.manifest import FileEntry
 
 FAULT_ENV = "AREAL_EVAL_INJECT_FAULT"
-"""Fault injection for tests: ``RANK:exit`` or ``RANK:hang`` after that rank's first batch."""
+"""Fault injection for tests: ``RANK:exit`` or ``RANK:hang`` after that rank's first batch;
+``RANK:exit:FILE`` fires once (it creates FILE, and does nothing while FILE exists)."""
 
 
 def _inject_fault(done_batches: int) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec or done_batches != 1:
         return
-    fault_rank, mode = spec.split(":")
+    fault_rank, mode, *once = spec.split(":", 2)
     if int(fault_rank) != distributed.rank():
         return
+    if once:
+        try:
+            Path(once[0]).touch(exist_ok=False)
+        except FileExistsError:
+            return
     if mode == "exit":
         os._exit(17)
     while mode == "hang":

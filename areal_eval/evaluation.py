@@ -16,6 +16,10 @@ class EvaluationFailed(RuntimeError):
     """The evaluation of a checkpoint failed; the message says why (and where the log is)."""
 
 
+class CorruptCheckpoint(EvaluationFailed):
+    """The checkpoint itself is missing or fails verification: retrying cannot help."""
+
+
 @dataclasses.dataclass
 class EvalConfig:
     nproc: int = 2
@@ -32,6 +36,8 @@ class EvalConfig:
     """Wall-clock limit for one evaluation, start-up included."""
     allow_pickle: bool = False
     """Load checkpoints that need pickle (unsafe); safetensors only otherwise."""
+    retries: int = 1
+    """Retries of a failed evaluation (a killed or hung worker); a corrupt checkpoint is not retried."""
     nice: int = 0
     """Lower the workers' CPU priority by this much (0-19) when they share CPUs with training,
     so training keeps its throughput and evaluation takes what is left."""
@@ -86,7 +92,8 @@ def evaluate_checkpoint(
             summary = failure_summary(job.log_path)
             reason = result.get("error") or (
                 "workers exited abnormally" if "metrics" in result else "worker wrote no result")
-            raise EvaluationFailed(
+            failure = CorruptCheckpoint if reason.startswith("CheckpointError") else EvaluationFailed
+            raise failure(
                 f"checkpoint step {event.global_step} ({event.uri}): {reason} [torchrun exit {code}; log {job.log_path}]"
                 + (f"\n{summary}" if summary else "")
             )

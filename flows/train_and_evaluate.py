@@ -28,7 +28,7 @@ from areal_eval.run_setup import total_train_steps
 from areal_eval.tracking import resolve_tracking_uri
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint
-from tasks.evaluate import evaluate
+from tasks.evaluate import submit_evaluation
 from tasks.tracking import finish_tracking, log_evaluation, log_training_metrics, start_tracking
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
@@ -92,7 +92,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
             in_flight = None
         if in_flight is None and (event := planner.next()):
             reason = planner.ledger.latest(event.global_step).reason
-            future = evaluate.submit(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length)
+            future = submit_evaluation(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length)
             in_flight = InFlight(event, future, reason)
 
         if final_seen and in_flight is None and not planner.waiting:

@@ -108,3 +108,32 @@ def test_alert_can_stop_training(prefect_server, tmp_path):
     assert final.final and final.global_step < 100000
     assert final.train_metrics["stopped"].startswith("alert good-enough")
     assert summary["evaluated"] >= 2
+
+
+def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_run, tmp_path, monkeypatch):
+    from prefect import flow
+
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.tracking import start_tracking
+
+    cfg, original = trained_run
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path), eval=dataclasses.replace(cfg.eval, retries=1),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+    )
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    marker = tmp_path / "fault-fired"
+    monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", f"1:exit:{marker}")  # the first evaluation's rank 1 dies
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, start_tracking(cfg, run), training=None)
+
+    ledger = evaluate_existing()
+    assert marker.exists()
+    assert all(e.status in ("evaluated", "skipped", "superseded") for e in ledger.entries())
+    tracker, runs = mlflow_run(cfg)
+    steps = [m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")]
+    assert sorted(steps) == sorted(set(steps)) == [e.step for e in ledger.entries() if e.status == "evaluated"]
