@@ -11,8 +11,10 @@ results go to MLflow and through the alert rules, a firing rule starting the ale
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import time
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
@@ -22,6 +24,7 @@ from areal_eval.launcher import TorchrunJob
 from areal_eval.ledger import Ledger
 from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
+from areal_eval.plot import plot_curve
 from areal_eval.planner import EvaluationPlanner, JsonlFollower, ManifestFollower
 from areal_eval.run_dir import RunDir
 from areal_eval.run_setup import total_train_steps
@@ -29,7 +32,7 @@ from areal_eval.tracking import resolve_tracking_uri
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint
 from tasks.evaluate import submit_evaluation
-from tasks.tracking import finish_tracking, log_evaluation, log_training_metrics, start_tracking
+from tasks.tracking import finish_tracking, log_evaluation, log_training_metrics, start_tracking, tracker_for
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
 TRAIN_LOG_EVERY_S = 5.0
@@ -55,8 +58,9 @@ def train_and_evaluate(params: dict | None = None, config_path: str | None = Non
     finally:
         if training.poll() is None:
             training.kill()
-    finish_tracking(cfg, mlflow_run_id, ledger)
-    return summarize(cfg, run, mlflow_run_id, ledger)
+    plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run.run_id)
+    finish_tracking(cfg, mlflow_run_id, ledger, plot)
+    return summarize(cfg, run, mlflow_run_id, ledger, plot)
 
 
 def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, training: TorchrunJob | None) -> Ledger:
@@ -123,7 +127,7 @@ def collect_evaluation(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, pla
         send_alert(alert, cfg.alerts, cfg, mlflow_run_id, run)
 
 
-def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger) -> dict:
+def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:
     evaluated = [e for e in ledger.entries() if e.status == "evaluated"]
     counts = ledger.counts()
     summary = {
@@ -136,12 +140,21 @@ def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledg
         "curve": [(e.step, round(e.metrics.get(cfg.scheduler.metric, float("nan")), 4)) for e in evaluated],
     }
     table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
+    link = mlflow_run_link(summary["tracking_uri"], tracker_for(cfg).experiment_id, mlflow_run_id)
+    image = base64.b64encode(plot.read_bytes()).decode()
     create_markdown_artifact(
         key="evaluation-summary",
-        markdown=(f"# {cfg.run_name}\n\nMLflow run `{mlflow_run_id}` at `{summary['tracking_uri']}`\n\n"
-                  f"Checkpoints: {summary['checkpoints']} ({counts})\n\n| step | {cfg.scheduler.metric} |\n|---|---|\n{table}\n"),
+        markdown=(f"# {run.run_id}\n\nMLflow run: {link} (tracking URI `{summary['tracking_uri']}`)\n\n"
+                  f"Checkpoints: {summary['checkpoints']} ({counts})\n\n![evaluation curve](data:image/png;base64,{image})\n\n"
+                  f"| step | {cfg.scheduler.metric} |\n|---|---|\n{table}\n"),
     )
     return summary
+
+
+def mlflow_run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """A link to the run in the MLflow UI (served at the tracking URI, or by ``mlflow ui`` locally)."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"[{run_id}]({base}/#/experiments/{experiment_id}/runs/{run_id})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from prefect.cache_policies import NO_CACHE
 from prefect import task
+from prefect.artifacts import create_table_artifact
 
 from areal_eval.evaluation import EvalResult
 from areal_eval.ledger import Ledger
@@ -35,8 +37,13 @@ def log_training_metrics(cfg: PipelineConfig, run_id: str, rows: list[dict]) -> 
 
 @task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")
 def log_evaluation(cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str) -> bool:
-    """Metrics at ``step=global_step`` plus checkpoint tags; False if the step was already logged."""
+    """Metrics at ``step=global_step`` plus checkpoint tags (and a table in the Prefect UI);
+    False if the step was already logged."""
     step = result.global_step
+    create_table_artifact(
+        table=[{"step": step, **{k: round(v, 6) for k, v in sorted(result.metrics.items())}, "decision": reason}],
+        description=f"Evaluation of step {step} ({result.uri})",
+    )
     return tracker_for(cfg).log_evaluation(
         run_id, step, result.metrics,
         tags={f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason, "last_evaluated_step": step},
@@ -44,9 +51,10 @@ def log_evaluation(cfg: PipelineConfig, run_id: str, result: EvalResult, reason:
 
 
 @task(cache_policy=NO_CACHE, name="finish-tracking")
-def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, status: str = "FINISHED") -> None:
-    """Scheduler decisions as an artifact, counts as tags, the run marked finished."""
+def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, plot: Path, status: str = "FINISHED") -> None:
+    """Scheduler decisions and the curve plot as artifacts, counts as tags, the run finished."""
     tracker = tracker_for(cfg)
     tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
+    tracker.log_artifact(run_id, plot)
     tracker.set_tags(run_id, {f"checkpoints.{k}": v for k, v in ledger.counts().items()})
     tracker.finish(run_id, status)

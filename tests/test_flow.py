@@ -52,7 +52,7 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook):
     assert data.params["train.max_steps"] == "12"
     assert data.tags[f"checkpoint.{steps[-1]}.uri"].endswith(f"global_step_{steps[-1]:08d}")
     artifacts = [a.path for a in tracker.client.list_artifacts(runs[0].info.run_id)]
-    assert "scheduler_decisions.json" in artifacts and "alerts" in artifacts
+    assert {"scheduler_decisions.json", "evaluation_curve.png", "alerts"} <= set(artifacts)
 
     # The alert rule fired on every evaluation; throttling let one notification through.
     assert len(webhook.requests) == 1

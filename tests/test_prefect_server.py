@@ -77,6 +77,7 @@ def server(tmp_path_factory):
     try:
         for pool in ("areal-train", "areal-eval"):
             cli(env, "work-pool", "create", pool, "--type", "process")
+        cli(env, "gcl", "create", "gpu:0", "--limit", "1")
         cli(env, "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all")
         for pool in ("areal-train", "areal-eval"):
             workers.append(subprocess.Popen(
@@ -122,7 +123,7 @@ def test_deployment_run_evaluates_a_checkpoint(server, stored_run):
     run_id = Manifest(manifest).events()[0].run_id
     started = time.monotonic()
     cli(server, "deployment", "run", "evaluate-checkpoint/default", "--watch",
-        "--params", json.dumps({"global_step": 4, "manifest": str(manifest), "use_scheduler": False}))
+        "--params", json.dumps({"global_step": 4, "manifest": str(manifest), "use_scheduler": False, "gpu_slot": "gpu:0"}))
     print(f"deployment run to completion: {time.monotonic() - started:.1f}s")
     assert 4 in eval_steps(server, run_id)
 
