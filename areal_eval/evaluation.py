@@ -36,6 +36,9 @@ class EvalConfig:
     """Wall-clock limit for one evaluation, start-up included."""
     allow_pickle: bool = False
     """Load checkpoints that need pickle (unsafe); safetensors only otherwise."""
+    deployment: str | None = None
+    """Dispatch each evaluation to this ``evaluate-checkpoint`` deployment (its work pool's
+    workers) when a Prefect server is in use; None runs torchrun workers from the flow's host."""
     retries: int = 1
     """Retries of a failed evaluation (a killed or hung worker); a corrupt checkpoint is not retried."""
     nice: int = 0

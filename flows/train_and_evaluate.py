@@ -31,7 +31,7 @@ from areal_eval.run_setup import total_train_steps
 from areal_eval.tracking import resolve_tracking_uri
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint
-from tasks.evaluate import submit_evaluation
+from tasks.evaluate import dispatch_evaluation, submit_evaluation
 from tasks.tracking import finish_tracking, log_evaluation, log_training_metrics, start_tracking, tracker_for
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
@@ -117,6 +117,8 @@ def collect_evaluation(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, pla
     if done.future.state.is_completed():
         result = done.future.result()
         planner.evaluated(done.event, result.metrics)
+        if cfg.eval.deployment:  # the dispatched run logged it and ran the alert rules itself
+            return
         log_evaluation(cfg, mlflow_run_id, result, done.reason)
         alerts = alert_rules.check(step, result.metrics)
     else:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.deployments import run_deployment
 
-from areal_eval.evaluation import CorruptCheckpoint, EvalConfig, EvalResult, evaluate_checkpoint
+from areal_eval.evaluation import CorruptCheckpoint, EvalConfig, EvalResult, EvaluationFailed, evaluate_checkpoint
 from areal_eval.manifest import CheckpointError, CheckpointEvent
 
 
@@ -30,3 +33,25 @@ def evaluate(event: CheckpointEvent, data_path: Path, cfg: EvalConfig, work_dir:
 
 def submit_evaluation(event: CheckpointEvent, data_path: Path, cfg: EvalConfig, work_dir: Path, max_length: int):
     return evaluate_task.with_options(retries=cfg.retries).submit(event, data_path, cfg, work_dir, max_length)
+
+
+@task(cache_policy=NO_CACHE, name="dispatch-evaluation", task_run_name="dispatch-step-{event.global_step}")
+def dispatch_evaluation(event: CheckpointEvent, manifest: Path, pipeline_cfg) -> EvalResult:
+    """Run ``evaluate-checkpoint`` on the evaluation pool and wait; it logs to MLflow and alerts
+    itself, and its metrics are read back from MLflow (idempotent, so nothing lands twice)."""
+    from tasks.tracking import tracker_for
+
+    cfg = pipeline_cfg.eval
+    run = run_deployment(
+        cfg.deployment, timeout=cfg.job_timeout_s, poll_interval=1,
+        idempotency_key=f"{event.run_id}:{event.global_step}",  # a retried dispatch reuses the run
+        parameters={"global_step": event.global_step, "manifest": str(manifest), "run_id": event.run_id,
+                    "params": dataclasses.asdict(pipeline_cfg), "use_scheduler": False},
+    )
+    if not run.state or not run.state.is_completed():
+        raise EvaluationFailed(f"checkpoint step {event.global_step}: {cfg.deployment} run {run.name} ended {run.state}")
+    tracker = tracker_for(pipeline_cfg)
+    mlflow_run = tracker.find_run(event.run_id)
+    metrics = {k.removeprefix("eval/"): v for k, v in tracker.client.get_run(mlflow_run).data.metrics.items() if k.startswith("eval/")}
+    step_metrics = {k: tracker.eval_history(mlflow_run, k).get(event.global_step) for k in metrics}
+    return EvalResult(event.global_step, event.uri, {k: v for k, v in step_metrics.items() if v is not None}, 0.0)

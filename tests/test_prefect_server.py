@@ -190,3 +190,18 @@ def test_deployment_run_train_and_evaluate(server, tmp_path):
     run_id = (tmp_path / "served" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
     assert steps[0] == 0 and steps[-1] == 12
+
+
+def test_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_path):
+    from tests.conftest import TINY
+
+    params = {**TINY, "work_dir": str(tmp_path), "run_name": "dispatched",
+              "eval": {**TINY["eval"], "deployment": "evaluate-checkpoint/default"}}
+    cli(server, "deployment", "run", "train-and-evaluate/default", "--watch", "--params", json.dumps({"params": params}))
+    run_id = (tmp_path / "dispatched" / "run_id").read_text().strip()
+    steps = eval_steps(server, run_id)
+    children = [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("run_id") == run_id]
+    ledger = (tmp_path / "dispatched" / "ledger.jsonl").read_text()
+    assert all(r["state_type"] == "COMPLETED" for r in children), ([r["state"] for r in children], ledger[-3000:])
+    assert steps[0] == 0 and steps[-1] == 12
+    assert sorted(r["parameters"]["global_step"] for r in children) == steps
