@@ -27,11 +27,15 @@ from areal_eval.manifest import CheckpointEvent, Manifest
 CHECKPOINT_SAVED = "areal.checkpoint.saved"
 
 
-def checkpoint_resource(event: CheckpointEvent) -> dict[str, str]:
+def checkpoint_resource(event: CheckpointEvent, source: str = "publisher") -> dict[str, str]:
+    """The event's resource. ``areal.source`` tells who announced it: the evaluate-checkpoint
+    trigger answers ``publisher`` (training outside the flow) and ignores ``flow``, whose
+    checkpoints the flow evaluates itself."""
     return {
         "prefect.resource.id": f"areal.checkpoint.{event.run_id}.{event.global_step}",
         "prefect.resource.name": f"{event.run_id} step {event.global_step}",
         "areal.run_id": event.run_id,
+        "areal.source": source,
     }
 
 

@@ -96,7 +96,10 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
             in_flight = None
         if in_flight is None and (event := planner.next()):
             reason = planner.ledger.latest(event.global_step).reason
-            future = submit_evaluation(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length)
+            if cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
+                future = dispatch_evaluation.submit(event, run.manifest, cfg)
+            else:
+                future = submit_evaluation(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length)
             in_flight = InFlight(event, future, reason)
 
         if final_seen and in_flight is None and not planner.waiting:

@@ -15,4 +15,4 @@ from areal_eval.publisher import CHECKPOINT_SAVED, checkpoint_resource, event_pa
 @task(cache_policy=NO_CACHE, name="announce-checkpoint")
 def announce_checkpoint(event: CheckpointEvent, manifest: Path) -> None:
     """Emit ``areal.checkpoint.saved`` so automations and the UI see the durable checkpoint."""
-    emit_event(CHECKPOINT_SAVED, resource=checkpoint_resource(event), payload=event_payload(event, manifest))
+    emit_event(CHECKPOINT_SAVED, resource=checkpoint_resource(event, source="flow"), payload=event_payload(event, manifest))

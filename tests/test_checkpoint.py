@@ -1,5 +1,4 @@
 import json
-import threading
 
 import pytest
 import torch
