@@ -12,7 +12,7 @@ from areal_eval.pipeline_config import PipelineConfig
 from areal_eval.preference_data import SyntheticPreferences, read_pairs, write_pairs
 from areal_eval.reward_model import train_tokenizer
 from areal_eval.run_dir import RunDir
-from areal_eval.train import TrainJobSpec
+from areal_eval.train import TrainJobSpec, total_steps
 
 
 def prepare_run(cfg: PipelineConfig, fresh: bool = True) -> RunDir:
@@ -44,6 +44,6 @@ def prepare_run(cfg: PipelineConfig, fresh: bool = True) -> RunDir:
 
 
 def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int:
+    """The training job's step count (for progress), computed as the job computes it."""
     pairs = sum(1 for line in Path(run.train_data).open() if line.strip())
-    steps = (pairs // cfg.train.nproc) // cfg.train.batch_size * cfg.train.epochs
-    return min(steps, cfg.train.max_steps or steps)
+    return total_steps(pairs, cfg.train.nproc, cfg.train)

@@ -77,9 +77,15 @@ class TrainJobSpec:
     train: TrainConfig
 
 
-def _batches_per_rank(n: int, world: int, batch: int) -> int:
+def steps_per_epoch(n_pairs: int, world: int, batch: int) -> int:
     # Equal step counts on every rank: DDP needs them; the remainder is reshuffled next epoch.
-    return (n // world) // batch
+    return (n_pairs // world) // batch
+
+
+def total_steps(n_pairs: int, world: int, cfg: TrainConfig) -> int:
+    """Optimizer steps the job will take: all epochs, capped by ``max_steps``."""
+    steps = steps_per_epoch(n_pairs, world, cfg.batch_size) * cfg.epochs
+    return min(steps, cfg.max_steps or steps)
 
 
 def train(spec: TrainJobSpec) -> None:
@@ -99,10 +105,10 @@ def train(spec: TrainJobSpec) -> None:
     model.to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     pairs = reward_model.tokenize_pairs(tokenizer, read_pairs(run.train_data), spec.model.max_length)
-    steps_per_epoch = _batches_per_rank(len(pairs), world, cfg.batch_size)
-    if steps_per_epoch == 0:
+    epoch_steps = steps_per_epoch(len(pairs), world, cfg.batch_size)
+    if epoch_steps == 0:
         raise ValueError(f"{run.train_data}: {len(pairs)} pairs is too few for {world} ranks x batch {cfg.batch_size}")
-    total = min(cfg.max_steps or math.inf, steps_per_epoch * cfg.epochs)
+    total = total_steps(len(pairs), world, cfg)
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -123,7 +129,7 @@ def train(spec: TrainJobSpec) -> None:
     for epoch in range(cfg.epochs):
         order = list(range(len(pairs)))
         random.Random(cfg.seed * 1000 + epoch).shuffle(order)
-        for epoch_step in range(steps_per_epoch):
+        for epoch_step in range(epoch_steps):
             if global_step >= total:
                 break
             base = (epoch_step * world + rank) * cfg.batch_size
@@ -148,7 +154,7 @@ def train(spec: TrainJobSpec) -> None:
                 stop_reason = stop.requested() or "stop requested"
                 break
             is_last = global_step >= total
-            if ctl.check(epochs=int(epoch_step == steps_per_epoch - 1), steps=1) and not is_last and writer:
+            if ctl.check(epochs=int(epoch_step == epoch_steps - 1), steps=1) and not is_last and writer:
                 writer.save(epoch, epoch_step, global_step, metrics)
         if stop_reason or global_step >= total:
             break

@@ -73,5 +73,5 @@ def evaluate_checkpoint(
     for past in history:  # the alert rules judge against the run's best so far
         rules.check(past.step, {cfg.scheduler.metric: past.metric})
     for alert in rules.check(global_step, result.metrics):
-        send_alert(alert, cfg.alerts, cfg, mlflow_run_id, run)
+        send_alert(alert, cfg, mlflow_run_id, run)
     return {"global_step": global_step, "evaluated": True, "metrics": result.metrics}

@@ -129,7 +129,7 @@ def collect_evaluation(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, pla
         planner.failed(done.event, error)
         alerts = alert_rules.check(step, None, error)
     for alert in alerts:
-        send_alert(alert, cfg.alerts, cfg, mlflow_run_id, run)
+        send_alert(alert, cfg, mlflow_run_id, run)
 
 
 def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:

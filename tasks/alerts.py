@@ -29,7 +29,7 @@ def notification_blocks(cfg: AlertsConfig) -> list:
 
 
 @task(cache_policy=NO_CACHE, name="send-alert", task_run_name="alert-{alert.rule}-step-{alert.step}")
-def send_alert(alert: Alert, alerts_cfg: AlertsConfig, pipeline_cfg, run_id: str, run: RunDir) -> None:
+def send_alert(alert: Alert, pipeline_cfg, run_id: str, run: RunDir) -> None:
     """Always logs and records the alert in MLflow; notifies unless throttled; stops training if asked."""
     logger = get_run_logger()
     logger.warning("ALERT %s%s: %s", alert.rule, " (throttled)" if alert.throttled else "", alert.message)
@@ -38,7 +38,7 @@ def send_alert(alert: Alert, alerts_cfg: AlertsConfig, pipeline_cfg, run_id: str
     tracker.set_tags(run_id, {f"alert.{alert.rule}": f"step {alert.step}: {alert.message}"[:5000]})
     if not alert.throttled:
         subject = f"[areal-eval] {alert.rule} at step {alert.step}"
-        for block in notification_blocks(alerts_cfg):
+        for block in notification_blocks(pipeline_cfg.alerts):
             block.notify(body=json.dumps(dataclasses.asdict(alert)), subject=subject)
     if alert.stop_training:
         StopSignal(run.stop_file).request(f"alert {alert.rule}: {alert.message}")

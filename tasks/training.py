@@ -5,7 +5,6 @@ from __future__ import annotations
 from prefect.cache_policies import NO_CACHE
 from prefect import task
 
-from areal_eval.control import StopSignal
 from areal_eval.launcher import TorchrunJob
 from areal_eval.pipeline_config import PipelineConfig
 from areal_eval.run_dir import RunDir
@@ -22,12 +21,6 @@ def prepare_run_dir(cfg: PipelineConfig) -> RunDir:
 def start_training(cfg: PipelineConfig, run: RunDir) -> TorchrunJob:
     """Launch DDP training on ``cfg.train.nproc`` ranks; returns at once."""
     return TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
-
-
-@task(cache_policy=NO_CACHE, name="stop-training")
-def request_training_stop(run: RunDir, reason: str) -> None:
-    """Ask training to stop at its next step."""
-    StopSignal(run.stop_file).request(reason)
 
 
 @task(cache_policy=NO_CACHE, name="wait-for-training")

@@ -13,7 +13,6 @@ class TinyModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(4))
-        self.seen_manifest_len = []
 
     def save_pretrained(self, path, state_dict, safe_serialization=True):
         from safetensors.torch import save_file
