@@ -1,4 +1,4 @@
-"""Saving and verifying checkpoints on local disk.
+"""Saving checkpoints without holding up the training loop.
 
 Saving never blocks the training loop for longer than a CPU snapshot of the weights: the
 files are written, hashed and announced by a background thread. A checkpoint directory is
@@ -8,7 +8,6 @@ renamed into place only when complete, so readers never see a partial one.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import queue
 import shutil
@@ -19,41 +18,9 @@ from typing import Callable
 
 import torch
 
-from areal_eval.manifest import CheckpointError, CheckpointEvent, FileEntry, Manifest
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def describe_files(directory: Path) -> tuple[FileEntry, ...]:
-    return tuple(
-        FileEntry(name=p.name, size=p.stat().st_size, sha256=sha256_file(p))
-        for p in sorted(directory.iterdir())
-        if p.is_file()
-    )
-
-
-def verify_checkpoint(directory: str | Path, files: tuple[FileEntry, ...]) -> None:
-    """Raise CheckpointError unless every recorded file is present with its size and sha256."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: checkpoint directory is missing")
-    if not files:
-        raise CheckpointError(f"{directory}: manifest records no files for this checkpoint")
-    for entry in files:
-        path = directory / entry.name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: file recorded in the manifest is missing")
-        size = path.stat().st_size
-        if size != entry.size:
-            raise CheckpointError(f"{path}: size {size} != recorded {entry.size} (truncated?)")
-        if sha256_file(path) != entry.sha256:
-            raise CheckpointError(f"{path}: sha256 differs from the manifest (corrupt)")
+from areal_eval.checkpoint_files import describe_files
+from areal_eval.checkpoint_store import LocalStore
+from areal_eval.manifest import CheckpointError, CheckpointEvent, Manifest
 
 
 def checkpoint_name(global_step: int) -> str:
@@ -73,6 +40,10 @@ class SaveRequest:
 class CheckpointWriter:
     """Writes checkpoints in a background thread and appends them to the manifest when durable.
 
+    Durable means written, fsynced and renamed into place, then published by ``store``
+    (a :mod:`areal_eval.checkpoint_store` store; on S3, uploaded and verified). A failure or a
+    crash before that point leaves the checkpoint out of the manifest: never half-announced.
+
     ``save`` copies the weights to CPU (the only part the training loop waits for) and queues
     the write. ``close`` waits for queued writes; call it before the process exits.
     """
@@ -85,6 +56,7 @@ class CheckpointWriter:
         manifest: Manifest,
         run_id: str,
         on_durable: Callable[[CheckpointEvent], None] | None = None,
+        store=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -92,6 +64,7 @@ class CheckpointWriter:
         self.manifest = manifest
         self.run_id = run_id
         self.on_durable = on_durable
+        self.store = store if store is not None else LocalStore()
         self.blocked_seconds = 0.0
         self._queue: queue.Queue[SaveRequest | None] = queue.Queue()
         self._error: BaseException | None = None
@@ -134,9 +107,10 @@ class CheckpointWriter:
         files = describe_files(tmp_dir)
         shutil.rmtree(final_dir, ignore_errors=True)
         tmp_dir.rename(final_dir)
+        uri = self.store.publish(final_dir, files)
         event = CheckpointEvent(
             run_id=self.run_id,
-            uri=str(final_dir.resolve()),
+            uri=uri,
             epoch=req.epoch,
             epoch_step=req.epoch_step,
             global_step=req.global_step,
@@ -146,5 +120,6 @@ class CheckpointWriter:
             final=req.final,
         )
         self.manifest.append(event)
+        self.store.mirror(self.manifest.path, "manifest.jsonl")
         if self.on_durable:
             self.on_durable(event)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from areal_eval import distributed
-from areal_eval.checkpoint import verify_checkpoint
+from areal_eval.checkpoint_store import S3Config, open_store
 from areal_eval.evaluator import BaseEvaluator, make_evaluator
 from areal_eval.manifest import FileEntry
 
@@ -90,10 +90,12 @@ def _write_json(path: Path, data: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="local checkpoint directory")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory or s3:// URI")
     parser.add_argument("--data", required=True, help="validation pairs (JSONL)")
     parser.add_argument("--out", required=True, help="result JSON, written by rank 0")
-    parser.add_argument("--files", help="JSON list of {name,size,sha256} to verify before loading")
+    parser.add_argument("--files", required=True, help="JSON list of {name,size,sha256} to verify before loading")
+    parser.add_argument("--cache-dir", default="checkpoint-cache", help="node-local cache of downloaded checkpoints")
+    parser.add_argument("--s3-config", help="S3Config as JSON (endpoint, retries, transfer settings)")
     parser.add_argument("--evaluator", default="reward_model")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=64)
@@ -111,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         layout = distributed.ParallelLayout(distributed.world_size(), distributed.rank(), args.mp_size)
         mp_group = distributed.new_mp_group(layout)
-        if args.files and distributed.local_rank() == 0:
-            files = tuple(FileEntry(**f) for f in json.loads(Path(args.files).read_text()))
-            verify_checkpoint(args.checkpoint, files)
+        files = tuple(FileEntry(**f) for f in json.loads(Path(args.files).read_text()))
+        store = open_store(args.checkpoint, S3Config(**json.loads(args.s3_config)) if args.s3_config else None)
+        cache_dir = Path(args.cache_dir)
+        if distributed.local_rank() == 0:  # one download and verification per node
+            store.fetch(args.checkpoint, files, cache_dir)
         if distributed.world_size() > 1:
             torch.distributed.barrier()  # nobody loads before the node's copy is verified
         evaluator = make_evaluator(args.evaluator, max_length=args.max_length)
-        evaluator.load(Path(args.checkpoint), Path(args.data), allow_pickle=args.allow_pickle)
+        evaluator.load(store.local_path(args.checkpoint, files, cache_dir), Path(args.data), allow_pickle=args.allow_pickle)
         loop_start = time.time()
         metrics = evaluate(evaluator, layout, args.batch_size, mp_group)
         if layout.rank == 0:

@@ -8,6 +8,7 @@ import math
 import time
 from pathlib import Path
 
+from areal_eval.checkpoint_store import S3Config, s3_config_json
 from areal_eval.launcher import TorchrunJob, WorkerError, failure_summary
 from areal_eval.manifest import CheckpointEvent
 
@@ -70,9 +71,14 @@ class EvalResult:
 
 
 def evaluate_checkpoint(
-    event: CheckpointEvent, data_path: str | Path, cfg: EvalConfig, work_dir: str | Path, max_length: int = 64
+    event: CheckpointEvent, data_path: str | Path, cfg: EvalConfig, work_dir: str | Path, max_length: int = 64,
+    s3: S3Config | None = None, cache_dir: str | Path | None = None,
 ) -> EvalResult:
-    """Evaluate ``event``'s checkpoint on ``cfg.nproc`` fresh torchrun ranks."""
+    """Evaluate ``event``'s checkpoint on ``cfg.nproc`` fresh torchrun ranks.
+
+    An ``s3://`` checkpoint is downloaded once per node into ``cache_dir`` (default
+    ``work_dir/checkpoint-cache``) with the ``s3`` client settings.
+    """
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     stem = f"global_step_{event.global_step:08d}"
@@ -84,7 +90,8 @@ def evaluate_checkpoint(
         "--checkpoint", event.uri, "--data", str(data_path), "--out", str(out), "--files", str(files),
         "--evaluator", cfg.evaluator, "--batch-size", str(cfg.batch_size), "--max-length", str(max_length),
         "--mp-size", str(cfg.mp_size), "--timeout", str(cfg.collective_timeout_s),
-    ] + (["--allow-pickle"] if cfg.allow_pickle else [])
+        "--cache-dir", str(Path(cache_dir or work_dir / "checkpoint-cache").resolve()),
+    ] + (["--allow-pickle"] if cfg.allow_pickle else []) + (["--s3-config", s3_config_json(s3)] if s3 else [])
     start, launched_at = time.monotonic(), time.time()
     args += ["--launched-at", repr(launched_at)]
     job = TorchrunJob("areal_eval.eval_worker", args, cfg.nproc, work_dir / f"{stem}.log", nice=cfg.nice)

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from areal_eval.alerts import AlertRule, AlertsConfig
+from areal_eval.checkpoint_store import StorageConfig
 from areal_eval.config import from_dict, merge, parse_overrides, read_file
 from areal_eval.evaluation import EvalConfig
 from areal_eval.preference_data import SyntheticPreferences
@@ -53,12 +54,18 @@ class PipelineConfig:
     scheduler: SchedulerConfig = dataclasses.field(
         default_factory=lambda: SchedulerConfig(min_interval_steps=25, max_interval_steps=300)
     )
+    storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
     alerts: AlertsConfig = dataclasses.field(default_factory=lambda: AlertsConfig(rules=_default_rules()))
 
     @property
     def run_root(self) -> Path:
         return Path(self.work_dir).resolve() / self.run_name
+
+    @property
+    def checkpoint_cache(self) -> Path:
+        """Node-local cache of checkpoints fetched from the store."""
+        return Path(self.storage.cache_dir or Path(self.work_dir) / "checkpoint-cache").resolve()
 
 
 def load_pipeline_config(

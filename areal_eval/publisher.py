@@ -21,7 +21,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from areal_eval.checkpoint import describe_files
+from areal_eval.checkpoint_files import describe_files
 from areal_eval.manifest import CheckpointEvent, Manifest
 
 CHECKPOINT_SAVED = "areal.checkpoint.saved"

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from areal_eval.manifest import CheckpointError
+
 
 @dataclasses.dataclass
 class RewardModelConfig:
@@ -83,7 +85,8 @@ def load_model(path: str | Path, allow_pickle: bool = False):
 
     path = Path(path)
     if not allow_pickle and not any(path.glob("*.safetensors")):
-        raise ValueError(f"{path}: no *.safetensors weights (pickle checkpoints need allow_pickle)")
+        raise CheckpointError(f"{path}: refused: no *.safetensors weights, and loading pickle weights "
+                              "can run code (opt in with eval.allow_pickle: true if you trust the checkpoint)")
     return AutoModelForSequenceClassification.from_pretrained(
         str(path), num_labels=1, use_safetensors=not allow_pickle
     )

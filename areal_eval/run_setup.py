@@ -37,7 +37,7 @@ def prepare_run(cfg: PipelineConfig, fresh: bool = True) -> RunDir:
     # One id per training run: MLflow run, manifest entries and events all carry it.
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run.run_id_file.write_text(run_id)
-    spec = TrainJobSpec(run_id=run_id, run_dir=str(run.root), model=model, train=cfg.train)
+    spec = TrainJobSpec(run_id=run_id, run_dir=str(run.root), model=model, train=cfg.train, storage=cfg.storage)
     run.train_config.write_text(json.dumps(dataclasses.asdict(spec), indent=1))
     (run.root / "pipeline_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     return run

@@ -25,6 +25,9 @@ class TrackingConfig:
     """MLflow tracking URI; None: ``$MLFLOW_TRACKING_URI``, else SQLite in the work dir."""
     experiment: str = "areal-eval"
     """MLflow experiment name."""
+    artifact_location: str | None = None
+    """Artifact root of a new experiment, e.g. ``s3://bucket/mlflow`` (the client then needs
+    ``$MLFLOW_S3_ENDPOINT_URL`` for a non-AWS endpoint); None: the tracking server's default."""
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, work_root: str | Path) -> str:
@@ -36,13 +39,13 @@ def resolve_tracking_uri(cfg: TrackingConfig, work_root: str | Path) -> str:
 
 
 class Tracker:
-    def __init__(self, tracking_uri: str, experiment: str):
+    def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri=tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment, artifact_location)
 
     def find_run(self, training_run_id: str) -> str | None:
         runs = self.client.search_runs(
@@ -98,6 +101,11 @@ class Tracker:
             tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
         )
         return True
+
+    def deleted_steps(self, run_id: str) -> set[int]:
+        """Steps whose checkpoints retention deleted (tags ``deleted.<step>``)."""
+        tags = self.client.get_run(run_id).data.tags
+        return {int(k.split(".", 1)[1]) for k in tags if k.startswith("deleted.") and k.split(".", 1)[1].isdigit()}
 
     def eval_history(self, run_id: str, metric: str) -> dict[int, float]:
         return {m.step: m.value for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}

@@ -22,6 +22,7 @@ import torch
 
 from areal_eval import distributed, reward_model
 from areal_eval.checkpoint import CheckpointWriter
+from areal_eval.checkpoint_store import StorageConfig, open_store
 from areal_eval.config import from_dict
 from areal_eval.control import StopSignal
 from areal_eval.freq_ctl import EpochStepTimeFreqCtl
@@ -75,6 +76,7 @@ class TrainJobSpec:
     run_dir: str
     model: RewardModelConfig
     train: TrainConfig
+    storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
 
 
 def steps_per_epoch(n_pairs: int, world: int, batch: int) -> int:
@@ -119,7 +121,11 @@ def train(spec: TrainJobSpec) -> None:
         eval_before_train=cfg.save.eval_before_train, sync_elapsed=distributed.all_reduce_max_scalar,
     )
     stop = StopSignal(run.stop_file)
-    writer = CheckpointWriter(model, tokenizer, run.checkpoints, Manifest(run.manifest), spec.run_id) if rank == 0 else None
+    writer = None
+    if rank == 0:
+        store = open_store(spec.storage.run_root(spec.run_id), spec.storage.s3, spec.storage.keep_local_copy)
+        store.mirror(run.valid_data, "data/valid.jsonl")  # so a sweep of the store can evaluate the run
+        writer = CheckpointWriter(model, tokenizer, run.checkpoints, Manifest(run.manifest), spec.run_id, store=store)
     log = run.train_log.open("a") if rank == 0 else None
 
     if ctl.before_train() and writer:

@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.concurrency.sync import concurrency
 
 from areal_eval.alerts import AlertEngine
+from areal_eval.checkpoint_store import is_s3, localize_manifest
 from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import load_pipeline_config
 from areal_eval.run_dir import RunDir
@@ -22,6 +23,12 @@ from areal_eval.scheduler import decide
 from tasks.alerts import send_alert
 from tasks.evaluate import evaluate
 from tasks.tracking import log_evaluation, start_tracking_run, tracker_for
+
+
+def same_location(a: str, b: str) -> bool:
+    if is_s3(a) or is_s3(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return Path(a).resolve() == Path(b).resolve()
 
 
 @flow(name="evaluate-checkpoint", log_prints=True)
@@ -39,7 +46,8 @@ def evaluate_checkpoint(
 
     Args:
         global_step: the checkpoint's step (from the event payload).
-        manifest: the run's manifest.jsonl, which holds the checkpoint's files and hashes.
+        manifest: the run's manifest.jsonl (a path, or ``s3://.../manifest.jsonl`` mirrored by training),
+            which holds the checkpoint's files and hashes.
         run_id: training run id (default: the manifest entry's).
         checkpoint_uri: expected checkpoint location; must match the manifest entry.
         data_path: validation pairs (default: ``data/valid.jsonl`` beside the manifest).
@@ -49,10 +57,11 @@ def evaluate_checkpoint(
     """
     logger = get_run_logger()
     cfg = load_pipeline_config(params=params)
-    event = Manifest(manifest).find(global_step)
-    if checkpoint_uri and Path(checkpoint_uri).resolve() != Path(event.uri).resolve():
+    local_manifest = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
+    event = Manifest(local_manifest).find(global_step)
+    if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
         raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
-    run = RunDir(Path(manifest).resolve().parent)
+    run = RunDir(local_manifest.resolve().parent)
     mlflow_run_id = start_tracking_run(cfg, run_id or event.run_id, str(run.root))
     tracker = tracker_for(cfg)
     history = tracker.scheduler_history(mlflow_run_id, cfg.scheduler.metric, cfg.scheduler.stderr_metric)
@@ -67,7 +76,7 @@ def evaluate_checkpoint(
             return {"global_step": global_step, "evaluated": False, "reason": decision.reason}
 
     with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
-        result = evaluate(event, Path(data_path) if data_path else run.valid_data, cfg.eval, run.evals, cfg.model.max_length)
+        result = evaluate(event, Path(data_path) if data_path else run.valid_data, cfg, run.evals)
     log_evaluation(cfg, mlflow_run_id, result, "triggered")
     rules = AlertEngine(cfg.alerts)
     for past in history:  # the alert rules judge against the run's best so far

@@ -30,7 +30,7 @@ from areal_eval.run_dir import RunDir
 from areal_eval.run_setup import total_train_steps
 from areal_eval.tracking import resolve_tracking_uri
 from tasks.alerts import send_alert
-from tasks.checkpoints import announce_checkpoint
+from tasks.checkpoints import announce_checkpoint, apply_retention
 from tasks.evaluate import dispatch_evaluation, submit_evaluation
 from tasks.tracking import finish_tracking, log_evaluation, log_training_metrics, start_tracking, tracker_for
 from tasks.training import prepare_run_dir, start_training, wait_for_training
@@ -78,12 +78,14 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
     in_flight: InFlight | None = None
     final_seen, pending_rows, last_train_log = False, [], 0.0
+    retention_on, deleted = cfg.storage.retention.keep_last is not None, set()
     while True:
+        settled = False
         for event in checkpoints.poll():
             decision = planner.offer(event)  # first: the decision is on the feedback path
             announce_checkpoint(event, run.manifest)
             logger.info("checkpoint step %d: %s (%s)", event.global_step, "evaluate" if decision.evaluate else "skip", decision.reason)
-            final_seen |= event.final
+            final_seen, settled = final_seen | event.final, True
 
         pending_rows += train_log.poll()
         if pending_rows and (final_seen or time.monotonic() - last_train_log > TRAIN_LOG_EVERY_S):
@@ -93,13 +95,15 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
 
         if in_flight and in_flight.future.state.is_final():
             collect_evaluation(cfg, run, mlflow_run_id, planner, alert_rules, in_flight)
-            in_flight = None
+            in_flight, settled = None, True
+        if retention_on and settled:
+            deleted.update(apply_retention(cfg, run, mlflow_run_id, planner.ledger, deleted))
         if in_flight is None and (event := planner.next()):
             reason = planner.ledger.latest(event.global_step).reason
             if cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
                 future = dispatch_evaluation.submit(event, run.manifest, cfg)
             else:
-                future = submit_evaluation(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length)
+                future = submit_evaluation(event, run.valid_data, cfg, run.evals)
             in_flight = InFlight(event, future, reason)
 
         if final_seen and in_flight is None and not planner.waiting:

@@ -10,8 +10,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.deployments import run_deployment
 
-from areal_eval.evaluation import CorruptCheckpoint, EvalConfig, EvalResult, EvaluationFailed, evaluate_checkpoint
+from areal_eval.evaluation import CorruptCheckpoint, EvalResult, EvaluationFailed, evaluate_checkpoint
 from areal_eval.manifest import CheckpointError, CheckpointEvent
+from areal_eval.pipeline_config import PipelineConfig
 
 
 def worth_retrying(task, task_run, state) -> bool:
@@ -22,21 +23,21 @@ def worth_retrying(task, task_run, state) -> bool:
 
 @task(cache_policy=NO_CACHE, name="evaluate-checkpoint", task_run_name="evaluate-step-{event.global_step}",
       retry_condition_fn=worth_retrying, retry_delay_seconds=1)
-def evaluate_task(event: CheckpointEvent, data_path: Path, cfg: EvalConfig, work_dir: Path, max_length: int) -> EvalResult:
-    """Load the checkpoint on ``cfg.nproc`` ranks and reduce its metrics; raises on failure."""
-    return evaluate_checkpoint(event, data_path, cfg, work_dir, max_length)
+def evaluate_task(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path) -> EvalResult:
+    """Fetch the checkpoint, load it on ``cfg.eval.nproc`` ranks and reduce its metrics; raises on failure."""
+    return evaluate_checkpoint(event, data_path, cfg.eval, work_dir, cfg.model.max_length, cfg.storage.s3, cfg.checkpoint_cache)
 
 
-def evaluate(event: CheckpointEvent, data_path: Path, cfg: EvalConfig, work_dir: Path, max_length: int) -> EvalResult:
-    return evaluate_task.with_options(retries=cfg.retries)(event, data_path, cfg, work_dir, max_length)
+def evaluate(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path) -> EvalResult:
+    return evaluate_task.with_options(retries=cfg.eval.retries)(event, data_path, cfg, work_dir)
 
 
-def submit_evaluation(event: CheckpointEvent, data_path: Path, cfg: EvalConfig, work_dir: Path, max_length: int):
-    return evaluate_task.with_options(retries=cfg.retries).submit(event, data_path, cfg, work_dir, max_length)
+def submit_evaluation(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path):
+    return evaluate_task.with_options(retries=cfg.eval.retries).submit(event, data_path, cfg, work_dir)
 
 
 @task(cache_policy=NO_CACHE, name="dispatch-evaluation", task_run_name="dispatch-step-{event.global_step}")
-def dispatch_evaluation(event: CheckpointEvent, manifest: Path, pipeline_cfg) -> EvalResult:
+def dispatch_evaluation(event: CheckpointEvent, manifest: Path, pipeline_cfg: PipelineConfig) -> EvalResult:
     """Run ``evaluate-checkpoint`` on the evaluation pool and wait; it logs to MLflow and alerts
     itself, and its metrics are read back from MLflow (idempotent, so nothing lands twice)."""
     from tasks.tracking import tracker_for

@@ -17,7 +17,7 @@ from areal_eval.tracking import Tracker, resolve_tracking_uri
 
 
 def tracker_for(cfg: PipelineConfig) -> Tracker:
-    return Tracker(resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment)
+    return Tracker(resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment, cfg.tracking.artifact_location)
 
 
 @task(cache_policy=NO_CACHE, name="start-tracking")

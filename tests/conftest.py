@@ -80,3 +80,25 @@ def webhook():
     receiver = WebhookReceiver()
     yield receiver
     receiver.server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3 server in its own process on loopback; test credentials in the environment
+    (inherited by torchrun workers, as a real deployment's would be)."""
+    from tests.s3_servers import TEST_CREDENTIALS, MotoServer
+
+    os.environ.update(TEST_CREDENTIALS)
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket on the session's S3 server; returns its name."""
+    import boto3
+
+    name = "t-" + "".join(c for c in request.node.name.lower() if c.isalnum())[:40] + f"-{os.getpid() % 1000}"
+    boto3.client("s3", endpoint_url=s3_server.url).create_bucket(Bucket=name)
+    return name

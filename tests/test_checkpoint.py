@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from areal_eval.checkpoint import CheckpointWriter, describe_files, verify_checkpoint
+from areal_eval.checkpoint import CheckpointWriter
+from areal_eval.checkpoint_files import describe_files, verify_checkpoint
 from areal_eval.manifest import CheckpointError, CheckpointEvent, Manifest
 
 

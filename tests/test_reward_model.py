@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from areal_eval import reward_model
+from areal_eval.manifest import CheckpointError
 from areal_eval.preference_data import SyntheticPreferences
 from areal_eval.reward_model import RewardModelConfig
 
@@ -64,7 +65,7 @@ def test_pickle_checkpoints_are_refused_unless_allowed(tokenizer, tmp_path):
     model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # a pickle checkpoint
-    with pytest.raises(ValueError, match="allow_pickle"):
+    with pytest.raises(CheckpointError, match="allow_pickle"):
         reward_model.load_model(tmp_path)
     loaded = reward_model.load_model(tmp_path, allow_pickle=True)
     assert torch.equal(loaded.score.weight, model.score.weight)

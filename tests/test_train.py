@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from areal_eval.checkpoint import verify_checkpoint
+from areal_eval.checkpoint_files import verify_checkpoint
 from areal_eval.control import StopSignal
 from areal_eval.launcher import TorchrunJob
 from areal_eval.manifest import Manifest

@@ -1,0 +1,54 @@
+"""Checkpoint retention: keep the last K and the best N, never one still waiting for evaluation.
+
+A pure decision over the manifest and the ledger, so it is tested without a store; the flow
+deletes what it returns and records each deletion (MLflow tag ``deleted.<step>``), which the
+sweep reads so it never tries to evaluate a deleted checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from areal_eval.ledger import FINAL_STATES, LedgerEntry
+from areal_eval.manifest import CheckpointEvent
+
+
+@dataclasses.dataclass
+class RetentionConfig:
+    keep_last: int | None = None
+    """Keep the newest K checkpoints; None keeps every checkpoint (retention off)."""
+    keep_best: int = 1
+    """Also keep the N best evaluated checkpoints by the scheduler's metric."""
+
+    def __post_init__(self):
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError("storage.retention.keep_last must be >= 1 (or null for no retention)")
+        if self.keep_best < 0:
+            raise ValueError("storage.retention.keep_best must be >= 0")
+
+
+def checkpoints_to_delete(
+    checkpoints: list[CheckpointEvent],
+    ledger: dict[int, LedgerEntry],
+    cfg: RetentionConfig,
+    metric: str,
+    higher_is_better: bool = True,
+    deleted: set[int] = frozenset(),
+) -> list[CheckpointEvent]:
+    """The checkpoints retention may delete now, oldest first.
+
+    Kept: the newest ``keep_last``; the ``keep_best`` best evaluated; every checkpoint whose
+    evaluation is not settled (no ledger entry yet, or scheduled/in flight); the final one.
+    """
+    if cfg.keep_last is None:
+        return []
+    by_step = {c.global_step: c for c in checkpoints}
+    steps = sorted(by_step)
+    keep = set(steps[-cfg.keep_last:])
+    scored = [(e.metrics[metric], step) for step, e in ledger.items()
+              if e.status == "evaluated" and isinstance(e.metrics.get(metric), (int, float))]
+    scored.sort(reverse=higher_is_better)
+    keep |= {step for _, step in scored[: cfg.keep_best]}
+    keep |= {s for s in steps if s not in ledger or ledger[s].status not in FINAL_STATES}
+    keep |= {s for s in steps if by_step[s].final}
+    return [by_step[s] for s in steps if s not in keep and s not in deleted]
