@@ -97,3 +97,49 @@ def test_users_add_evaluators_by_subclassing(final_checkpoint, tmp_path, monkeyp
     assert isinstance(make_evaluator("tests.custom_evaluator:MarginOver"), BaseEvaluator)
     with pytest.raises(ValueError, match="unknown evaluator"):
         make_evaluator("nope")
+
+
+def test_s3_checkpoint_is_fetched_once_per_node_and_matches_local(final_checkpoint, s3_server, s3_bucket, tmp_path):
+    from areal_eval.checkpoint_store import S3Config, S3Store
+    from tests.s3_servers import FaultProxy
+
+    run, event = final_checkpoint
+    staged = tmp_path / "staged" / Path(event.uri).name
+    shutil.copytree(event.uri, staged)
+    proxy = FaultProxy(s3_server.url, limit=0)  # counts requests, injects nothing
+    s3 = S3Config(endpoint_url=proxy.url)
+    uri = S3Store(f"s3://{s3_bucket}/run", s3, keep_local_copy=False).publish(staged, event.files)
+    remote = dataclasses.replace(event, uri=uri)
+    result = evaluate_checkpoint(remote, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "out", s3=s3,
+                                 cache_dir=tmp_path / "cache")
+    local = evaluate_checkpoint(event, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "local")
+    assert result.metrics == pytest.approx(local.metrics, abs=1e-9)
+    weight_gets = [p for m, p in proxy.requests if m == "GET" and p.split("?")[0].endswith("model.safetensors")]
+    assert len(weight_gets) == 1  # local rank 0 downloaded; rank 1 waited and read the same copy
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    proxy.stop()
+
+
+def test_pickle_checkpoint_on_s3_is_refused_without_opt_in(final_checkpoint, s3_server, s3_bucket, tmp_path):
+    import torch
+
+    from areal_eval import reward_model
+    from areal_eval.checkpoint_files import describe_files
+    from areal_eval.checkpoint_store import S3Config, S3Store
+    from areal_eval.evaluation import CorruptCheckpoint
+
+    run, event = final_checkpoint
+    staged = tmp_path / "global_step_00000012"
+    shutil.copytree(event.uri, staged)
+    model = reward_model.load_model(staged)
+    (staged / "model.safetensors").unlink()
+    torch.save(model.state_dict(), staged / "pytorch_model.bin")  # weights that need pickle to load
+    files = describe_files(staged)
+    s3 = S3Config(endpoint_url=s3_server.url)
+    uri = S3Store(f"s3://{s3_bucket}/run", s3).publish(staged, files)
+    pickled = dataclasses.replace(event, uri=uri, files=files)
+    with pytest.raises(CorruptCheckpoint, match="refused: no \\*.safetensors weights.*allow_pickle"):
+        evaluate_checkpoint(pickled, run.valid_data, EvalConfig(nproc=1), tmp_path / "out", s3=s3, cache_dir=tmp_path / "c")
+    opted_in = evaluate_checkpoint(pickled, run.valid_data, EvalConfig(nproc=1, allow_pickle=True), tmp_path / "out",
+                                   s3=s3, cache_dir=tmp_path / "c")
+    assert opted_in.metrics["n_pairs"] == 101
