@@ -74,3 +74,45 @@ def test_pipeline_on_s3_with_faults_retention_and_sweep(prefect_server, s3_serve
     leaks = [p for p in tmp_path.rglob("*") if p.is_file() and secret in p.read_bytes()]
     assert leaks == []
     proxy.stop()
+
+
+def test_corrupt_s3_objects_fail_alert_and_the_flow_goes_on(prefect_server, trained_run, s3_server, s3_bucket, tmp_path, webhook):
+    import shutil
+
+    from prefect import flow
+
+    from areal_eval.checkpoint_store import S3Config, S3Store
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.tracking import start_tracking
+
+    cfg, original = trained_run
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path),
+        scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        alerts=dataclasses.replace(cfg.alerts, webhook_url=webhook.url),
+        storage=dataclasses.replace(cfg.storage, checkpoint_uri=f"s3://{s3_bucket}/ckpt", s3=S3Config(endpoint_url=s3_server.url)),
+    )
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    store = S3Store(cfg.storage.run_root(run.run_id), cfg.storage.s3)
+    manifest = run.manifest.read_text()
+    for event in Manifest(run.manifest).events():  # publish the trained run's checkpoints to S3
+        uri = store.publish(run.checkpoints / f"global_step_{event.global_step:08d}", event.files)
+        manifest = manifest.replace(event.uri, uri)
+    run.manifest.write_text(manifest)
+    client = boto3.client("s3", endpoint_url=s3_server.url)
+    key = f"ckpt/{run.run_id}/global_step_00000004/model.safetensors"
+    client.put_object(Bucket=s3_bucket, Key=key, Body=client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()[:-100])
+    client.delete_object(Bucket=s3_bucket, Key=f"ckpt/{run.run_id}/global_step_00000008/config.json")
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, start_tracking(cfg, run), training=None)
+
+    ledger = evaluate_existing()
+    assert {s: ledger.status(s) for s in (0, 4, 8, 12)} == {0: "evaluated", 4: "failed", 8: "failed", 12: "evaluated"}
+    assert f"s3://{s3_bucket}/{key}: size" in ledger.latest(4).reason and "truncated" in ledger.latest(4).reason
+    assert "config.json: download failed" in ledger.latest(8).reason
+    failed = [json.loads(r["json"]["body"]) for r in webhook.requests]
+    assert [(a["rule"], a["step"]) for a in failed] == [("eval-failed", 4), ("eval-failed", 8)]
