@@ -4,9 +4,10 @@
     publish_checkpoint("/ckpt/run-7/global_step_400", manifest="/ckpt/run-7/manifest.jsonl",
                        run_id="run-7", global_step=400, epoch=1, epoch_step=150, train_metrics={"loss": 0.41})
 
-Call it after the checkpoint's files are written. It records sizes and sha256, appends the
-checkpoint to the manifest (the durable log), then posts an ``areal.checkpoint.saved`` event to
-the Prefect API at ``$PREFECT_API_URL`` if one is set. Plain HTTP: the training process needs no
+Call it after the checkpoint's files are written. It records sizes and sha256, uploads and
+verifies the files when ``store`` is an ``s3://`` prefix, appends the checkpoint to the manifest
+(the durable log; mirrored beside the checkpoints on S3), then posts an
+``areal.checkpoint.saved`` event to the Prefect API at ``$PREFECT_API_URL`` if one is set. Plain HTTP: the training process needs no
 Prefect client and starts no temporary server. A deployment trigger on that event starts
 ``evaluate-checkpoint``.
 """
@@ -22,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from areal_eval.checkpoint_files import describe_files
+from areal_eval.checkpoint_store import S3Config, is_s3, open_store
 from areal_eval.manifest import CheckpointEvent, Manifest
 
 CHECKPOINT_SAVED = "areal.checkpoint.saved"
@@ -40,7 +42,7 @@ def checkpoint_resource(event: CheckpointEvent, source: str = "publisher") -> di
 
 
 def event_payload(event: CheckpointEvent, manifest: str | Path) -> dict:
-    return {**event.payload(), "manifest": str(Path(manifest).resolve())}
+    return {**event.payload(), "manifest": str(manifest) if is_s3(manifest) else str(Path(manifest).resolve())}
 
 
 def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float = 10.0) -> None:
@@ -72,17 +74,28 @@ def publish_checkpoint(
     train_metrics: dict | None = None,
     final: bool = False,
     api_url: str | None = None,
+    store: str | None = None,
+    s3: S3Config | None = None,
 ) -> CheckpointEvent:
-    """Announce a written checkpoint: manifest first (durable), then the event."""
+    """Announce a written checkpoint: upload (with ``store``), manifest (durable), then the event.
+
+    With ``store="s3://bucket/prefix"`` the files go to ``prefix/<run_id>/<directory name>/``,
+    the event's manifest is the mirrored ``s3://.../<run_id>/manifest.jsonl``, and evaluation
+    workers on other machines need nothing but S3.
+    """
     directory = Path(checkpoint_dir).resolve()
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
+    files = describe_files(directory)
+    root = f"{store.rstrip('/')}/{run_id}" if store else None
+    checkpoint_store = open_store(root, s3)
     event = CheckpointEvent(
-        run_id=run_id, uri=str(directory), epoch=epoch, epoch_step=epoch_step, global_step=global_step,
-        wall_time=time.time(), train_metrics=dict(train_metrics or {}), files=describe_files(directory), final=final,
+        run_id=run_id, uri=checkpoint_store.publish(directory, files), epoch=epoch, epoch_step=epoch_step,
+        global_step=global_step, wall_time=time.time(), train_metrics=dict(train_metrics or {}), files=files, final=final,
     )
     Manifest(manifest).append(event)
+    checkpoint_store.mirror(Path(manifest), "manifest.jsonl")
     api_url = api_url or os.environ.get("PREFECT_API_URL")
     if api_url:
-        post_event(api_url, event, manifest)
+        post_event(api_url, event, f"{root}/manifest.jsonl" if root else manifest)
     return event
