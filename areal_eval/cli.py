@@ -1,13 +1,16 @@
 """``areal-eval``: command-line tools that need no orchestrator.
 
     areal-eval replay CURVES.jsonl [--policy adaptive] [--policy fixed:K ...] [--inject-regression] [--json]
+    areal-eval follow-node [--cache-dir DIR] [--once]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import time
 
 from areal_eval import replay as replay_mod
 
@@ -28,6 +31,23 @@ def _replay(args) -> int:
     return 0
 
 
+def _follow_node(args) -> int:
+    """A node other than 0 of a multi-node evaluation pool (``infra/k8s``): join each evaluation
+    that node 0 starts, until the pod is stopped. The layout comes from ``AREAL_EVAL_*``."""
+    from areal_eval.launcher import NodeLayout, torchrun_command
+
+    nodes = NodeLayout.from_env()
+    if nodes.nnodes < 2 or nodes.node_rank == 0:
+        raise ValueError("follow-node runs on nodes 1..N-1 of a multi-node pool (AREAL_EVAL_NNODES >= 2, AREAL_EVAL_NODE_RANK >= 1)")
+    command = torchrun_command("areal_eval.eval_worker", ["--follow", "--cache-dir", args.cache_dir], nodes.nproc_per_node or 1, nodes)
+    while True:
+        code = subprocess.run(command).returncode
+        print(f"areal-eval follow-node: evaluation job ended with exit {code}", file=sys.stderr, flush=True)
+        if args.once:
+            return code
+        time.sleep(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="areal-eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     rp.set_defaults(run=_replay)
+    fp = sub.add_parser("follow-node", help="serve evaluations started by node 0 (multi-node pools)")
+    fp.add_argument("--cache-dir", default="/cache", help="node-local checkpoint cache")
+    fp.add_argument("--once", action="store_true", help="serve one evaluation, then exit with its status")
+    fp.set_defaults(run=_follow_node)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

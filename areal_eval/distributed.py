@@ -28,6 +28,20 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def spans_nodes() -> bool:
+    """True when the job's ranks are on more than one node (torchrun's ``--nnodes`` > 1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size())) < world_size()
+
+
+def broadcast_object(obj: Any, src_rank: int = 0) -> Any:
+    """A picklable object from ``src_rank`` to every rank (returned as is on a world of 1)."""
+    if world_size() == 1:
+        return obj
+    box = [obj if rank() == src_rank else None]
+    dist.broadcast_object_list(box, src=src_rank)
+    return box[0]
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 

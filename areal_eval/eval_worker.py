@@ -2,6 +2,11 @@
 
     torchrun --nproc-per-node M -m areal_eval.eval_worker --checkpoint DIR --data valid.jsonl --out result.json
 
+On more than one node, node 0's agent runs that command and the others run
+``torchrun ... -m areal_eval.eval_worker --follow``: after joining the group they receive the job
+(arguments, file list, validation data) from global rank 0, so only node 0 needs to be told what
+to evaluate. Each node's local rank 0 fetches the checkpoint into its own cache.
+
 Runs in its own processes, never in training's. Data-parallel heads read their exact shard and
 broadcast each batch to their model-parallel group; statistics are summed over the world;
 rank 0 writes the result file atomically. Any failure exits non-zero with the reason on stderr
@@ -82,6 +87,29 @@ def _agreed_keys(keys: list[str] | None) -> list[str]:
     return union
 
 
+def receive_job(args: argparse.Namespace) -> argparse.Namespace:
+    """On a multi-node job, every rank takes global rank 0's job; node-local paths are rewritten
+    into this rank's ``cache_dir``."""
+    if not distributed.spans_nodes():
+        if args.follow:
+            raise ValueError("--follow needs a multi-node torchrun job (--nnodes > 1)")
+        return args
+    job = None
+    if distributed.rank() == 0:
+        job = {"args": vars(args), "files": Path(args.files).read_text(), "data": Path(args.data).read_bytes()}
+    job = distributed.broadcast_object(job)
+    if distributed.rank() == 0:
+        return args
+    local = Path(args.cache_dir) / "jobs" / f"rank-{distributed.rank()}"
+    local.mkdir(parents=True, exist_ok=True)
+    (local / "files.json").write_text(job["files"])
+    (local / "valid.jsonl").write_bytes(job["data"])
+    received = argparse.Namespace(**job["args"])
+    received.files, received.data, received.cache_dir = str(local / "files.json"), str(local / "valid.jsonl"), args.cache_dir
+    received.out, received.follow = str(local / "unused-result.json"), True
+    return received
+
+
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -90,10 +118,11 @@ def _write_json(path: Path, data: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="checkpoint directory or s3:// URI")
-    parser.add_argument("--data", required=True, help="validation pairs (JSONL)")
-    parser.add_argument("--out", required=True, help="result JSON, written by rank 0")
-    parser.add_argument("--files", required=True, help="JSON list of {name,size,sha256} to verify before loading")
+    parser.add_argument("--checkpoint", help="checkpoint directory or s3:// URI")
+    parser.add_argument("--data", help="validation pairs (JSONL)")
+    parser.add_argument("--out", help="result JSON, written by rank 0")
+    parser.add_argument("--files", help="JSON list of {name,size,sha256} to verify before loading")
+    parser.add_argument("--follow", action="store_true", help="a node other than 0: take the job from global rank 0")
     parser.add_argument("--cache-dir", default="checkpoint-cache", help="node-local cache of downloaded checkpoints")
     parser.add_argument("--s3-config", help="S3Config as JSON (endpoint, retries, transfer settings)")
     parser.add_argument("--evaluator", default="reward_model")
@@ -104,13 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-pickle", action="store_true")
     parser.add_argument("--launched-at", type=float, default=0.0, help="launcher's wall time, for latency records")
     args = parser.parse_args(argv)
+    missing = [a for a in ("checkpoint", "data", "out", "files") if getattr(args, a) is None]
+    if missing and not args.follow:
+        parser.error(f"--{', --'.join(missing)} required (or --follow on nodes other than 0)")
 
     torch.set_num_threads(int(os.environ.get("AREAL_EVAL_THREADS", "1")))
-    out = Path(args.out)
+    out = Path(args.out) if args.out else None  # rank 0's; followers get theirs from receive_job
     start = time.time()  # workers are up (interpreter, torch imported): start-up latency ends here
     distributed.init(timeout_s=args.timeout)
     ok = False
     try:
+        args = receive_job(args)
+        out = Path(args.out)
         layout = distributed.ParallelLayout(distributed.world_size(), distributed.rank(), args.mp_size)
         mp_group = distributed.new_mp_group(layout)
         files = tuple(FileEntry(**f) for f in json.loads(Path(args.files).read_text()))
@@ -139,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:
         print(f"[rank {distributed.rank()}] evaluation failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if distributed.rank() == 0:
+        if distributed.rank() == 0 and out:
             _write_json(out, {"checkpoint": args.checkpoint, "error": f"{type(exc).__name__}: {exc}"})
         return 1
     finally:

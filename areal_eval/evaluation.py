@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from areal_eval.checkpoint_store import S3Config, s3_config_json
-from areal_eval.launcher import TorchrunJob, WorkerError, failure_summary
+from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary
 from areal_eval.manifest import CheckpointEvent
 
 
@@ -24,7 +24,8 @@ class CorruptCheckpoint(EvaluationFailed):
 @dataclasses.dataclass
 class EvalConfig:
     nproc: int = 2
-    """Evaluation ranks (torchrun --nproc-per-node)."""
+    """Evaluation ranks per node (torchrun --nproc-per-node); the node count comes from the
+    work pool (``AREAL_EVAL_NNODES``, see ``infra/k8s``)."""
     mp_size: int = 1
     """Ranks per model-parallel group; the data-parallel head broadcasts batches to it."""
     batch_size: int = 32
@@ -94,7 +95,10 @@ def evaluate_checkpoint(
     ] + (["--allow-pickle"] if cfg.allow_pickle else []) + (["--s3-config", s3_config_json(s3)] if s3 else [])
     start, launched_at = time.monotonic(), time.time()
     args += ["--launched-at", repr(launched_at)]
-    job = TorchrunJob("areal_eval.eval_worker", args, cfg.nproc, work_dir / f"{stem}.log", nice=cfg.nice)
+    # On a multi-node pool (infra/k8s) the other nodes run ``eval_worker --follow`` and get this job from rank 0.
+    nodes = NodeLayout.from_env()
+    job = TorchrunJob("areal_eval.eval_worker", args, nodes.nproc_per_node or cfg.nproc, work_dir / f"{stem}.log",
+                      nice=cfg.nice, nodes=nodes)
     try:
         code = job.wait(cfg.job_timeout_s)
         result = json.loads(out.read_text()) if out.exists() else {}

@@ -6,6 +6,7 @@ and every rank it started: nothing is left behind, whatever state the ranks are 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -18,10 +19,42 @@ class WorkerError(RuntimeError):
     """A torchrun job failed or timed out; the message carries its reason and log tail."""
 
 
-def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """Where this torchrun agent sits in a multi-node job (static rendezvous: node 0 hosts the
+    store, so global rank 0, which writes results, is always on node 0)."""
+
+    nnodes: int = 1
+    """Nodes in the job."""
+    node_rank: int = 0
+    """This node's index (a Kubernetes Indexed Job's ``JOB_COMPLETION_INDEX``)."""
+    master_addr: str = "127.0.0.1"
+    """Node 0's address, reachable from every node."""
+    master_port: int = 29500
+    """Node 0's rendezvous port."""
+    nproc_per_node: int | None = None
+    """Ranks per node the pool's hardware calls for (its GPUs); None: the evaluation config's."""
+
+    @classmethod
+    def from_env(cls, prefix: str = "AREAL_EVAL_") -> "NodeLayout":
+        """Set by the work pool's job template (``infra/k8s``); unset means one node."""
+        env = os.environ
+        nproc = env.get(prefix + "NPROC_PER_NODE")
+        return cls(int(env.get(prefix + "NNODES", 1)), int(env.get(prefix + "NODE_RANK", 0)),
+                   env.get(prefix + "MASTER_ADDR", "127.0.0.1"), int(env.get(prefix + "MASTER_PORT", 29500)),
+                   int(nproc) if nproc else None)
+
+    def torchrun_args(self) -> list[str]:
+        if self.nnodes == 1:
+            return ["--standalone"]
+        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}",
+                f"--master-addr={self.master_addr}", f"--master-port={self.master_port}"]
+
+
+def torchrun_command(module: str, args: list[str], nproc: int, nodes: NodeLayout = NodeLayout()) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={nproc}",
+        *nodes.torchrun_args(), f"--nproc-per-node={nproc}",
         # A failing rank brings the job down at once instead of being restarted.
         "--max-restarts=0", "--monitor-interval=0.5",
         "-m", module, *args,
@@ -73,7 +106,8 @@ def lower_priority(nice: int) -> None:
 class TorchrunJob:
     """A running torchrun job; its output goes to ``log_path``."""
 
-    def __init__(self, module: str, args: list[str], nproc: int, log_path: str | Path, env: dict | None = None, nice: int = 0):
+    def __init__(self, module: str, args: list[str], nproc: int, log_path: str | Path, env: dict | None = None, nice: int = 0,
+                 nodes: NodeLayout = NodeLayout()):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
@@ -85,7 +119,7 @@ class TorchrunJob:
         full_env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                torchrun_command(module, args, nproc),
+                torchrun_command(module, args, nproc, nodes),
                 stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
                 preexec_fn=(lambda: lower_priority(nice)) if nice else None,
             )

@@ -143,3 +143,37 @@ def test_pickle_checkpoint_on_s3_is_refused_without_opt_in(final_checkpoint, s3_
     opted_in = evaluate_checkpoint(pickled, run.valid_data, EvalConfig(nproc=1, allow_pickle=True), tmp_path / "out",
                                    s3=s3, cache_dir=tmp_path / "c")
     assert opted_in.metrics["n_pairs"] == 101
+
+
+def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(final_checkpoint, s3_server, s3_bucket, tmp_path, monkeypatch):
+    """What the Kubernetes template runs, on one machine: node 1's torchrun agent starts with
+    ``--follow`` and knows nothing of the job; node 0's is launched by evaluate_checkpoint."""
+    from areal_eval.checkpoint_store import S3Config, S3Store
+    from areal_eval.launcher import NodeLayout, TorchrunJob
+    from tests.s3_servers import FaultProxy, free_port
+
+    run, event = final_checkpoint
+    staged = tmp_path / "staged" / Path(event.uri).name
+    shutil.copytree(event.uri, staged)
+    proxy = FaultProxy(s3_server.url, limit=0)
+    s3 = S3Config(endpoint_url=proxy.url)
+    remote = dataclasses.replace(event, uri=S3Store(f"s3://{s3_bucket}/run", s3).publish(staged, event.files))
+
+    port = free_port()
+    follower = TorchrunJob("areal_eval.eval_worker", ["--follow", "--cache-dir", str(tmp_path / "node1-cache")], 1,
+                           tmp_path / "node1.log", nodes=NodeLayout(nnodes=2, node_rank=1, master_port=port))
+    for key, value in {"NNODES": 2, "NODE_RANK": 0, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+        monkeypatch.setenv(f"AREAL_EVAL_{key}", str(value))
+    try:
+        result = evaluate_checkpoint(remote, run.valid_data, EvalConfig(nproc=1, batch_size=16), tmp_path / "node0",
+                                     s3=s3, cache_dir=tmp_path / "node0-cache")
+        assert follower.wait(60) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+    finally:
+        follower.kill()
+    monkeypatch.delenv("AREAL_EVAL_NNODES")
+    one_node = evaluate_checkpoint(event, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "one")
+    assert result.metrics == pytest.approx(one_node.metrics, abs=1e-9) and result.metrics["n_pairs"] == 101
+    weight_gets = [p for m, p in proxy.requests if m == "GET" and p.split("?")[0].endswith("model.safetensors")]
+    assert len(weight_gets) == 2  # each node's local rank 0 fetched its own copy
+    assert (tmp_path / "node1-cache" / "jobs" / "rank-1" / "valid.jsonl").read_bytes() == run.valid_data.read_bytes()
+    proxy.stop()

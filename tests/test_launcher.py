@@ -26,3 +26,15 @@ def test_failure_summary_names_every_failed_rank(tmp_path):
     assert "rank 1 (local_rank: 1) exit code 17 (pid: 11)" in summary
     assert "rank 0 (local_rank: 0) exit code 1 (pid: 10)" in summary
     assert failure_summary(tmp_path / "missing.log") == ""
+
+
+def test_node_layout_from_the_pool_environment(monkeypatch):
+    from areal_eval.launcher import NodeLayout, torchrun_command
+
+    assert NodeLayout.from_env() == NodeLayout() and "--standalone" in torchrun_command("m", [], 2)
+    for key, value in {"NNODES": "4", "NODE_RANK": "2", "MASTER_ADDR": "job-0.areal-eval-rdzv", "MASTER_PORT": "29400"}.items():
+        monkeypatch.setenv(f"AREAL_EVAL_{key}", value)
+    command = torchrun_command("areal_eval.eval_worker", ["--follow"], 8, NodeLayout.from_env())
+    assert "--standalone" not in command
+    assert {"--nnodes=4", "--node-rank=2", "--master-addr=job-0.areal-eval-rdzv", "--master-port=29400",
+            "--nproc-per-node=8"} <= set(command)

@@ -96,6 +96,10 @@ def cli(env, *args, timeout=300) -> str:
     return done.stdout
 
 
+def api_get(env, path: str) -> dict:
+    return json.loads(urllib.request.urlopen(env["PREFECT_API_URL"] + path, timeout=10).read())
+
+
 def eval_steps(env, run_id: str) -> list[int]:
     tracker = Tracker(env["MLFLOW_TRACKING_URI"], "areal-eval")
     mlflow_run = tracker.find_run(run_id)
@@ -110,6 +114,28 @@ def stored_run(server, trained_run):
     shutil.copytree(original.root, run_dir, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
     (run_dir / "manifest.jsonl").write_text((original.manifest).read_text().replace(str(original.root), str(run_dir)))
     return run_dir
+
+
+def test_kubernetes_eval_pool_is_created_from_the_template(server):
+    cli(server, "work-pool", "create", "areal-eval-k8s", "--type", "kubernetes",
+        "--base-job-template", str(REPO / "infra" / "k8s" / "eval-pool.json"))
+    pool = api_get(server, "/work_pools/areal-eval-k8s")
+    assert pool["type"] == "kubernetes"
+    variables = pool["base_job_template"]["variables"]["properties"]
+    assert variables["nnodes"]["default"] == 2 and variables["gpus_per_node"]["default"] == 8
+    assert variables["env"]["default"] == {"AREAL_EVAL_HOME": "/opt/areal-eval"}
+    manifest = pool["base_job_template"]["job_configuration"]["job_manifest"]
+    assert manifest["spec"]["completionMode"] == "Indexed"
+
+    # The README's deploy command for that pool; then evaluate-checkpoint goes back to the process pool.
+    deploy = ["--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "-n", "evaluate-checkpoint/default"]
+    cli(server, *deploy, "--pool", "areal-eval-k8s", "--job-variable", "image=registry.local/areal-eval:1")
+    deployment = api_get(server, "/deployments/name/evaluate-checkpoint/default")
+    assert deployment["work_pool_name"] == "areal-eval-k8s"
+    assert deployment["job_variables"] == {"image": "registry.local/areal-eval:1"}
+    cli(server, *deploy)
+    deployment = api_get(server, "/deployments/name/evaluate-checkpoint/default")
+    assert deployment["work_pool_name"] == "areal-eval" and not deployment["job_variables"]
 
 
 def test_deployments_are_declared(server):
