@@ -66,14 +66,14 @@ FAULT_REPLIES = {
 
 class FaultProxy:
     """Forwards HTTP to ``upstream``; every ``every``-th request whose method is in ``methods``
-    gets the next fault of ``kinds`` ("503" SlowDown, "500" InternalError, "reset": the connection
+    (and whose path contains ``match``) gets the next fault of ``kinds`` ("503" SlowDown, "500" InternalError, "reset": the connection
     is reset without a reply, "stall": no reply for a minute, then a reset), until ``limit``
     faults have been injected."""
 
     def __init__(self, upstream: str, kinds=("503", "500", "reset"), every: int = 3, limit: int = 0,
-                 methods=("PUT", "POST", "GET", "HEAD")):
+                 methods=("PUT", "POST", "GET", "HEAD"), match: str = ""):
         self.upstream = upstream.removeprefix("http://")
-        self.every, self.limit, self.methods = every, limit, set(methods)
+        self.every, self.limit, self.methods, self.match = every, limit, set(methods), match
         self._kinds = itertools.cycle(kinds)
         self._lock = threading.Lock()
         self.requests: list[tuple[str, str]] = []
@@ -143,9 +143,9 @@ class FaultProxy:
     def _next_fault(self, method: str, path: str) -> str | None:
         with self._lock:
             self.requests.append((method, path))
-            if method not in self.methods or len(self.injected) >= self.limit:
+            if method not in self.methods or self.match not in path or len(self.injected) >= self.limit:
                 return None
-            matching = sum(1 for m, _ in self.requests if m in self.methods)
+            matching = sum(1 for m, p in self.requests if m in self.methods and self.match in p)
             if matching % self.every:
                 return None
             kind = next(self._kinds)

@@ -67,8 +67,8 @@ def test_failed_upload_never_enters_the_manifest(s3_server, s3_bucket, tmp_path)
 
 
 def test_a_crash_mid_upload_announces_nothing(s3_server, s3_bucket, tmp_path):
-    # The uploading process is killed while a part is in flight (the proxy stalls it).
-    proxy = FaultProxy(s3_server.url, kinds=("stall",), every=1, limit=1, methods=("PUT",))
+    # The uploading process is killed while a part of the weights is in flight (the proxy stalls it).
+    proxy = FaultProxy(s3_server.url, kinds=("stall",), every=1, limit=1, methods=("PUT",), match="partNumber=")
     staged, _ = staged_checkpoint(tmp_path, big_mb=6)
     script = textwrap.dedent(f"""
         from pathlib import Path

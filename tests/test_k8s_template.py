@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -78,17 +79,22 @@ def test_pod_command_runs_torchrun_across_two_nodes(prefect_server, trained_run,
     """))
     env = {**os.environ, "JOB_NAME": "eval-run-x7k2p", "AREAL_EVAL_MASTER_ADDR": "127.0.0.1",  # no cluster DNS here
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(Path.cwd())}
-    pods = {}
+    pods, logs = {}, {i: tmp_path / f"pod-{i}.log" for i in (0, 1)}
     for index, args in ((1, container["args"]), (0, [sys.executable, str(flow_side)])):
         pods[index] = subprocess.Popen([*container["command"], *args], env={**env, "JOB_COMPLETION_INDEX": str(index)},
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                       stdout=logs[index].open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        out, _ = pods[0].communicate(timeout=180)
+        pods[0].wait(timeout=180)
+        deadline = time.monotonic() + 60  # node 1's agent reports its job's end just after node 0's
+        while "evaluation job ended" not in logs[1].read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
-        os.killpg(pods[1].pid, signal.SIGKILL)  # Kubernetes stops the serving pods once pod 0 succeeds
-        pods[1].wait()
+        for pod in pods.values():  # Kubernetes stops the serving pods once pod 0 succeeds
+            if pod.poll() is None:
+                os.killpg(pod.pid, signal.SIGKILL)
+            pod.wait()
+    out, served = logs[0].read_text(), logs[1].read_text()
     assert pods[0].returncode == 0, out[-3000:]
     metrics = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
     assert metrics["n_pairs"] == 101
-    served = pods[1].stdout.read()
     assert "evaluation job ended with exit 0" in served, served[-3000:]
