@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +30,11 @@ class LedgerEntry:
 
 
 class Ledger:
+    """Thread-safe: the flow's decision thread records while its main loop reads."""
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._lock = threading.RLock()
         self._latest: dict[int, LedgerEntry] = {}
         if self.path.exists():
             for lineno, line in enumerate(self.path.read_text().splitlines(), start=1):
@@ -45,11 +49,11 @@ class Ledger:
     def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None) -> LedgerEntry:
         entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}))
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as fh:
+        with self._lock, self.path.open("a") as fh:
             fh.write(json.dumps(dataclasses.asdict(entry), sort_keys=True) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        self._latest[step] = entry
+            self._latest[step] = entry
         return entry
 
     def latest(self, step: int) -> LedgerEntry | None:
@@ -60,7 +64,8 @@ class Ledger:
         return entry.status if entry else None
 
     def entries(self) -> list[LedgerEntry]:
-        return [self._latest[s] for s in sorted(self._latest)]
+        with self._lock:
+            return [self._latest[s] for s in sorted(self._latest)]
 
     def pending(self) -> list[LedgerEntry]:
         """Scheduled but not finished: re-queue these after a restart."""
@@ -77,6 +82,6 @@ class Ledger:
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for e in self._latest.values():
+        for e in self.entries():
             out[e.status] = out.get(e.status, 0) + 1
         return out

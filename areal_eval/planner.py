@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +30,13 @@ class ManifestFollower:
     def poll(self) -> list[CheckpointEvent]:
         events, self._offset = self.manifest.read_from(self._offset)
         return events
+
+    def caught_up(self) -> bool:
+        """Every complete entry written so far has been read."""
+        try:
+            return os.stat(self.manifest.path).st_size <= self._offset
+        except FileNotFoundError:
+            return True
 
     def wait(self, timeout_s: float, every_s: float = 0.002) -> None:
         """Return as soon as the manifest grows, or after ``timeout_s``.
@@ -63,8 +72,21 @@ class JsonlFollower:
         return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
+def _locked(method):
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    wrapper.__doc__, wrapper.__name__ = method.__doc__, method.__name__
+    return wrapper
+
+
 class EvaluationPlanner:
+    """Decisions, the queue and the ledger; thread-safe, so a :class:`DecisionThread` can offer
+    checkpoints while the flow's loop takes work and records results."""
+
     def __init__(self, cfg: SchedulerConfig, ledger: Ledger):
+        self._lock = threading.RLock()
         self.cfg = cfg
         self.ledger = ledger
         self.queue: CoalescingQueue[CheckpointEvent] = CoalescingQueue(cfg.queue_capacity, coalesce=cfg.coalesce)
@@ -73,6 +95,7 @@ class EvaluationPlanner:
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_metric)
 
+    @_locked
     def offer(self, event: CheckpointEvent) -> Decision:
         """Decide on a newly announced checkpoint; queue it or record the skip."""
         self._events[event.global_step] = event
@@ -92,6 +115,7 @@ class EvaluationPlanner:
             self._supersede(old, event)
         return decision
 
+    @_locked
     def next(self) -> CheckpointEvent | None:
         """The checkpoint to evaluate now (newest waiting); older waiting ones are superseded."""
         if not len(self.queue):
@@ -104,12 +128,69 @@ class EvaluationPlanner:
     def _supersede(self, old: CheckpointEvent, by: CheckpointEvent) -> None:
         self.ledger.record(old.global_step, old.uri, "superseded", f"evaluation behind training: coalesced to step {by.global_step}")
 
+    @_locked
     def evaluated(self, event: CheckpointEvent, metrics: dict) -> None:
         self.ledger.record(event.global_step, event.uri, "evaluated", "", metrics)
 
+    @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:
         self.ledger.record(event.global_step, event.uri, "failed", error)
 
     @property
     def waiting(self) -> int:
-        return len(self.queue)
+        with self._lock:
+            return len(self.queue)
+
+
+class DecisionThread:
+    """Follows the manifest and decides on each new checkpoint in a thread of its own.
+
+    The decision is the start of the feedback path, so it must not wait while the flow's loop
+    is inside a Prefect task call or an MLflow request. Decided checkpoints come out of
+    :meth:`drain` for the loop to announce and log.
+    """
+
+    def __init__(self, planner: EvaluationPlanner, follower: ManifestFollower, idle_wait_s: float = 0.5):
+        self.planner, self.follower, self.idle_wait_s = planner, follower, idle_wait_s
+        self._decided: queue.Queue[tuple[CheckpointEvent, Decision]] = queue.Queue()
+        self._stop = threading.Event()
+        self._busy = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-decisions", daemon=True)
+
+    def __enter__(self) -> "DecisionThread":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._busy = True  # read and handed over: see idle()
+                for event in self.follower.poll():
+                    self._decided.put((event, self.planner.offer(event)))
+                self._busy = False
+                self.follower.wait(self.idle_wait_s)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by drain()
+            self._error = exc
+            self._decided.put(None)
+
+    def idle(self) -> bool:
+        """Nothing left to decide or to hand over: the manifest is read and every decision drained."""
+        return not self._busy and self.follower.caught_up() and self._decided.empty()
+
+    def drain(self, timeout_s: float = 0.0) -> list[tuple[CheckpointEvent, Decision]]:
+        """Decisions made since the last call; waits up to ``timeout_s`` for the first one."""
+        out = []
+        try:
+            item = self._decided.get(timeout=timeout_s) if timeout_s > 0 else self._decided.get_nowait()
+            while True:
+                if item is None:
+                    raise RuntimeError(f"deciding on checkpoints failed: {self._error}") from self._error
+                out.append(item)
+                item = self._decided.get_nowait()
+        except queue.Empty:
+            return out

@@ -25,7 +25,7 @@ from areal_eval.ledger import Ledger
 from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
 from areal_eval.plot import plot_curve
-from areal_eval.planner import EvaluationPlanner, JsonlFollower, ManifestFollower
+from areal_eval.planner import DecisionThread, EvaluationPlanner, JsonlFollower, ManifestFollower
 from areal_eval.run_dir import RunDir
 from areal_eval.run_setup import total_train_steps
 from areal_eval.tracking import resolve_tracking_uri
@@ -73,46 +73,47 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     logger = get_run_logger()
     planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger))
     alert_rules = AlertEngine(cfg.alerts)
-    checkpoints, train_log = ManifestFollower(Manifest(run.manifest)), JsonlFollower(run.train_log)
+    train_log = JsonlFollower(run.train_log)
     total_steps = total_train_steps(run, cfg)
     progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
     in_flight: InFlight | None = None
-    final_seen, pending_rows, last_train_log = False, [], 0.0
+    final_seen, pending_rows, last_train_log, decided = False, [], 0.0, []
     retention_on, deleted = cfg.storage.retention.keep_last is not None, set()
-    while True:
-        settled = False
-        for event in checkpoints.poll():
-            decision = planner.offer(event)  # first: the decision is on the feedback path
-            announce_checkpoint(event, run.manifest)
-            logger.info("checkpoint step %d: %s (%s)", event.global_step, "evaluate" if decision.evaluate else "skip", decision.reason)
-            final_seen, settled = final_seen | event.final, True
+    # Decisions are made in their own thread the moment the manifest grows; this loop announces them.
+    with DecisionThread(planner, ManifestFollower(Manifest(run.manifest))) as decisions:
+        while True:
+            settled = False
+            for event, decision in decided:
+                announce_checkpoint(event, run.manifest)
+                logger.info("checkpoint step %d: %s (%s)", event.global_step, "evaluate" if decision.evaluate else "skip", decision.reason)
+                final_seen, settled = final_seen | event.final, True
 
-        pending_rows += train_log.poll()
-        if pending_rows and (final_seen or time.monotonic() - last_train_log > TRAIN_LOG_EVERY_S):
-            log_training_metrics(cfg, mlflow_run_id, pending_rows)
-            update_progress_artifact(progress, 100.0 * min(1.0, pending_rows[-1]["step"] / total_steps))
-            pending_rows, last_train_log = [], time.monotonic()
+            pending_rows += train_log.poll()
+            if pending_rows and (final_seen or time.monotonic() - last_train_log > TRAIN_LOG_EVERY_S):
+                log_training_metrics(cfg, mlflow_run_id, pending_rows)
+                update_progress_artifact(progress, 100.0 * min(1.0, pending_rows[-1]["step"] / total_steps))
+                pending_rows, last_train_log = [], time.monotonic()
 
-        if in_flight and in_flight.future.state.is_final():
-            collect_evaluation(cfg, run, mlflow_run_id, planner, alert_rules, in_flight)
-            in_flight, settled = None, True
-        if retention_on and settled:
-            deleted.update(apply_retention(cfg, run, mlflow_run_id, planner.ledger, deleted))
-        if in_flight is None and (event := planner.next()):
-            reason = planner.ledger.latest(event.global_step).reason
-            if cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
-                future = dispatch_evaluation.submit(event, run.manifest, cfg)
-            else:
-                future = submit_evaluation(event, run.valid_data, cfg, run.evals)
-            in_flight = InFlight(event, future, reason)
+            if in_flight and in_flight.future.state.is_final():
+                collect_evaluation(cfg, run, mlflow_run_id, planner, alert_rules, in_flight)
+                in_flight, settled = None, True
+            if retention_on and settled:
+                deleted.update(apply_retention(cfg, run, mlflow_run_id, planner.ledger, deleted))
+            if in_flight is None and (event := planner.next()):
+                reason = planner.ledger.latest(event.global_step).reason
+                if cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
+                    future = dispatch_evaluation.submit(event, run.manifest, cfg)
+                else:
+                    future = submit_evaluation(event, run.valid_data, cfg, run.evals)
+                in_flight = InFlight(event, future, reason)
 
-        if final_seen and in_flight is None and not planner.waiting:
-            break
-        if training is not None and training.poll() not in (None, 0):
-            wait_for_training(training)  # raises with the training log tail
-        if training is None and not final_seen and in_flight is None and not planner.waiting:
-            raise RuntimeError(f"{run.manifest}: no final checkpoint and no training job to wait for")
-        checkpoints.wait(cfg.poll_interval_s)
+            if final_seen and in_flight is None and not planner.waiting:
+                break
+            if training is not None and training.poll() not in (None, 0):
+                wait_for_training(training)  # raises with the training log tail
+            if training is None and not final_seen and in_flight is None and not planner.waiting and decisions.idle() and not decided:
+                raise RuntimeError(f"{run.manifest}: no final checkpoint and no training job to wait for")
+            decided = decisions.drain(timeout_s=cfg.poll_interval_s)
     update_progress_artifact(progress, 100.0)
     return planner.ledger
 

@@ -103,3 +103,36 @@ def test_manifest_follower_wakes_when_the_manifest_grows(tmp_path):
     threading.Timer(0.05, manifest.append, args=(ev(7),)).start()
     follower.wait(30)  # returns once the line is there, long before 30 s
     assert [e.global_step for e in follower.poll()] == [7]
+
+
+def test_decision_thread_decides_as_the_manifest_grows(tmp_path):
+    import time
+
+    from areal_eval.manifest import Manifest
+    from areal_eval.planner import DecisionThread, ManifestFollower
+
+    manifest = Manifest(tmp_path / "manifest.jsonl")
+    planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
+    def eventually(condition, timeout_s=10.0):
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return condition()
+
+    with DecisionThread(planner, ManifestFollower(manifest), idle_wait_s=0.05) as decisions:
+        assert decisions.drain() == [] and eventually(decisions.idle)
+        for step in (0, 5):
+            manifest.append(ev(step))
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += decisions.drain(timeout_s=0.5)
+        assert [(e.global_step, d.evaluate) for e, d in got] == [(0, True), (5, True)]
+        assert planner.ledger.status(0) == "scheduled" and eventually(decisions.idle)
+        assert [planner.next().global_step, planner.next().global_step] == [0, 5]
+    (tmp_path / "manifest.jsonl").write_text("not json\n")  # a bad entry surfaces in the flow's loop
+    with DecisionThread(planner, ManifestFollower(Manifest(tmp_path / "manifest.jsonl")), idle_wait_s=0.05) as decisions:
+        import pytest
+
+        with pytest.raises(RuntimeError, match="deciding on checkpoints failed.*manifest.jsonl"):
+            decisions.drain(timeout_s=5)
