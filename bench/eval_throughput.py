@@ -3,7 +3,8 @@
     .venv/bin/python bench/eval_throughput.py [--pairs 2001] [--rounds 3]
 
 Same reward model, same validation pairs, same batch size, one process, A and B alternating;
-then areal-eval on 2 torchrun ranks against 1. Pairs per second count the evaluation loop only
+then on 2 torchrun ranks: areal-eval against Trainer (DDP over gloo), and areal-eval 2 ranks
+against 1. Pairs per second count the evaluation loop only
 (model loading excluded on both sides). Prints one JSON line.
 """
 
@@ -78,13 +79,44 @@ def areal_torchrun(event, pairs_path: Path, batch_size: int, nproc: int, work: P
     return loop, result.metrics["accuracy"]
 
 
+def trainer_torchrun(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path) -> tuple[float, float]:
+    """Trainer.evaluate on ``nproc`` ranks, as a user would launch it: torchrun, DDP (gloo on CPU)."""
+    import subprocess
+    import sys
+
+    out = work / f"trainer-{nproc}.json"
+    out.unlink(missing_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
+         "--trainer-worker", json.dumps([str(checkpoint), str(pairs_path), batch_size, max_length, str(out)])],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    result = json.loads(out.read_text())
+    return result["seconds"], result["accuracy"]
+
+
+def trainer_worker(spec: str) -> None:
+    import os
+
+    import torch
+
+    torch.set_num_threads(1)
+    checkpoint, pairs_path, batch_size, max_length, out = json.loads(spec)
+    seconds, accuracy = trainer_evaluate(Path(checkpoint), Path(pairs_path), batch_size, max_length)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps({"seconds": seconds, "accuracy": accuracy}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2001)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--length-jitter", type=int, default=100, help="extra words per response, 0..N (HH-RLHF-like spread)")
+    parser.add_argument("--trainer-worker", help=argparse.SUPPRESS)  # one rank of trainer_torchrun
     args = parser.parse_args()
+    if args.trainer_worker:
+        return trainer_worker(args.trainer_worker)
 
     import torch
 
@@ -114,10 +146,14 @@ def main() -> None:
         o, b = areal_evaluate(ckpt, pairs, bs, ml)
         ours_s.append(o)
         accs.add((round(a, 9), round(b, 9)))
-    one, two = [], []
+    one, two, trainer_two, accs2 = [], [], [], set()
     for _ in range(args.rounds):
         one.append(areal_torchrun(event, pairs, bs, 1, work / "w1")[0])
-        two.append(areal_torchrun(event, pairs, bs, 2, work / "w2")[0])
+        t2, a2 = trainer_torchrun(ckpt, pairs, bs, ml, 2, work)
+        trainer_two.append(t2)
+        o2, b2 = areal_torchrun(event, pairs, bs, 2, work / "w2")
+        two.append(o2)
+        accs2.add((round(a2, 9), round(b2, 9)))
     n = args.pairs
     emit({
         "benchmark": "eval_throughput",
@@ -130,6 +166,10 @@ def main() -> None:
         "areal_1rank_pairs_per_s": round(n / median(one), 1),
         "areal_2rank_pairs_per_s": round(n / median(two), 1),
         "scaling_2_vs_1": round(median(one) / median(two), 2),
+        "trainer_2rank_pairs_per_s": round(n / median(trainer_two), 1),
+        "speedup_vs_trainer_2rank": round(median(trainer_two) / median(two), 2),
+        "identical_accuracy_2rank": all(a == b for a, b in accs2),
+        "accuracy_2rank": sorted(accs2)[0],
     })
 
 
