@@ -76,10 +76,12 @@ class RewardModelEvaluator(BaseEvaluator):
     def batch_sums(self, batch):
         chosen, rejected = reward_model.pair_scores_trimmed(self.model, batch)
         chosen, rejected = chosen.double(), rejected.double()
+        losses = reward_model.bradley_terry_loss(chosen, rejected, reduction="none")
         return {
             "n_pairs": float(chosen.numel()),
             "correct": float((chosen > rejected).sum()),
-            "loss": float(reward_model.bradley_terry_loss(chosen, rejected, reduction="sum")),
+            "loss": float(losses.sum()),
+            "loss_sq": float((losses * losses).sum()),
             "chosen_score": float(chosen.sum()),
             "rejected_score": float(rejected.sum()),
         }
@@ -89,12 +91,14 @@ class RewardModelEvaluator(BaseEvaluator):
         if n == 0:
             raise ValueError("evaluation saw no pairs")
         acc = sums["correct"] / n
+        loss = sums["loss"] / n
         chosen, rejected = sums["chosen_score"] / n, sums["rejected_score"] / n
         return {
             "accuracy": acc,
             # Binomial standard error: the scheduler's and alerts' notion of noise.
             "accuracy_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / n),
-            "loss": sums["loss"] / n,
+            "loss": loss,
+            "loss_stderr": math.sqrt(max(sums["loss_sq"] / n - loss * loss, 0.0) / n),
             "chosen_score": chosen,
             "rejected_score": rejected,
             "margin": chosen - rejected,

@@ -132,6 +132,7 @@ def pair_scores_trimmed(model, batch: dict[str, torch.Tensor], chunks: int = 2) 
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """``-log sigmoid(r_chosen - r_rejected)``: the pairwise reward-model loss."""
+    """``-log sigmoid(r_chosen - r_rejected)``: the pairwise reward-model loss (``reduction``:
+    ``mean``, ``sum``, or ``none`` for one loss per pair)."""
     loss = -F.logsigmoid(chosen - rejected)
-    return loss.sum() if reduction == "sum" else loss.mean()
+    return {"sum": loss.sum, "mean": loss.mean, "none": lambda: loss}[reduction]()

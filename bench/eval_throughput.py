@@ -47,7 +47,8 @@ def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_le
 
     def compute_metrics(pred):
         scores = np.asarray(pred.predictions)
-        return {"accuracy": float((scores[:, 0] > scores[:, 1]).mean())}
+        return {"accuracy": float((scores[:, 0] > scores[:, 1]).mean()), "n_pairs": len(scores),
+                "padding_rows": int((scores == -100).all(axis=1).sum())}
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, per_device_eval_batch_size=batch_size, report_to=[],
@@ -56,7 +57,7 @@ def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_le
         trainer = PairwiseTrainer(model=model, args=args, eval_dataset=items, data_collator=collate, compute_metrics=compute_metrics)
         start = time.perf_counter()
         metrics = trainer.evaluate()
-        return time.perf_counter() - start, metrics["eval_accuracy"]
+        return time.perf_counter() - start, metrics
 
 
 def areal_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int) -> tuple[float, float]:
@@ -92,7 +93,7 @@ def trainer_torchrun(checkpoint: Path, pairs_path: Path, batch_size: int, max_le
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )
     result = json.loads(out.read_text())
-    return result["seconds"], result["accuracy"]
+    return result["seconds"], result
 
 
 def trainer_worker(spec: str) -> None:
@@ -102,9 +103,9 @@ def trainer_worker(spec: str) -> None:
 
     torch.set_num_threads(1)
     checkpoint, pairs_path, batch_size, max_length, out = json.loads(spec)
-    seconds, accuracy = trainer_evaluate(Path(checkpoint), Path(pairs_path), batch_size, max_length)
+    seconds, metrics = trainer_evaluate(Path(checkpoint), Path(pairs_path), batch_size, max_length)
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(out).write_text(json.dumps({"seconds": seconds, "accuracy": accuracy}))
+        Path(out).write_text(json.dumps({"seconds": seconds, **metrics}))
 
 
 def main() -> None:
@@ -141,7 +142,8 @@ def main() -> None:
 
     trainer_s, ours_s, accs = [], [], set()
     for _ in range(args.rounds):  # alternate A and B: this machine is noisy
-        t, a = trainer_evaluate(ckpt, pairs, bs, ml)
+        t, trainer_metrics = trainer_evaluate(ckpt, pairs, bs, ml)
+        a = trainer_metrics["eval_accuracy"]
         trainer_s.append(t)
         o, b = areal_evaluate(ckpt, pairs, bs, ml)
         ours_s.append(o)
@@ -149,7 +151,8 @@ def main() -> None:
     one, two, trainer_two, accs2 = [], [], [], set()
     for _ in range(args.rounds):
         one.append(areal_torchrun(event, pairs, bs, 1, work / "w1")[0])
-        t2, a2 = trainer_torchrun(ckpt, pairs, bs, ml, 2, work)
+        t2, trainer2 = trainer_torchrun(ckpt, pairs, bs, ml, 2, work)
+        a2 = trainer2["eval_accuracy"]
         trainer_two.append(t2)
         o2, b2 = areal_torchrun(event, pairs, bs, 2, work / "w2")
         two.append(o2)
@@ -170,6 +173,7 @@ def main() -> None:
         "speedup_vs_trainer_2rank": round(median(trainer_two) / median(two), 2),
         "identical_accuracy_2rank": all(a == b for a, b in accs2),
         "accuracy_2rank": sorted(accs2)[0],
+        "trainer_2rank_pairs_counted": trainer2["eval_n_pairs"], "trainer_2rank_padding_rows": trainer2["eval_padding_rows"],
     })
 
 

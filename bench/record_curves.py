@@ -1,0 +1,67 @@
+"""Record learning curves from our own training runs, for tuning and checking the scheduler.
+
+    .venv/bin/python bench/record_curves.py [--out bench/curves/areal-demo.jsonl] [--runs 3]
+
+Trains the demo's reward model (2 DDP ranks) with a few seeds and label-noise levels, then
+evaluates every checkpoint once (2 torchrun ranks) and writes one curve per run and metric
+(accuracy, higher is better; Bradley-Terry loss, lower is better) in the replay format
+``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``. Ends by replaying
+them through the adaptive and fixed policies; prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from common import ROOT, emit, prepared_run
+
+RUNS = [  # (seed, label noise, checkpoint every N steps): uneven spacing on purpose in the last
+    (1, 0.15, 25),
+    (2, 0.25, 25),
+    (3, 0.10, 40),
+    (4, 0.20, 15),
+]
+
+
+def record_run(work: Path, seed: int, noise: float, every: int) -> list[dict]:
+    from areal_eval.evaluation import evaluate_checkpoint
+    from areal_eval.launcher import TorchrunJob
+    from areal_eval.manifest import Manifest
+
+    name = f"seed{seed}-noise{noise}-every{every}"
+    cfg, run = prepared_run(name, work, train={"seed": seed, "save": {"freq_steps": every}},
+                            data={"synthetic": {"seed": seed, "label_noise": noise}})
+    job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
+    job.wait(1800)
+    job.raise_for_status("training")
+    points: dict[str, list[dict]] = {"accuracy": [], "loss": []}
+    for event in Manifest(run.manifest).events():
+        metrics = evaluate_checkpoint(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length).metrics
+        for metric in points:
+            points[metric].append({"step": event.global_step, "value": metrics[metric], "stderr": metrics[f"{metric}_stderr"]})
+    return [{"curve": f"areal-demo/{name}/{metric}", "higher_is_better": metric == "accuracy", "points": pts}
+            for metric, pts in points.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "curves" / "areal-demo.jsonl"))
+    parser.add_argument("--runs", type=int, default=len(RUNS))
+    args = parser.parse_args()
+    from areal_eval import replay
+
+    work = Path(tempfile.mkdtemp(prefix="bench-curves-"))
+    curves = [c for seed, noise, every in RUNS[: args.runs] for c in record_run(work, seed, noise, every)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(c) + "\n" for c in curves))
+    policies = [replay.parse_policy(p) for p in ("adaptive", "fixed:1", "fixed:2", "fixed:3", "fixed:4")]
+    emit({"benchmark": "record_curves", "out": str(out), "curves": len(curves),
+          "replay_injected": replay.replay(replay.read_curves(out), policies, regression=True)["policies"]})
+
+
+if __name__ == "__main__":
+    main()
