@@ -116,13 +116,14 @@ def _write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="checkpoint directory or s3:// URI")
     parser.add_argument("--data", help="validation pairs (JSONL)")
     parser.add_argument("--out", help="result JSON, written by rank 0")
     parser.add_argument("--files", help="JSON list of {name,size,sha256} to verify before loading")
     parser.add_argument("--follow", action="store_true", help="a node other than 0: take the job from global rank 0")
+    parser.add_argument("--serve", metavar="INBOX", help="stay up and evaluate each job file put in INBOX (warm workers)")
     parser.add_argument("--cache-dir", default="checkpoint-cache", help="node-local cache of downloaded checkpoints")
     parser.add_argument("--s3-config", help="S3Config as JSON (endpoint, retries, transfer settings)")
     parser.add_argument("--evaluator", default="reward_model")
@@ -132,49 +133,96 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
     parser.add_argument("--allow-pickle", action="store_true")
     parser.add_argument("--launched-at", type=float, default=0.0, help="launcher's wall time, for latency records")
+    return parser
+
+
+def run_job(args: argparse.Namespace, started_at: float) -> None:
+    """Fetch, load and evaluate one checkpoint on every rank; rank 0 writes the result file."""
+    layout = distributed.ParallelLayout(distributed.world_size(), distributed.rank(), args.mp_size)
+    mp_group = distributed.new_mp_group(layout)
+    files = tuple(FileEntry(**f) for f in json.loads(Path(args.files).read_text()))
+    store = open_store(args.checkpoint, S3Config(**json.loads(args.s3_config)) if args.s3_config else None)
+    cache_dir = Path(args.cache_dir)
+    if distributed.local_rank() == 0:  # one download and verification per node
+        store.fetch(args.checkpoint, files, cache_dir)
+    if distributed.world_size() > 1:
+        torch.distributed.barrier()  # nobody loads before the node's copy is verified
+    evaluator = make_evaluator(args.evaluator, max_length=args.max_length)
+    evaluator.load(store.local_path(args.checkpoint, files, cache_dir), Path(args.data), allow_pickle=args.allow_pickle)
+    loop_start = time.time()
+    metrics = evaluate(evaluator, layout, args.batch_size, mp_group)
+    if layout.rank == 0:
+        _write_json(Path(args.out), {
+            "checkpoint": args.checkpoint,
+            "metrics": metrics,
+            "world_size": layout.world_size,
+            "mp_size": layout.mp_size,
+            "launched_at": args.launched_at,
+            "started_at": started_at,
+            "seconds": time.time() - started_at,
+            "eval_loop_seconds": time.time() - loop_start,
+        })
+
+
+def next_job(inbox: Path, done: set[str], poll_s: float = 0.01) -> Path:
+    """The oldest job file not yet handled. Every rank watches the inbox itself, so idle ranks
+    wait on the file system, not in a collective that would time out."""
+    while True:
+        jobs = sorted(p for p in inbox.glob("*.json") if p.name not in done)
+        if jobs:
+            return jobs[0]
+        time.sleep(poll_s)
+
+
+def serve(parser: argparse.ArgumentParser, inbox: Path) -> None:
+    """Warm workers: evaluate job after job from ``inbox`` until a stop job (see worker_pool)."""
+    done: set[str] = set()
+    while True:
+        path = next_job(inbox, done)
+        argv = json.loads(path.read_text())["argv"]
+        if argv is None:
+            return
+        args = parser.parse_args(argv)
+        try:
+            run_job(args, started_at=time.time())
+        except Exception as exc:
+            _fail(args, exc)
+            raise
+        done.add(path.name)
+        if distributed.world_size() > 1:
+            torch.distributed.barrier()  # every rank has read the job before it is removed
+        if distributed.rank() == 0:
+            path.unlink()
+
+
+def _fail(args: argparse.Namespace, exc: Exception) -> None:
+    print(f"[rank {distributed.rank()}] evaluation failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    if distributed.rank() == 0 and args.out:
+        _write_json(Path(args.out), {"checkpoint": args.checkpoint, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     missing = [a for a in ("checkpoint", "data", "out", "files") if getattr(args, a) is None]
-    if missing and not args.follow:
-        parser.error(f"--{', --'.join(missing)} required (or --follow on nodes other than 0)")
+    if missing and not (args.follow or args.serve):
+        parser.error(f"--{', --'.join(missing)} required (or --follow on nodes other than 0, or --serve)")
 
     torch.set_num_threads(int(os.environ.get("AREAL_EVAL_THREADS", "1")))
-    out = Path(args.out) if args.out else None  # rank 0's; followers get theirs from receive_job
     start = time.time()  # workers are up (interpreter, torch imported): start-up latency ends here
     distributed.init(timeout_s=args.timeout)
     ok = False
     try:
-        args = receive_job(args)
-        out = Path(args.out)
-        layout = distributed.ParallelLayout(distributed.world_size(), distributed.rank(), args.mp_size)
-        mp_group = distributed.new_mp_group(layout)
-        files = tuple(FileEntry(**f) for f in json.loads(Path(args.files).read_text()))
-        store = open_store(args.checkpoint, S3Config(**json.loads(args.s3_config)) if args.s3_config else None)
-        cache_dir = Path(args.cache_dir)
-        if distributed.local_rank() == 0:  # one download and verification per node
-            store.fetch(args.checkpoint, files, cache_dir)
-        if distributed.world_size() > 1:
-            torch.distributed.barrier()  # nobody loads before the node's copy is verified
-        evaluator = make_evaluator(args.evaluator, max_length=args.max_length)
-        evaluator.load(store.local_path(args.checkpoint, files, cache_dir), Path(args.data), allow_pickle=args.allow_pickle)
-        loop_start = time.time()
-        metrics = evaluate(evaluator, layout, args.batch_size, mp_group)
-        if layout.rank == 0:
-            _write_json(out, {
-                "checkpoint": args.checkpoint,
-                "metrics": metrics,
-                "world_size": layout.world_size,
-                "mp_size": layout.mp_size,
-                "launched_at": args.launched_at,
-                "started_at": start,
-                "seconds": time.time() - start,
-                "eval_loop_seconds": time.time() - loop_start,
-            })
+        if args.serve:
+            serve(parser, Path(args.serve))
+        else:
+            args = receive_job(args)
+            run_job(args, start)
         ok = True
         return 0
     except Exception as exc:
-        print(f"[rank {distributed.rank()}] evaluation failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if distributed.rank() == 0 and out:
-            _write_json(out, {"checkpoint": args.checkpoint, "error": f"{type(exc).__name__}: {exc}"})
+        if not args.serve:  # serve() reported it against the job that failed
+            _fail(args, exc)
         return 1
     finally:
         # After a failure peers may be gone: skip the barrier; the launcher's kill is the backstop.

@@ -11,6 +11,7 @@ from pathlib import Path
 from areal_eval.checkpoint_store import S3Config, s3_config_json
 from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary
 from areal_eval.manifest import CheckpointEvent
+from areal_eval.worker_pool import WarmEvalWorkers
 
 
 class EvaluationFailed(RuntimeError):
@@ -46,6 +47,9 @@ class EvalConfig:
     nice: int = 0
     """Lower the workers' CPU priority by this much (0-19) when they share CPUs with training,
     so training keeps its throughput and evaluation takes what is left."""
+    warm_workers: bool = True
+    """Keep the evaluation ranks alive between evaluations of a flow run (one torchrun job
+    serves them all), saving interpreter and library start-up each time. Single node only."""
 
     def __post_init__(self):
         if self.nproc < 1:
@@ -73,9 +77,10 @@ class EvalResult:
 
 def evaluate_checkpoint(
     event: CheckpointEvent, data_path: str | Path, cfg: EvalConfig, work_dir: str | Path, max_length: int = 64,
-    s3: S3Config | None = None, cache_dir: str | Path | None = None,
+    s3: S3Config | None = None, cache_dir: str | Path | None = None, workers: WarmEvalWorkers | None = None,
 ) -> EvalResult:
-    """Evaluate ``event``'s checkpoint on ``cfg.nproc`` fresh torchrun ranks.
+    """Evaluate ``event``'s checkpoint on ``cfg.nproc`` torchrun ranks: the ``workers`` kept warm
+    between evaluations, or a fresh torchrun job.
 
     An ``s3://`` checkpoint is downloaded once per node into ``cache_dir`` (default
     ``work_dir/checkpoint-cache``) with the ``s3`` client settings.
@@ -97,24 +102,28 @@ def evaluate_checkpoint(
     args += ["--launched-at", repr(launched_at)]
     # On a multi-node pool (infra/k8s) the other nodes run ``eval_worker --follow`` and get this job from rank 0.
     nodes = NodeLayout.from_env()
-    job = TorchrunJob("areal_eval.eval_worker", args, nodes.nproc_per_node or cfg.nproc, work_dir / f"{stem}.log",
-                      nice=cfg.nice, nodes=nodes)
+    job = None
     try:
-        code = job.wait(cfg.job_timeout_s)
+        if workers is not None and nodes.nnodes == 1:
+            code, log_path = workers.run(args, out, cfg.job_timeout_s)
+        else:
+            job = TorchrunJob("areal_eval.eval_worker", args, nodes.nproc_per_node or cfg.nproc, work_dir / f"{stem}.log",
+                              nice=cfg.nice, nodes=nodes)
+            code, log_path = job.wait(cfg.job_timeout_s), job.log_path
         result = json.loads(out.read_text()) if out.exists() else {}
         if code or "error" in result or "metrics" not in result:
-            summary = failure_summary(job.log_path)
+            summary = failure_summary(log_path)
             reason = result.get("error") or (
                 "workers exited abnormally" if "metrics" in result else "worker wrote no result")
             failure = CorruptCheckpoint if reason.startswith("CheckpointError") else EvaluationFailed
             raise failure(
-                f"checkpoint step {event.global_step} ({event.uri}): {reason} [torchrun exit {code}; log {job.log_path}]"
+                f"checkpoint step {event.global_step} ({event.uri}): {reason} [torchrun exit {code}; log {log_path}]"
                 + (f"\n{summary}" if summary else "")
             )
     except WorkerError as exc:
         raise EvaluationFailed(f"checkpoint step {event.global_step} ({event.uri}): {exc}") from exc
     finally:
-        if job.poll() is None:
+        if job is not None and job.poll() is None:
             job.kill()
     return EvalResult(
         event.global_step, event.uri, result["metrics"], time.monotonic() - start, launched_at, result.get("started_at", 0.0)

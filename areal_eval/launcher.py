@@ -80,7 +80,7 @@ def failure_summary(path: Path) -> str:
     return "\n".join(dict.fromkeys(found))  # keep order, drop repeats
 
 
-def _log_tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
@@ -163,7 +163,7 @@ class TorchrunJob:
         except subprocess.TimeoutExpired:
             self.kill()
             raise WorkerError(
-                f"torchrun job timed out after {timeout_s:.0f}s and was killed; log {self.log_path}:\n{_log_tail(self.log_path)}"
+                f"torchrun job timed out after {timeout_s:.0f}s and was killed; log {self.log_path}:\n{log_tail(self.log_path)}"
             ) from None
         self._reap_group()
         return code
@@ -171,7 +171,7 @@ class TorchrunJob:
     def raise_for_status(self, what: str) -> None:
         code = self.proc.returncode
         if code:
-            summary = failure_summary(self.log_path) or _log_tail(self.log_path)
+            summary = failure_summary(self.log_path) or log_tail(self.log_path)
             raise WorkerError(f"{what} failed (torchrun exit {code}); log {self.log_path}:\n{summary}")
 
 

@@ -1,6 +1,6 @@
 """Feedback latency of the real pipeline: p50/p99 from a durable checkpoint to feedback.
 
-    .venv/bin/python bench/feedback_latency.py [--steps 400]
+    .venv/bin/python bench/feedback_latency.py [--steps 750]
 
 Runs the train-and-evaluate flow (Prefect's local API, MLflow on SQLite, torchrun training and
 evaluation on this machine), then reads the timestamps the run left behind:
@@ -31,7 +31,7 @@ def stats(values: list[float]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=750)
     args = parser.parse_args()
 
     from flows.train_and_evaluate import train_and_evaluate

@@ -31,7 +31,7 @@ from areal_eval.run_setup import total_train_steps
 from areal_eval.tracking import resolve_tracking_uri
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
-from tasks.evaluate import dispatch_evaluation, submit_evaluation
+from tasks.evaluate import dispatch_evaluation, submit_evaluation, warm_workers
 from tasks.tracking import finish_tracking, log_evaluation, log_training_metrics, start_tracking, tracker_for
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
@@ -80,7 +80,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     final_seen, pending_rows, last_train_log, decided = False, [], 0.0, []
     retention_on, deleted = cfg.storage.retention.keep_last is not None, set()
     # Decisions are made in their own thread the moment the manifest grows; this loop announces them.
-    with DecisionThread(planner, ManifestFollower(Manifest(run.manifest))) as decisions:
+    with DecisionThread(planner, ManifestFollower(Manifest(run.manifest))) as decisions, warm_workers(cfg, run.evals) as workers:
         while True:
             settled = False
             for event, decision in decided:
@@ -104,7 +104,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
                 if cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
                     future = dispatch_evaluation.submit(event, run.manifest, cfg)
                 else:
-                    future = submit_evaluation(event, run.valid_data, cfg, run.evals)
+                    future = submit_evaluation(event, run.valid_data, cfg, run.evals, workers)
                 in_flight = InFlight(event, future, reason)
 
             if final_seen and in_flight is None and not planner.waiting:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import contextlib
 import dataclasses
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -13,6 +13,7 @@ from prefect.deployments import run_deployment
 from areal_eval.evaluation import CorruptCheckpoint, EvalResult, EvaluationFailed, evaluate_checkpoint
 from areal_eval.manifest import CheckpointError, CheckpointEvent
 from areal_eval.pipeline_config import PipelineConfig
+from areal_eval.worker_pool import WarmEvalWorkers
 
 
 def worth_retrying(task, task_run, state) -> bool:
@@ -23,17 +24,27 @@ def worth_retrying(task, task_run, state) -> bool:
 
 @task(cache_policy=NO_CACHE, name="evaluate-checkpoint", task_run_name="evaluate-step-{event.global_step}",
       retry_condition_fn=worth_retrying, retry_delay_seconds=1)
-def evaluate_task(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path) -> EvalResult:
+def evaluate_task(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path,
+                  workers: WarmEvalWorkers | None = None) -> EvalResult:
     """Fetch the checkpoint, load it on ``cfg.eval.nproc`` ranks and reduce its metrics; raises on failure."""
-    return evaluate_checkpoint(event, data_path, cfg.eval, work_dir, cfg.model.max_length, cfg.storage.s3, cfg.checkpoint_cache)
+    return evaluate_checkpoint(event, data_path, cfg.eval, work_dir, cfg.model.max_length, cfg.storage.s3,
+                               cfg.checkpoint_cache, workers)
 
 
 def evaluate(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path) -> EvalResult:
     return evaluate_task.with_options(retries=cfg.eval.retries)(event, data_path, cfg, work_dir)
 
 
-def submit_evaluation(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path):
-    return evaluate_task.with_options(retries=cfg.eval.retries).submit(event, data_path, cfg, work_dir)
+def submit_evaluation(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path,
+                      workers: WarmEvalWorkers | None = None):
+    return evaluate_task.with_options(retries=cfg.eval.retries).submit(event, data_path, cfg, work_dir, workers)
+
+
+def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractContextManager:
+    """Evaluation ranks kept for a whole flow run (``eval.warm_workers``), or nothing."""
+    if cfg.eval.warm_workers and not cfg.eval.deployment:
+        return WarmEvalWorkers(cfg.eval.nproc, work_dir, cfg.eval.nice, cfg.eval.collective_timeout_s)
+    return contextlib.nullcontext()
 
 
 @task(cache_policy=NO_CACHE, name="dispatch-evaluation", task_run_name="dispatch-step-{event.global_step}")

@@ -1,0 +1,85 @@
+"""Warm evaluation workers: one torchrun job that serves evaluation after evaluation.
+
+A fresh torchrun job per evaluation pays interpreter, torch and transformers start-up every
+time (about 4 s of the feedback path on this machine). ``WarmEvalWorkers`` keeps the ranks
+alive: each evaluation is a job file in the pool's inbox; rank 0 takes it, broadcasts it to the
+other ranks, and writes the result file just as a one-shot job would. A failure still ends the
+torchrun job (a rank that saw an error cannot know what its peers are doing), and the next
+evaluation starts a new one, so failures behave exactly as without the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+from areal_eval.launcher import TorchrunJob, WorkerError, log_tail
+
+STOP = "stop"
+
+
+class WarmEvalWorkers:
+    """Evaluation ranks kept between evaluations (single node). Close it when done."""
+
+    def __init__(self, nproc: int, work_dir: str | Path, nice: int = 0, collective_timeout_s: float = 120.0,
+                 poll_s: float = 0.01):
+        self.nproc, self.nice, self.poll_s = nproc, nice, poll_s
+        self.collective_timeout_s = collective_timeout_s
+        self.work_dir = Path(work_dir)
+        self.inbox = self.work_dir / "inbox"
+        self.job: TorchrunJob | None = None
+        self.started_jobs = 0
+        """torchrun jobs started so far: 1 while the same ranks serve every evaluation."""
+
+    def _ensure_running(self) -> TorchrunJob:
+        if self.job is None or self.job.poll() is not None:
+            if self.job is not None:
+                self.job.kill()
+            self.inbox.mkdir(parents=True, exist_ok=True)
+            for stale in self.inbox.glob("*.json"):
+                stale.unlink()
+            self.started_jobs += 1
+            self.job = TorchrunJob("areal_eval.eval_worker", ["--serve", str(self.inbox), "--timeout", str(self.collective_timeout_s)], self.nproc,
+                                   self.work_dir / f"warm-workers-{self.started_jobs}.log", nice=self.nice)
+        return self.job
+
+    def run(self, argv: list[str], result_path: Path, timeout_s: float) -> tuple[int, Path]:
+        """Evaluate with worker arguments ``argv`` (as for a one-shot job); returns the torchrun
+        exit code (0 while the ranks live on) and the log to read on failure."""
+        job = self._ensure_running()
+        name = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}.json"
+        tmp = self.inbox / f".{name}"
+        tmp.write_text(json.dumps({"argv": argv}))
+        tmp.rename(self.inbox / name)  # rank 0 sees whole jobs only
+        deadline = time.monotonic() + timeout_s
+        while not result_path.exists():
+            if job.poll() is not None:
+                job.wait(10)
+                return job.proc.returncode or 1, job.log_path
+            if time.monotonic() > deadline:
+                job.kill()
+                raise WorkerError(f"warm evaluation workers timed out after {timeout_s:.0f}s and were killed; "
+                                  f"log {job.log_path}:\n{log_tail(job.log_path)}")
+            time.sleep(self.poll_s)
+        if "error" in json.loads(result_path.read_text()):
+            job.wait(30)  # a failed evaluation ends the ranks; the next one starts fresh ones
+            return job.proc.returncode or 1, job.log_path
+        return 0, job.log_path
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        if self.job is None or self.job.poll() is not None:
+            return
+        (self.inbox / f"{STOP}.json").write_text(json.dumps({"argv": None}))
+        try:
+            self.job.wait(timeout_s)
+        except WorkerError:
+            pass  # wait() killed it
+        self.job = None
+
+    def __enter__(self) -> "WarmEvalWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

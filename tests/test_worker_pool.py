@@ -1,0 +1,38 @@
+"""Warm evaluation workers: one torchrun job (gloo) serving several evaluations."""
+
+import pytest
+
+from areal_eval.evaluation import EvalConfig, EvaluationFailed, evaluate_checkpoint
+from areal_eval.manifest import Manifest
+from areal_eval.worker_pool import WarmEvalWorkers
+from tests.helpers import live_processes
+
+pytestmark = pytest.mark.integration
+
+
+def test_one_job_serves_several_evaluations_with_the_same_results(trained_run, tmp_path):
+    cfg, run = trained_run
+    events = Manifest(run.manifest).events()
+    eval_cfg = EvalConfig(nproc=2, batch_size=16)
+    with WarmEvalWorkers(2, tmp_path / "pool") as workers:
+        warm = [evaluate_checkpoint(e, run.valid_data, eval_cfg, tmp_path / "warm", workers=workers) for e in events]
+        assert workers.started_jobs == 1  # the same ranks evaluated every checkpoint
+        pid = workers.job.pid
+    assert live_processes(str(tmp_path / "pool")) == [] and workers.job is None
+    for event, result in zip(events, warm):
+        fresh = evaluate_checkpoint(event, run.valid_data, eval_cfg, tmp_path / "fresh")
+        assert result.metrics == pytest.approx(fresh.metrics, abs=1e-9), event.global_step
+    assert pid > 0
+
+
+def test_a_dead_rank_fails_that_evaluation_and_the_next_starts_fresh_ranks(trained_run, tmp_path, monkeypatch):
+    cfg, run = trained_run
+    event = Manifest(run.manifest).events()[-1]
+    monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", f"1:exit:{tmp_path / 'fired'}")  # rank 1 dies once
+    eval_cfg = EvalConfig(nproc=2, batch_size=16, collective_timeout_s=20)
+    with WarmEvalWorkers(2, tmp_path / "pool", collective_timeout_s=20) as workers:
+        with pytest.raises(EvaluationFailed, match=r"(?s)step 12.*rank 1 \(local_rank: 1\) exit code 17"):
+            evaluate_checkpoint(event, run.valid_data, eval_cfg, tmp_path / "out", workers=workers)
+        result = evaluate_checkpoint(event, run.valid_data, eval_cfg, tmp_path / "out", workers=workers)
+        assert result.metrics["n_pairs"] == 101 and workers.started_jobs == 2
+    assert live_processes(str(tmp_path / "pool")) == []
