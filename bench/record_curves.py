@@ -30,6 +30,7 @@ def record_run(work: Path, seed: int, noise: float, every: int) -> list[dict]:
     from areal_eval.evaluation import evaluate_checkpoint
     from areal_eval.launcher import TorchrunJob
     from areal_eval.manifest import Manifest
+    from areal_eval.worker_pool import WarmEvalWorkers
 
     name = f"seed{seed}-noise{noise}-every{every}"
     cfg, run = prepared_run(name, work, train={"seed": seed, "save": {"freq_steps": every}},
@@ -38,10 +39,11 @@ def record_run(work: Path, seed: int, noise: float, every: int) -> list[dict]:
     job.wait(1800)
     job.raise_for_status("training")
     points: dict[str, list[dict]] = {"accuracy": [], "loss": []}
-    for event in Manifest(run.manifest).events():
-        metrics = evaluate_checkpoint(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length).metrics
-        for metric in points:
-            points[metric].append({"step": event.global_step, "value": metrics[metric], "stderr": metrics[f"{metric}_stderr"]})
+    with WarmEvalWorkers(cfg.eval.nproc, run.evals) as workers:
+        for event in Manifest(run.manifest).events():
+            metrics = evaluate_checkpoint(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length, workers=workers).metrics
+            for metric in points:
+                points[metric].append({"step": event.global_step, "value": metrics[metric], "stderr": metrics[f"{metric}_stderr"]})
     return [{"curve": f"areal-demo/{name}/{metric}", "higher_is_better": metric == "accuracy", "points": pts}
             for metric, pts in points.items()]
 
