@@ -3,10 +3,13 @@
 History is the evaluations so far (step, time, metric, stderr; metric None while pending), so
 the scheduler keeps no state of its own: a restarted flow rebuilds it from the ledger.
 
-The adaptive policy spends evaluations where they change what the dashboard shows. From the
+The adaptive policy spends evaluations where they change what the dashboard shows, and where
+the best checkpoint may be. From the
 last two finished evaluations it estimates how fast the metric moves, after subtracting their
 noise, and evaluates once the drift predicted since the last evaluation reaches
-``drift_tolerance`` standard errors. So it evaluates densely while the metric moves, rarely on a
+``drift_tolerance`` standard errors; while the latest result is also the best and still rising,
+a smaller predicted gain (``best_drift_tolerance``) is enough, so the peak before a plateau or a
+drop is not skipped. So it evaluates densely while the metric moves, rarely on a
 plateau, densely again after a regression, always within ``[min_interval_steps,
 max_interval_steps]``, and always the first and the final checkpoint. It reasons in steps, not
 checkpoint counts, so uneven checkpoint spacing does not change it.
@@ -64,6 +67,10 @@ class SchedulerConfig:
     """Evaluate when the predicted drift since the last evaluation reaches this many stderr."""
     noise_discount: float = 1.0
     """Standard errors subtracted from an observed change before it counts as movement."""
+    best_drift_tolerance: float | None = 0.5
+    """While the latest result is the best so far and still rising, evaluate once the predicted
+    gain reaches this many stderr (no noise discount): the best checkpoint is most often the last
+    one before a plateau or a drop, and a skipped one cannot be picked. None: off."""
     regression_z: float = 3.0
     """A result this many (combined) stderr below the best is a regression."""
     default_stderr: float = 0.01
@@ -142,4 +149,8 @@ def _adaptive(step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cf
     drift = rate * (step - last.step)
     if drift >= cfg.drift_tolerance * se_latest:
         return Decision(True, f"moving: predicted drift {drift:.3g} >= {cfg.drift_tolerance} stderr ({se_latest:.3g})")
+    if cfg.best_drift_tolerance is not None and latest is best:
+        gain = max(0.0, sign * (latest.metric - prev.metric)) / max(1, latest.step - prev.step) * (step - last.step)
+        if gain >= cfg.best_drift_tolerance * se_latest:
+            return Decision(True, f"rising at the best: predicted gain {gain:.3g} >= {cfg.best_drift_tolerance} stderr ({se_latest:.3g})")
     return Decision(False, f"plateau: predicted drift {drift:.3g} < {cfg.drift_tolerance} stderr ({se_latest:.3g})")

@@ -53,8 +53,9 @@ def test_dense_while_moving_sparse_on_plateau():
 
 def test_slow_drift_is_evaluated_once_it_adds_up():
     slow = [H(0, 0.500), H(100, 0.530)]  # 3 stderr per 100 steps, ~1.6 after the noise discount
-    assert not decide(Ev(130), slow, ADAPTIVE).evaluate
-    assert decide(Ev(190), slow, ADAPTIVE).evaluate
+    drift_only = dataclasses.replace(ADAPTIVE, best_drift_tolerance=None)  # the rising-best rule has its own test
+    assert not decide(Ev(130), slow, drift_only).evaluate
+    assert decide(Ev(190), slow, drift_only).reason.startswith("moving")
 
 
 def test_regression_triggers_dense_evaluation_again():
@@ -114,3 +115,16 @@ def test_relative_max_interval_is_scale_free():
 def test_config_validation():
     with pytest.raises(ValueError):
         SchedulerConfig(min_interval_steps=10, max_interval_steps=5)
+
+
+def test_a_rising_best_is_followed_closer_than_a_moving_metric():
+    # +0.012 per 100 steps, noise 0.01: too slow to count as movement after the noise discount,
+    # but the latest result is the best and rising, so the next gain of 0.5 stderr is evaluated.
+    rising = [H(0, 0.70), H(100, 0.712)]
+    no_best_rule = dataclasses.replace(ADAPTIVE, best_drift_tolerance=None)
+    assert not decide(Ev(150), rising, no_best_rule).evaluate
+    assert not decide(Ev(40), rising, ADAPTIVE).evaluate  # predicted gain 0.0048 < 0.5 stderr
+    d = decide(Ev(150), rising, ADAPTIVE)
+    assert d.evaluate and d.reason.startswith("rising at the best")
+    falling_from_best = [H(0, 0.712), H(100, 0.70)]  # the best is behind: no peak to catch
+    assert not decide(Ev(150), falling_from_best, ADAPTIVE).evaluate
