@@ -52,7 +52,7 @@ class PipelineConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     scheduler: SchedulerConfig = dataclasses.field(
-        default_factory=lambda: SchedulerConfig(min_interval_steps=25, max_interval_steps=300)
+        default_factory=lambda: SchedulerConfig(min_interval_steps=25, max_interval_steps=100)
     )
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
