@@ -38,8 +38,10 @@ def _follow_node(args) -> int:
 
     nodes = NodeLayout.from_env()
     if nodes.nnodes < 2 or nodes.node_rank == 0:
-        raise ValueError("follow-node runs on nodes 1..N-1 of a multi-node pool (AREAL_EVAL_NNODES >= 2, AREAL_EVAL_NODE_RANK >= 1)")
-    command = torchrun_command("areal_eval.eval_worker", ["--follow", "--cache-dir", args.cache_dir], nodes.nproc_per_node or 1, nodes)
+        raise ValueError("follow-node runs on nodes 1..N-1 of a multi-node pool "
+                         "(AREAL_EVAL_NNODES >= 2, AREAL_EVAL_NODE_RANK >= 1)")
+    worker_args = ["--follow", "--cache-dir", args.cache_dir]
+    command = torchrun_command("areal_eval.eval_worker", worker_args, nodes.nproc_per_node or 1, nodes)
     while True:
         code = subprocess.run(command).returncode
         print(f"areal-eval follow-node: evaluation job ended with exit {code}", file=sys.stderr, flush=True)

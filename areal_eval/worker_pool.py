@@ -41,7 +41,8 @@ class WarmEvalWorkers:
             for stale in self.inbox.glob("*.json"):
                 stale.unlink()
             self.started_jobs += 1
-            self.job = TorchrunJob("areal_eval.eval_worker", ["--serve", str(self.inbox), "--timeout", str(self.collective_timeout_s)], self.nproc,
+            args = ["--serve", str(self.inbox), "--timeout", str(self.collective_timeout_s)]
+            self.job = TorchrunJob("areal_eval.eval_worker", args, self.nproc,
                                    self.work_dir / f"warm-workers-{self.started_jobs}.log", nice=self.nice)
         return self.job
 

@@ -1,8 +1,9 @@
 """``sweep-checkpoints``: evaluate every checkpoint in a store that was never evaluated.
 
 Meant for a cron schedule. It finds manifests under ``store`` (a run directory, or a directory
-of run directories), and for each announced checkpoint without an evaluation in MLflow (and not deleted by retention)
-runs ``evaluate-checkpoint`` (a subflow, scheduler bypassed). Idempotent: a second sweep finds
+of run directories, or an S3 prefix of them), and for each announced checkpoint without an
+evaluation in MLflow (and not deleted by retention) runs ``evaluate-checkpoint`` (a subflow,
+scheduler bypassed). Idempotent: a second sweep finds
 nothing to do, because MLflow already holds every step.
 """
 

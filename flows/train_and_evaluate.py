@@ -80,7 +80,8 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     final_seen, pending_rows, last_train_log, decided = False, [], 0.0, []
     retention_on, deleted = cfg.storage.retention.keep_last is not None, set()
     # Decisions are made in their own thread the moment the manifest grows; this loop announces them.
-    with DecisionThread(planner, ManifestFollower(Manifest(run.manifest))) as decisions, warm_workers(cfg, run.evals) as workers:
+    decision_thread = DecisionThread(planner, ManifestFollower(Manifest(run.manifest)))
+    with decision_thread as decisions, warm_workers(cfg, run.evals) as workers:
         while True:
             settled = False
             for event, decision in decided:
@@ -111,7 +112,8 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
                 break
             if training is not None and training.poll() not in (None, 0):
                 wait_for_training(training)  # raises with the training log tail
-            if training is None and not final_seen and in_flight is None and not planner.waiting and decisions.idle() and not decided:
+            nothing_left = in_flight is None and not planner.waiting and not decided and decisions.idle()
+            if training is None and not final_seen and nothing_left:
                 raise RuntimeError(f"{run.manifest}: no final checkpoint and no training job to wait for")
             decided = decisions.drain(timeout_s=cfg.poll_interval_s)
     update_progress_artifact(progress, 100.0)
