@@ -201,8 +201,6 @@ class S3Store:
         if target.is_dir():
             verify_checkpoint(target, files, shown_as=uri)
             return target
-        if not files:
-            raise CheckpointError(f"{uri}: manifest records no files for this checkpoint")
         partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)

@@ -7,6 +7,7 @@ skipped, superseded or failed, with a reason.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -45,12 +46,7 @@ class ManifestFollower:
         where sleeping a whole poll interval would add hundreds.
         """
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if os.stat(self.manifest.path).st_size > self._offset:
-                    return
-            except FileNotFoundError:
-                pass
+        while self.caught_up() and time.monotonic() < deadline:
             time.sleep(every_s)
 
 
@@ -73,11 +69,11 @@ class JsonlFollower:
 
 
 def _locked(method):
+    @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
 
-    wrapper.__doc__, wrapper.__name__ = method.__doc__, method.__name__
     return wrapper
 
 

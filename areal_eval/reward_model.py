@@ -135,4 +135,6 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, reduction: 
     """``-log sigmoid(r_chosen - r_rejected)``: the pairwise reward-model loss (``reduction``:
     ``mean``, ``sum``, or ``none`` for one loss per pair)."""
     loss = -F.logsigmoid(chosen - rejected)
-    return {"sum": loss.sum, "mean": loss.mean, "none": lambda: loss}[reduction]()
+    if reduction == "none":
+        return loss
+    return loss.sum() if reduction == "sum" else loss.mean()

@@ -2,8 +2,9 @@
 
 A fresh torchrun job per evaluation pays interpreter, torch and transformers start-up every
 time (about 4 s of the feedback path on this machine). ``WarmEvalWorkers`` keeps the ranks
-alive: each evaluation is a job file in the pool's inbox; rank 0 takes it, broadcasts it to the
-other ranks, and writes the result file just as a one-shot job would. A failure still ends the
+alive: each evaluation is a job file in the pool's inbox, which every rank reads itself (idle
+ranks wait on the file system, not in a collective that would time out); rank 0 writes the
+result file just as a one-shot job would. A failure still ends the
 torchrun job (a rank that saw an error cannot know what its peers are doing), and the next
 evaluation starts a new one, so failures behave exactly as without the pool.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from areal_eval.launcher import TorchrunJob, WorkerError, log_tail
 
 STOP = "stop"
+"""Name of the job file that ends the ranks; it sorts after the time-stamped jobs before it."""
 
 
 class WarmEvalWorkers:
@@ -70,13 +72,12 @@ class WarmEvalWorkers:
         return 0, job.log_path
 
     def close(self, timeout_s: float = 30.0) -> None:
-        if self.job is None or self.job.poll() is not None:
-            return
-        (self.inbox / f"{STOP}.json").write_text(json.dumps({"argv": None}))
-        try:
-            self.job.wait(timeout_s)
-        except WorkerError:
-            pass  # wait() killed it
+        if self.job is not None and self.job.poll() is None:
+            (self.inbox / f"{STOP}.json").write_text(json.dumps({"argv": None}))
+            try:
+                self.job.wait(timeout_s)
+            except WorkerError:
+                pass  # wait() killed it
         self.job = None
 
     def __enter__(self) -> "WarmEvalWorkers":

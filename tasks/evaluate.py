@@ -14,6 +14,7 @@ from areal_eval.evaluation import CorruptCheckpoint, EvalResult, EvaluationFaile
 from areal_eval.manifest import CheckpointError, CheckpointEvent
 from areal_eval.pipeline_config import PipelineConfig
 from areal_eval.worker_pool import WarmEvalWorkers
+from tasks.tracking import tracker_for
 
 
 def worth_retrying(task, task_run, state) -> bool:
@@ -51,8 +52,6 @@ def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractCont
 def dispatch_evaluation(event: CheckpointEvent, manifest: Path, pipeline_cfg: PipelineConfig) -> EvalResult:
     """Run ``evaluate-checkpoint`` on the evaluation pool and wait; it logs to MLflow and alerts
     itself, and its metrics are read back from MLflow (idempotent, so nothing lands twice)."""
-    from tasks.tracking import tracker_for
-
     cfg = pipeline_cfg.eval
     run = run_deployment(
         cfg.deployment, timeout=cfg.job_timeout_s, poll_interval=1,

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def live_processes(needle: str) -> list[int]:

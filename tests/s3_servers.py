@@ -14,18 +14,14 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.helpers import free_port
+
 TEST_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "areal-test-key-id",
     "AWS_SECRET_ACCESS_KEY": "areal-test-secret-3c8d1f0b9a",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 """Credentials for the test server; the secret is distinctive so tests can grep for leaks."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:

@@ -150,7 +150,8 @@ def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(final_chec
     ``--follow`` and knows nothing of the job; node 0's is launched by evaluate_checkpoint."""
     from areal_eval.checkpoint_store import S3Config, S3Store
     from areal_eval.launcher import NodeLayout, TorchrunJob
-    from tests.s3_servers import FaultProxy, free_port
+    from tests.helpers import free_port
+    from tests.s3_servers import FaultProxy
 
     run, event = final_checkpoint
     staged = tmp_path / "staged" / Path(event.uri).name

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from areal_eval.manifest import Manifest
-from tests.s3_servers import free_port
+from tests.helpers import free_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "k8s" / "eval-pool.json"
 

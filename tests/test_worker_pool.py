@@ -17,12 +17,10 @@ def test_one_job_serves_several_evaluations_with_the_same_results(trained_run, t
     with WarmEvalWorkers(2, tmp_path / "pool") as workers:
         warm = [evaluate_checkpoint(e, run.valid_data, eval_cfg, tmp_path / "warm", workers=workers) for e in events]
         assert workers.started_jobs == 1  # the same ranks evaluated every checkpoint
-        pid = workers.job.pid
     assert live_processes(str(tmp_path / "pool")) == [] and workers.job is None
     for event, result in zip(events, warm):
         fresh = evaluate_checkpoint(event, run.valid_data, eval_cfg, tmp_path / "fresh")
         assert result.metrics == pytest.approx(fresh.metrics, abs=1e-9), event.global_step
-    assert pid > 0
 
 
 def test_a_dead_rank_fails_that_evaluation_and_the_next_starts_fresh_ranks(trained_run, tmp_path, monkeypatch):
