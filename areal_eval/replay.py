@@ -10,6 +10,8 @@ checkpoint's value is revealed to the policy only when the policy evaluates it. 
   checkpoint the policy would pick as best from what it evaluated (in the curve's direction);
 * ``detection_delay`` (with an injected regression): checkpoints between the start of a
   5-stderr drop (seeded, second half, to the end) and the first evaluation at or after it.
+  An evaluation counts when it happened: the refinement after the final checkpoint sees
+  nothing earlier than the final checkpoint's own evaluation.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import statistics
 from pathlib import Path
 
 from areal_eval.config import from_dict
-from areal_eval.scheduler import HistoryEntry, SchedulerConfig, decide
+from areal_eval.scheduler import HistoryEntry, SchedulerConfig, decide, refine
 
 DEFAULT_STDERR = 0.01
 REGRESSION_STDERRS = 5.0
@@ -72,8 +74,9 @@ def read_curves(path: str | Path) -> list[Curve]:
 class Policy:
     name: str
 
-    def select(self, curve: Curve) -> list[int]:
-        """Indices of the checkpoints this policy evaluates."""
+    def select(self, curve: Curve) -> list[tuple[int, int]]:
+        """The checkpoints this policy evaluates, in order: (index, index of the newest checkpoint
+        when it was evaluated)."""
         raise NotImplementedError
 
 
@@ -87,7 +90,7 @@ class FixedEvery(Policy):
 
     def select(self, curve):
         n = len(curve.points)
-        return sorted(set(range(0, n, self.k)) | {n - 1})
+        return [(i, i) for i in sorted(set(range(0, n, self.k)) | {n - 1})]
 
 
 class SchedulerPolicy(Policy):
@@ -98,12 +101,17 @@ class SchedulerPolicy(Policy):
 
     def select(self, curve):
         cfg = dataclasses.replace(self.cfg, higher_is_better=curve.higher_is_better)
+        points = curve.points
         history: list[HistoryEntry] = []
-        chosen = []
-        for i, p in enumerate(curve.points):
-            if decide(_Event(p.step, i == len(curve.points) - 1), history, cfg).evaluate:
-                chosen.append(i)
+        chosen, skipped = [], []
+        for i, p in enumerate(points):
+            if decide(_Event(p.step, i == len(points) - 1), history, cfg, [q.step for q in points[:i]]).evaluate:
+                chosen.append((i, i))
                 history.append(HistoryEntry(p.step, float(p.step), p.value, p.stderr))  # revealed now
+            else:
+                skipped.append(p.step)
+        index = {p.step: i for i, p in enumerate(points)}
+        chosen += [(index[step], len(points) - 1) for step, _ in refine(history, skipped, cfg)]
         return chosen
 
 
@@ -158,12 +166,13 @@ def replay(curves: list[Curve], policies: list[Policy], regression: bool = False
             start = None
             if regression:
                 curve, start = inject_regression(curve, random.Random(f"{seed}:{curve.name}"))
-            chosen = policy.select(curve)
-            if not chosen or chosen[0] != 0:
-                chosen = sorted(set(chosen) | {0})  # every policy evaluates the first checkpoint
-            per_curve.append(score(curve, chosen))
+            evaluations = policy.select(curve)
+            if 0 not in (i for i, _ in evaluations):
+                evaluations.insert(0, (0, 0))  # every policy evaluates the first checkpoint
+            per_curve.append(score(curve, sorted(i for i, _ in evaluations)))
             if start is not None:
-                delays.append(min(i for i in chosen + [len(curve.points) - 1] if i >= start) - start)
+                seen = [when for i, when in evaluations if i >= start] + [len(curve.points) - 1]
+                delays.append(min(seen) - start)
         out = {
             "evaluations": sum(r["evaluations"] for r in per_curve),
             "mean_tracking_error": round(statistics.fmean(r["tracking_error"] for r in per_curve), 4),

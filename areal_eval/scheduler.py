@@ -1,18 +1,25 @@
-"""Which checkpoints to evaluate: a pure decision, ``decide(event, history) -> Decision``.
+"""Which checkpoints to evaluate: pure decisions, ``decide(event, history) -> Decision`` and, once
+the run is over, ``refine(history, skipped) -> steps``.
 
 History is the evaluations so far (step, time, metric, stderr; metric None while pending), so
 the scheduler keeps no state of its own: a restarted flow rebuilds it from the ledger.
 
-The adaptive policy spends evaluations where they change what the dashboard shows, and where
-the best checkpoint may be. From the
-last two finished evaluations it estimates how fast the metric moves, after subtracting their
-noise, and evaluates once the drift predicted since the last evaluation reaches
-``drift_tolerance`` standard errors; while the latest result is also the best and still rising,
-a smaller predicted gain (``best_drift_tolerance``) is enough, so the peak before a plateau or a
-drop is not skipped. So it evaluates densely while the metric moves, rarely on a
-plateau, densely again after a regression, always within ``[min_interval_steps,
-max_interval_steps]``, and always the first and the final checkpoint. It reasons in steps, not
-checkpoint counts, so uneven checkpoint spacing does not change it.
+The adaptive policy spends evaluations where they change what the dashboard shows, where a
+regression would hide, and where the best checkpoint may be:
+
+* movement: from the last two finished evaluations it estimates how fast the metric moves,
+  after subtracting their noise, and evaluates once the drift predicted since the last
+  evaluation reaches ``drift_tolerance`` standard errors, so it is dense while the metric
+  moves, sparse on a plateau, and dense again after a regression;
+* cover: it never lets more than ``max_interval_checkpoints`` checkpoint spacings (measured in
+  steps, from the checkpoints offered so far) pass unevaluated, since a regression on a plateau
+  shows no movement beforehand and is seen only by looking;
+* refinement: after the final checkpoint, the skipped neighbours of the best result whose
+  interpolated value comes close to it are evaluated, because the best checkpoint is most often
+  a peak that the sparse evaluations stepped over.
+
+It reasons in steps (drift per step, intervals in steps), so uneven checkpoint spacing does not
+change it, and it always evaluates the first and the final checkpoint.
 """
 
 from __future__ import annotations
@@ -60,17 +67,18 @@ class SchedulerConfig:
     """Never evaluate two checkpoints closer than this (the final one excepted)."""
     max_interval_steps: int | None = None
     """Adaptive: always evaluate once this many steps passed since the last evaluation."""
-    max_interval_fraction: float | None = 0.3
-    """Adaptive: also evaluate once the gap reaches this fraction of the checkpoint's step: a scale-free
-    bound (log-spaced: dense early, sparser later) that bounds how late a regression is seen."""
-    drift_tolerance: float = 2.0
+    max_interval_checkpoints: float | None = 3.0
+    """Adaptive: also evaluate once the gap reaches this many checkpoint spacings (the median step
+    gap of the last checkpoints offered). A regression is then seen at most this many checkpoints
+    late, about 1 on average with 3; whatever the run's scale. None: bound in steps only."""
+    drift_tolerance: float = 4.0
     """Evaluate when the predicted drift since the last evaluation reaches this many stderr."""
-    noise_discount: float = 1.0
+    noise_discount: float = 2.0
     """Standard errors subtracted from an observed change before it counts as movement."""
-    best_drift_tolerance: float | None = 0.5
-    """While the latest result is the best so far and still rising, evaluate once the predicted
-    gain reaches this many stderr (no noise discount): the best checkpoint is most often the last
-    one before a plateau or a drop, and a skipped one cannot be picked. None: off."""
+    refine_stderrs: float | None = 2.0
+    """Adaptive, after the final checkpoint: evaluate a skipped neighbour of the best result when its
+    value interpolated from the evaluations around it is within this many stderr of the best.
+    None: no refinement."""
     regression_z: float = 3.0
     """A result this many (combined) stderr below the best is a regression."""
     default_stderr: float = 0.01
@@ -84,15 +92,18 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
             raise ValueError("max_interval_steps must be >= min_interval_steps")
-        if self.max_interval_fraction is not None and self.max_interval_fraction <= 0:
-            raise ValueError("max_interval_fraction must be positive")
+        if self.max_interval_checkpoints is not None and self.max_interval_checkpoints <= 0:
+            raise ValueError("max_interval_checkpoints must be positive")
         if self.fixed_interval_steps < 1:
             raise ValueError("fixed_interval_steps must be >= 1")
         if self.queue_capacity < 1:
             raise ValueError("queue_capacity must be >= 1")
 
 
-def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConfig) -> Decision:
+def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConfig,
+           offered_steps: Sequence[int] = ()) -> Decision:
+    """Evaluate this checkpoint? ``offered_steps``: every checkpoint offered before it, evaluated or
+    not (their spacing sets the cover bound)."""
     step = event.global_step
     if any(h.step == step for h in history):
         return Decision(False, f"step {step} already evaluated or queued")
@@ -110,17 +121,29 @@ def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConf
         if gap >= cfg.fixed_interval_steps:
             return Decision(True, f"fixed interval: {gap} >= {cfg.fixed_interval_steps} steps")
         return Decision(False, f"fixed interval: {gap} < {cfg.fixed_interval_steps} steps")
-    limit = max_interval(step, cfg)
+    limit = max_interval(step, offered_steps, cfg)
     if limit is not None and gap >= limit:
         return Decision(True, f"{gap} steps since step {last.step} >= max interval {limit:.0f}")
     return _adaptive(step, last, history, cfg)
 
 
-def max_interval(step: int, cfg: SchedulerConfig) -> float | None:
-    """The largest gap allowed before ``step``: the tighter of the absolute and relative bounds."""
+def checkpoint_spacing(step: int, offered_steps: Sequence[int], window: int = 8) -> float | None:
+    """The median step gap between the last ``window`` checkpoints up to ``step``: the run's
+    checkpoint cadence, robust to a few uneven saves."""
+    steps = sorted({s for s in offered_steps if s < step} | {step})[-(window + 1):]
+    gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
+    if not gaps:
+        return None
+    mid = len(gaps) // 2
+    return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+
+
+def max_interval(step: int, offered_steps: Sequence[int], cfg: SchedulerConfig) -> float | None:
+    """The largest gap allowed before ``step``: the tighter of the step and the cover bound."""
     bounds = [b for b in (cfg.max_interval_steps,) if b is not None]
-    if cfg.max_interval_fraction is not None:
-        bounds.append(max(cfg.min_interval_steps, cfg.max_interval_fraction * step))
+    spacing = checkpoint_spacing(step, offered_steps)
+    if cfg.max_interval_checkpoints is not None and spacing is not None:
+        bounds.append(max(cfg.min_interval_steps, cfg.max_interval_checkpoints * spacing))
     return min(bounds) if bounds else None
 
 
@@ -128,8 +151,12 @@ def _stderr(h: HistoryEntry, cfg: SchedulerConfig) -> float:
     return h.stderr if h.stderr and h.stderr > 0 else cfg.default_stderr
 
 
+def _finished(history: Sequence[HistoryEntry]) -> list[HistoryEntry]:
+    return sorted((h for h in history if h.metric is not None and math.isfinite(h.metric)), key=lambda h: h.step)
+
+
 def _adaptive(step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cfg: SchedulerConfig) -> Decision:
-    done = sorted((h for h in history if h.metric is not None and math.isfinite(h.metric)), key=lambda h: h.step)
+    done = _finished(history)
     if len(done) < 2:
         return Decision(True, "too few results to estimate the trend")
     sign = 1.0 if cfg.higher_is_better else -1.0
@@ -149,8 +176,35 @@ def _adaptive(step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cf
     drift = rate * (step - last.step)
     if drift >= cfg.drift_tolerance * se_latest:
         return Decision(True, f"moving: predicted drift {drift:.3g} >= {cfg.drift_tolerance} stderr ({se_latest:.3g})")
-    if cfg.best_drift_tolerance is not None and latest is best:
-        gain = max(0.0, sign * (latest.metric - prev.metric)) / max(1, latest.step - prev.step) * (step - last.step)
-        if gain >= cfg.best_drift_tolerance * se_latest:
-            return Decision(True, f"rising at the best: predicted gain {gain:.3g} >= {cfg.best_drift_tolerance} stderr ({se_latest:.3g})")
     return Decision(False, f"plateau: predicted drift {drift:.3g} < {cfg.drift_tolerance} stderr ({se_latest:.3g})")
+
+
+def refine(history: Sequence[HistoryEntry], skipped_steps: Sequence[int], cfg: SchedulerConfig) -> list[tuple[int, str]]:
+    """After the final checkpoint: the skipped checkpoints worth evaluating, with their reasons.
+
+    These are the skipped neighbours of the best result whose value, interpolated in steps between
+    the finished evaluations on either side (or the best's own value where one side has none),
+    comes within ``refine_stderrs`` of the best.
+    """
+    done = _finished(history)
+    if cfg.policy != "adaptive" or cfg.refine_stderrs is None or not done:
+        return []
+    sign = 1.0 if cfg.higher_is_better else -1.0
+    best = max(done, key=lambda h: sign * h.metric)
+    known = sorted({h.step for h in history} | set(skipped_steps))
+    at = known.index(best.step)
+    out = []
+    for step in known[at - 1: at] + known[at + 1: at + 2]:
+        if step not in skipped_steps:
+            continue
+        below = [h for h in done if h.step < step]
+        above = [h for h in done if h.step > step]
+        guess = best.metric
+        if below and above:
+            lo, hi = below[-1], above[0]
+            guess = lo.metric + (hi.metric - lo.metric) * (step - lo.step) / (hi.step - lo.step)
+        margin = sign * (guess - best.metric) + cfg.refine_stderrs * _stderr(best, cfg)
+        if margin >= 0:
+            out.append((step, f"refine: next to the best (step {best.step}), interpolated {guess:.4g} "
+                              f"within {cfg.refine_stderrs} stderr of {best.metric:.4g}"))
+    return out

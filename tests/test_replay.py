@@ -15,7 +15,7 @@ def curve(values, steps=None, se=0.01, higher=True):
 
 
 def test_fixed_every_k_includes_first_and_last():
-    assert FixedEvery(3).select(curve([0.0] * 8)) == [0, 3, 6, 7]
+    assert [i for i, _ in FixedEvery(3).select(curve([0.0] * 8))] == [0, 3, 6, 7]
 
 
 def test_scores_by_definition():
@@ -42,12 +42,25 @@ def test_injected_regression_and_delay():
 
 
 def test_adaptive_runs_the_production_scheduler():
-    policy = parse_policy("adaptive:max_interval_fraction=0.5,drift_tolerance=1.0")
+    policy = parse_policy("adaptive:max_interval_checkpoints=4,drift_tolerance=1.0,noise_discount=1.0")
     fast_then_flat = curve([0.5, 0.6, 0.7, 0.75, 0.76] + [0.76] * 20, steps=[100 * (i + 1) for i in range(25)])
-    chosen = policy.select(fast_then_flat)
-    assert chosen[:3] == [0, 1, 2] and chosen[-1] == 24
+    chosen = [i for i, _ in policy.select(fast_then_flat)]
+    assert chosen[:3] == [0, 1, 2] and 24 in chosen
     flat_part = [i for i in chosen if i >= 5]
     assert len(flat_part) < 10  # sparse on the plateau
+    assert max(b - a for a, b in zip(chosen, chosen[1:])) <= 4  # the cover bound
+
+
+def test_refinement_counts_as_seen_at_the_end():
+    # A peak at 5 stepped over by the cover bound (4, 7); refinement finds it after the final checkpoint.
+    values = [0.5] * 4 + [0.51, 0.53] + [0.5] * 4
+    evaluations = parse_policy("adaptive:max_interval_checkpoints=3").select(curve(values))
+    assert [i for i, when in evaluations if i == when] == [0, 1, 4, 7, 9]
+    assert (5, 9) in evaluations
+    assert replay.score(curve(values), sorted(i for i, _ in evaluations))["regret"] == 0
+    # an injected drop from 6 on: seen by the final evaluation (at 9) or an earlier one, never by refinement
+    result = replay.replay([curve(values)], [parse_policy("adaptive")], regression=True, seed=3)["policies"]["adaptive"]
+    assert result["detection_delay"] <= 3
 
 
 def test_bad_curve_file_names_the_line(tmp_path):

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from areal_eval.scheduler import HistoryEntry, SchedulerConfig, decide
+from areal_eval.scheduler import HistoryEntry, SchedulerConfig, checkpoint_spacing, decide, refine
 
 
 @dataclass
@@ -17,7 +17,7 @@ def H(step, metric, se=0.01):
 
 
 ADAPTIVE = SchedulerConfig(
-    min_interval_steps=10, max_interval_steps=400, max_interval_fraction=None,
+    min_interval_steps=10, max_interval_steps=400, max_interval_checkpoints=None,
     drift_tolerance=1.0, noise_discount=1.0, regression_z=2.0,
 )
 
@@ -53,9 +53,8 @@ def test_dense_while_moving_sparse_on_plateau():
 
 def test_slow_drift_is_evaluated_once_it_adds_up():
     slow = [H(0, 0.500), H(100, 0.530)]  # 3 stderr per 100 steps, ~1.6 after the noise discount
-    drift_only = dataclasses.replace(ADAPTIVE, best_drift_tolerance=None)  # the rising-best rule has its own test
-    assert not decide(Ev(130), slow, drift_only).evaluate
-    assert decide(Ev(190), slow, drift_only).reason.startswith("moving")
+    assert not decide(Ev(130), slow, ADAPTIVE).evaluate
+    assert decide(Ev(190), slow, ADAPTIVE).reason.startswith("moving")
 
 
 def test_regression_triggers_dense_evaluation_again():
@@ -103,13 +102,23 @@ def test_uneven_spacing_reasons_in_steps():
     assert 3 < len(coarse) < 60
 
 
-def test_relative_max_interval_is_scale_free():
-    cfg = SchedulerConfig(max_interval_fraction=0.25, drift_tolerance=1e9)
-    flat = [H(0, 0.8), H(100, 0.8)]
-    assert not decide(Ev(120), flat, cfg).evaluate  # 20 < 0.25 * 120
-    assert decide(Ev(140), flat, cfg).evaluate  # 40 >= 0.25 * 140
-    big = [H(0, 0.8), H(100_000, 0.8)]
-    assert not decide(Ev(120_000), big, cfg).evaluate and decide(Ev(140_000), big, cfg).evaluate
+def test_cover_bound_counts_checkpoint_spacings_in_steps():
+    cfg = SchedulerConfig(max_interval_checkpoints=3, drift_tolerance=1e9)
+    for every in (100, 100_000):  # the same bound at any scale
+        offered = [i * every for i in range(6)]
+        flat = [H(0, 0.8), H(every, 0.8), H(2 * every, 0.8)]
+        assert not decide(Ev(4 * every), flat, cfg, offered[:4]).evaluate  # 2 spacings
+        d = decide(Ev(5 * every), flat, cfg, offered[:5])
+        assert d.evaluate and "max interval" in d.reason  # 3 spacings
+    assert not decide(Ev(500), [H(0, 0.8), H(100, 0.8), H(200, 0.8)], cfg).evaluate  # no spacing known: no cover
+
+
+def test_checkpoint_spacing_is_the_median_of_recent_gaps():
+    assert checkpoint_spacing(0, []) is None
+    assert checkpoint_spacing(30, [0, 10, 20]) == 10
+    # one burst of quick saves does not shrink the cadence
+    assert checkpoint_spacing(500, [0, 100, 200, 300, 310, 320, 400]) == 100
+    assert checkpoint_spacing(50, [0, 10, 20, 60]) == 10  # later steps are ignored
 
 
 def test_config_validation():
@@ -117,14 +126,23 @@ def test_config_validation():
         SchedulerConfig(min_interval_steps=10, max_interval_steps=5)
 
 
-def test_a_rising_best_is_followed_closer_than_a_moving_metric():
-    # +0.012 per 100 steps, noise 0.01: too slow to count as movement after the noise discount,
-    # but the latest result is the best and rising, so the next gain of 0.5 stderr is evaluated.
-    rising = [H(0, 0.70), H(100, 0.712)]
-    no_best_rule = dataclasses.replace(ADAPTIVE, best_drift_tolerance=None)
-    assert not decide(Ev(150), rising, no_best_rule).evaluate
-    assert not decide(Ev(40), rising, ADAPTIVE).evaluate  # predicted gain 0.0048 < 0.5 stderr
-    d = decide(Ev(150), rising, ADAPTIVE)
-    assert d.evaluate and d.reason.startswith("rising at the best")
-    falling_from_best = [H(0, 0.712), H(100, 0.70)]  # the best is behind: no peak to catch
-    assert not decide(Ev(150), falling_from_best, ADAPTIVE).evaluate
+def test_refine_looks_at_skipped_neighbours_of_the_best():
+    cfg = SchedulerConfig(refine_stderrs=2.0)
+    history = [H(0, 0.50), H(30, 0.80), H(60, 0.70), H(90, 0.79)]
+    # 40 lies between 30 (best) and 60: interpolated 0.767, 3.3 stderr below the best: no.
+    # 20 lies between 0 and 30: interpolated 0.70: no. 70 is next to 60, not to the best: no.
+    assert refine(history, [10, 20, 40, 50, 70], cfg) == []
+    close = [H(0, 0.50), H(30, 0.80), H(60, 0.79), H(90, 0.70)]
+    assert [s for s, _ in refine(close, [20, 40, 50, 70], cfg)] == [40]  # 0.797 is within 2 stderr
+    assert refine(close, [20, 40, 50, 70], cfg)[0][1].startswith("refine: next to the best (step 30)")
+    at_the_end = [H(0, 0.5), H(30, 0.6), H(60, 0.8)]
+    # 50: interpolated 0.733, no; 70: nothing evaluated beyond, so the best's own value: yes.
+    assert [s for s, _ in refine(at_the_end, [50, 70], cfg)] == [70]
+    assert refine(close, [40], dataclasses.replace(cfg, refine_stderrs=None)) == []
+    assert refine(close, [40], dataclasses.replace(cfg, policy="fixed")) == []
+
+
+def test_refine_in_the_metric_direction():
+    cfg = SchedulerConfig(refine_stderrs=1.0, higher_is_better=False, stderr_metric=None)
+    loss = [H(0, 0.70, None), H(30, 0.40, None), H(60, 0.41, None)]
+    assert [s for s, _ in refine(loss, [20, 40], cfg)] == [40]  # 0.403 within 1 stderr of 0.40; 20: 0.50
