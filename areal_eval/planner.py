@@ -18,7 +18,7 @@ from pathlib import Path
 from areal_eval.eval_queue import CoalescingQueue
 from areal_eval.ledger import FINAL_STATES, Ledger
 from areal_eval.manifest import CheckpointEvent, Manifest
-from areal_eval.scheduler import Decision, SchedulerConfig, decide
+from areal_eval.scheduler import Decision, SchedulerConfig, decide, refine
 
 
 class ManifestFollower:
@@ -101,7 +101,8 @@ class EvaluationPlanner:
         if status == "scheduled":  # scheduled before a restart: resume it
             decision = Decision(True, "resumed: scheduled before restart", pinned=True)
         else:
-            decision = decide(event, self.history(), self.cfg)
+            offered = [e.step for e in self.ledger.entries()]
+            decision = decide(event, self.history(), self.cfg, offered)
         if not decision.evaluate:
             self.ledger.record(event.global_step, event.uri, "skipped", decision.reason)
             return decision
@@ -110,6 +111,21 @@ class EvaluationPlanner:
         for old in self.queue.push(event, pinned=decision.pinned):
             self._supersede(old, event)
         return decision
+
+    @_locked
+    def refine(self) -> list[CheckpointEvent]:
+        """Once the final checkpoint is evaluated: queue the skipped checkpoints worth a look
+        (``scheduler.refine``), pinned so none is coalesced away. Returns them."""
+        skipped = [e.step for e in self.ledger.entries() if e.status in ("skipped", "superseded")]
+        queued = []
+        for step, reason in refine(self.history(), skipped, self.cfg):
+            event = self._events.get(step)
+            if event is None:  # not offered in this process (cannot happen after a full re-read)
+                continue
+            self.ledger.record(step, event.uri, "scheduled", reason)
+            self.queue.push(event, pinned=True)
+            queued.append(event)
+        return queued
 
     @_locked
     def next(self) -> CheckpointEvent | None:

@@ -1,5 +1,8 @@
 """Checkpoint retention: keep the last K and the best N, never one still waiting for evaluation.
 
+The skipped neighbours of the best are kept too: the scheduler's end-of-run refinement may still
+evaluate them.
+
 A pure decision over the manifest and the ledger, so it is tested without a store; the flow
 deletes what it returns and records each deletion (MLflow tag ``deleted.<step>``), which the
 sweep reads so it never tries to evaluate a deleted checkpoint.
@@ -37,8 +40,9 @@ def checkpoints_to_delete(
 ) -> list[CheckpointEvent]:
     """The checkpoints retention may delete now, oldest first.
 
-    Kept: the newest ``keep_last``; the ``keep_best`` best evaluated; every checkpoint whose
-    evaluation is not settled (no ledger entry yet, or scheduled/in flight); the final one.
+    Kept: the newest ``keep_last``; the ``keep_best`` best evaluated (at least the best) and their
+    unevaluated neighbours; every checkpoint whose evaluation is not settled (no ledger entry
+    yet, or scheduled/in flight); the final one.
     """
     if cfg.keep_last is None:
         return []
@@ -48,7 +52,11 @@ def checkpoints_to_delete(
     scored = [(e.metrics[metric], step) for step, e in ledger.items()
               if e.status == "evaluated" and isinstance(e.metrics.get(metric), (int, float))]
     scored.sort(reverse=higher_is_better)
+    best = {step for _, step in scored[: max(1, cfg.keep_best)]}
     keep |= {step for _, step in scored[: cfg.keep_best]}
+    for i, step in enumerate(steps):  # refinement candidates
+        if step in best:
+            keep |= {s for s in steps[max(0, i - 1): i + 2] if s in ledger and ledger[s].status in ("skipped", "superseded")}
     keep |= {s for s in steps if s not in ledger or ledger[s].status not in FINAL_STATES}
     keep |= {s for s in steps if by_step[s].final}
     return [by_step[s] for s in steps if s not in keep and s not in deleted]

@@ -58,7 +58,8 @@ def evaluate_checkpoint(
     logger = get_run_logger()
     cfg = load_pipeline_config(params=params)
     local_manifest = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
-    event = Manifest(local_manifest).find(global_step)
+    published = Manifest(local_manifest)
+    event = published.find(global_step)
     if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
         raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
     run = RunDir(local_manifest.resolve().parent)
@@ -69,7 +70,8 @@ def evaluate_checkpoint(
         logger.info("step %d already evaluated: nothing to do", global_step)
         return {"global_step": global_step, "evaluated": False, "reason": "already evaluated"}
     if use_scheduler:
-        decision = decide(event, history, cfg.scheduler)
+        offered = [e.global_step for e in published.events() if e.global_step < global_step]
+        decision = decide(event, history, cfg.scheduler, offered)
         tracker.set_tags(mlflow_run_id, {f"decision.{global_step}": decision.reason})
         if not decision.evaluate:
             logger.info("step %d skipped: %s", global_step, decision.reason)

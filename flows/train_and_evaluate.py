@@ -77,7 +77,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     total_steps = total_train_steps(run, cfg)
     progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
     in_flight: InFlight | None = None
-    final_seen, pending_rows, last_train_log, decided = False, [], 0.0, []
+    final_seen, refined, pending_rows, last_train_log, decided = False, False, [], 0.0, []
     retention_on, deleted = cfg.storage.retention.keep_last is not None, set()
     # Decisions are made in their own thread the moment the manifest grows; this loop announces them.
     decision_thread = DecisionThread(planner, ManifestFollower(Manifest(run.manifest)))
@@ -109,7 +109,11 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
                 in_flight = InFlight(event, future, reason)
 
             if final_seen and in_flight is None and not planner.waiting:
-                break
+                if refined:
+                    break
+                refined = True  # once: the skipped neighbours of the best, now that the run is over
+                for event in planner.refine():
+                    logger.info("checkpoint step %d: evaluate (%s)", event.global_step, planner.ledger.latest(event.global_step).reason)
             if training is not None and training.poll() not in (None, 0):
                 wait_for_training(training)  # raises with the training log tail
             nothing_left = in_flight is None and not planner.waiting and not decided and decisions.idle()

@@ -50,6 +50,24 @@ def test_every_checkpoint_ends_evaluated_or_recorded_with_reason(tmp_path):
     assert planner.ledger.counts().get("superseded", 0) > 0
 
 
+def test_cover_bound_and_refinement_through_the_planner(tmp_path):
+    # A flat metric with a peak at step 50: the cover bound evaluates every third checkpoint,
+    # and once the final one is in, refinement evaluates the skipped neighbours of the best.
+    accuracy = {step: 0.8 for step in range(0, 100, 10)} | {40: 0.81, 50: 0.83}
+    planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
+    for step in range(0, 100, 10):
+        planner.offer(ev(step, final=step == 90))
+        while (nxt := planner.next()):
+            planner.evaluated(nxt, {"accuracy": accuracy[nxt.global_step], "accuracy_stderr": 0.01})
+    status = lambda: {e.step: e.status for e in planner.ledger.entries()}
+    assert [s for s, st in status().items() if st == "evaluated"] == [0, 10, 40, 70, 90]
+    queued = planner.refine()
+    assert [e.global_step for e in queued] == [30, 50]
+    assert planner.ledger.latest(50).status == "scheduled" and planner.ledger.latest(50).reason.startswith("refine")
+    assert [planner.next().global_step, planner.next().global_step] == [30, 50]  # pinned: both served
+    assert all(st in FINAL_STATES or st == "scheduled" for st in status().values())
+
+
 def test_restart_resumes_without_repeating_or_losing(tmp_path):
     path = tmp_path / "ledger.jsonl"
     first = EvaluationPlanner(CFG, Ledger(path))

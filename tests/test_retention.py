@@ -19,12 +19,15 @@ def deletable(ledger, cfg, checkpoints=None, **kw):
 def test_keeps_last_k_and_best_n_and_deletes_the_rest_oldest_first():
     ledger = [entry(0, "evaluated", 0.5), entry(10, "skipped"), entry(20, "evaluated", 0.9), entry(30, "superseded"),
               entry(40, "evaluated", 0.7), entry(50, "failed"), entry(60, "evaluated", 0.8), entry(70, "evaluated", 0.6)]
-    assert deletable(ledger, RetentionConfig(keep_last=2, keep_best=1)) == [0, 10, 30, 40, 50]
-    assert deletable(ledger, RetentionConfig(keep_last=2, keep_best=2)) == [0, 10, 30, 40, 50]  # 60 is in last 2
-    assert deletable(ledger, RetentionConfig(keep_last=1, keep_best=0)) == [0, 10, 20, 30, 40, 50, 60]
-    assert deletable(ledger, RetentionConfig(keep_last=2, keep_best=1), higher_is_better=False) == [10, 20, 30, 40, 50]
+    # 10 and 30 are the skipped neighbours of the best (20): kept for the end-of-run refinement.
+    assert deletable(ledger, RetentionConfig(keep_last=2, keep_best=1)) == [0, 40, 50]
+    assert deletable(ledger, RetentionConfig(keep_last=2, keep_best=2)) == [0, 40, 50]  # 60 is in last 2
+    assert deletable(ledger, RetentionConfig(keep_last=1, keep_best=0)) == [0, 20, 40, 50, 60]
+    assert deletable(ledger, RetentionConfig(keep_last=2, keep_best=1), higher_is_better=False) == [20, 30, 40, 50]
     assert deletable(ledger, RetentionConfig()) == []  # off by default
-    assert deletable(ledger, RetentionConfig(keep_last=2), deleted={0, 10}) == [30, 40, 50]
+    assert deletable(ledger, RetentionConfig(keep_last=2), deleted={0}) == [40, 50]
+    refined = [e if e.step != 10 else entry(10, "evaluated", 0.4) for e in ledger]  # 10 was evaluated
+    assert deletable(refined, RetentionConfig(keep_last=2, keep_best=1)) == [0, 10, 40, 50]
 
 
 def test_never_deletes_a_checkpoint_waiting_for_evaluation():
