@@ -113,14 +113,17 @@ class EvaluationPlanner:
         return decision
 
     @_locked
-    def refine(self) -> list[CheckpointEvent]:
+    def refine(self, deleted: set[int] = frozenset()) -> list[CheckpointEvent]:
         """Once the final checkpoint is evaluated: queue the skipped checkpoints worth a look
-        (``scheduler.refine``), pinned so none is coalesced away. Returns them."""
+        (``scheduler.refine``), pinned so none is coalesced away. Returns them.
+
+        ``deleted``: steps retention removed; they stay recorded as skipped.
+        """
         skipped = [e.step for e in self.ledger.entries() if e.status in ("skipped", "superseded")]
         queued = []
         for step, reason in refine(self.history(), skipped, self.cfg):
             event = self._events.get(step)
-            if event is None:  # not offered in this process (cannot happen after a full re-read)
+            if event is None or step in deleted:  # not offered in this process (cannot happen after a full re-read)
                 continue
             self.ledger.record(step, event.uri, "scheduled", reason)
             self.queue.push(event, pinned=True)

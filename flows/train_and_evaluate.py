@@ -112,7 +112,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
                 if refined:
                     break
                 refined = True  # once: the skipped neighbours of the best, now that the run is over
-                for event in planner.refine():
+                for event in planner.refine(deleted):
                     logger.info("checkpoint step %d: evaluate (%s)", event.global_step, planner.ledger.latest(event.global_step).reason)
             if training is not None and training.poll() not in (None, 0):
                 wait_for_training(training)  # raises with the training log tail

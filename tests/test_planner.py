@@ -61,6 +61,7 @@ def test_cover_bound_and_refinement_through_the_planner(tmp_path):
             planner.evaluated(nxt, {"accuracy": accuracy[nxt.global_step], "accuracy_stderr": 0.01})
     status = lambda: {e.step: e.status for e in planner.ledger.entries()}
     assert [s for s, st in status().items() if st == "evaluated"] == [0, 10, 40, 70, 90]
+    assert [e.global_step for e in planner.refine(deleted={30, 50})] == []  # retention removed them
     queued = planner.refine()
     assert [e.global_step for e in queued] == [30, 50]
     assert planner.ledger.latest(50).status == "scheduled" and planner.ledger.latest(50).reason.startswith("refine")
