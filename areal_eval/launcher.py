@@ -103,6 +103,13 @@ def lower_priority(nice: int) -> None:
         pass  # no autogroup: the plain nice is enough
 
 
+# glibc serves every allocation over its dynamic mmap threshold with a fresh mmap and gives it
+# back at free, so each forward pass page-faults its activations in again. Fixed thresholds
+# keep them in the heap: a fresh evaluation worker scores 35% more pairs/s on CPU, with a lower
+# peak RSS (Trainer gains 20-27%: bench/eval_throughput.py). Other allocators ignore these.
+HEAP_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
+
+
 class TorchrunJob:
     """A running torchrun job; its output goes to ``log_path``."""
 
@@ -113,6 +120,8 @@ class TorchrunJob:
         self.started = time.monotonic()
         full_env = {**os.environ, **(env or {})}
         full_env.setdefault("OMP_NUM_THREADS", "1")
+        for key, value in HEAP_SETTINGS.items():
+            full_env.setdefault(key, value)
         # Workers load local paths only, and progress bars would flood the job logs.
         full_env.setdefault("HF_HUB_OFFLINE", "1")
         full_env.setdefault("TRANSFORMERS_VERBOSITY", "error")

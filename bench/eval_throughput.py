@@ -1,17 +1,23 @@
-"""Evaluation throughput: areal-eval's evaluator against transformers' Trainer.evaluate.
+"""Evaluation throughput: areal-eval's evaluation workers against transformers' Trainer.evaluate.
 
     .venv/bin/python bench/eval_throughput.py [--pairs 2001] [--rounds 3]
 
-Same reward model, same validation pairs, same batch size, one process, A and B alternating;
-then on 2 torchrun ranks: areal-eval against Trainer (DDP over gloo), and areal-eval 2 ranks
-against 1. Pairs per second count the evaluation loop only
-(model loading excluded on both sides). Prints one JSON line.
+Same reward model, same validation pairs, same batch size, one thread per process; on 1 process
+and on 2 torchrun ranks (Trainer with DDP over gloo), alternating. Every measurement is a fresh
+process: areal-eval as its launcher starts its workers, Trainer as a user would start it
+(``python`` for 1 process, ``torchrun`` for 2), and Trainer once more with the heap settings
+areal-eval's launcher gives its workers, so the allocator's share of the gain shows. Pairs per
+second count the evaluation loop only (model loading excluded on both sides). Prints one JSON
+line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,7 +25,7 @@ from pathlib import Path
 from common import emit, median, prepared_run
 
 
-def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int) -> tuple[float, float]:
+def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int) -> tuple[float, dict]:
     """Pairwise accuracy the way a transformers user would get it: Trainer + compute_metrics."""
     import numpy as np
     import torch
@@ -60,45 +66,23 @@ def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_le
         return time.perf_counter() - start, metrics
 
 
-def areal_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int) -> tuple[float, float]:
-    from areal_eval import distributed
-    from areal_eval.eval_worker import evaluate
-    from areal_eval.evaluator import RewardModelEvaluator
-
-    evaluator = RewardModelEvaluator(max_length=max_length)
-    evaluator.load(checkpoint, pairs_path)
-    start = time.perf_counter()
-    metrics = evaluate(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
-    return time.perf_counter() - start, metrics["accuracy"]
-
-
-def areal_torchrun(event, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path) -> tuple[float, float]:
-    from areal_eval.evaluation import EvalConfig, evaluate_checkpoint
-
-    result = evaluate_checkpoint(event, pairs_path, EvalConfig(nproc=nproc, batch_size=batch_size), work, max_length)
-    loop = json.loads((work / f"global_step_{event.global_step:08d}.json").read_text())["eval_loop_seconds"]
-    return loop, result.metrics["accuracy"]
-
-
-def trainer_torchrun(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path) -> tuple[float, float]:
-    """Trainer.evaluate on ``nproc`` ranks, as a user would launch it: torchrun, DDP (gloo on CPU)."""
-    import subprocess
-    import sys
+def trainer_run(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path,
+                heap_settings: bool) -> tuple[float, dict]:
+    """Trainer.evaluate in a fresh process: plain python for 1, torchrun (DDP over gloo) for more."""
+    from areal_eval.launcher import HEAP_SETTINGS
 
     out = work / f"trainer-{nproc}.json"
     out.unlink(missing_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-         "--trainer-worker", json.dumps([str(checkpoint), str(pairs_path), batch_size, max_length, str(out)])],
-        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
+    spec = json.dumps([str(checkpoint), str(pairs_path), batch_size, max_length, str(out)])
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {k: v for k, v in os.environ.items() if k not in HEAP_SETTINGS}
+    env.update({"OMP_NUM_THREADS": "1", **(HEAP_SETTINGS if heap_settings else {})})
+    subprocess.run([*launch, __file__, "--trainer-worker", spec], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     result = json.loads(out.read_text())
     return result["seconds"], result
 
 
 def trainer_worker(spec: str) -> None:
-    import os
-
     import torch
 
     torch.set_num_threads(1)
@@ -108,20 +92,28 @@ def trainer_worker(spec: str) -> None:
         Path(out).write_text(json.dumps({"seconds": seconds, **metrics}))
 
 
+def areal_run(event, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path) -> tuple[float, float]:
+    """areal-eval's evaluation as the pipeline runs it: a torchrun job from its launcher."""
+    from areal_eval.evaluation import EvalConfig, evaluate_checkpoint
+
+    result = evaluate_checkpoint(event, pairs_path, EvalConfig(nproc=nproc, batch_size=batch_size), work, max_length)
+    loop = json.loads((work / f"global_step_{event.global_step:08d}.json").read_text())["eval_loop_seconds"]
+    return loop, result.metrics["accuracy"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2001)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--length-jitter", type=int, default=100, help="extra words per response, 0..N (HH-RLHF-like spread)")
-    parser.add_argument("--trainer-worker", help=argparse.SUPPRESS)  # one rank of trainer_torchrun
+    parser.add_argument("--trainer-worker", help=argparse.SUPPRESS)  # one Trainer process of trainer_run
     args = parser.parse_args()
     if args.trainer_worker:
         return trainer_worker(args.trainer_worker)
 
     import torch
 
-    torch.set_num_threads(1)  # both sides single-threaded: the comparison is the loop, not BLAS
     from areal_eval import reward_model
     from areal_eval.checkpoint import CheckpointWriter
     from areal_eval.manifest import Manifest
@@ -140,40 +132,35 @@ def main() -> None:
     event = Manifest(run.manifest).events()[0]
     ckpt, pairs, bs, ml = Path(event.uri), run.valid_data, args.batch_size, cfg.model.max_length
 
-    trainer_s, ours_s, accs = [], [], set()
-    for _ in range(args.rounds):  # alternate A and B: this machine is noisy
-        t, trainer_metrics = trainer_evaluate(ckpt, pairs, bs, ml)
-        a = trainer_metrics["eval_accuracy"]
-        trainer_s.append(t)
-        o, b = areal_evaluate(ckpt, pairs, bs, ml)
-        ours_s.append(o)
-        accs.add((round(a, 9), round(b, 9)))
-    one, two, trainer_two, accs2 = [], [], [], set()
-    for _ in range(args.rounds):
-        one.append(areal_torchrun(event, pairs, bs, ml, 1, work / "w1")[0])
-        t2, trainer2 = trainer_torchrun(ckpt, pairs, bs, ml, 2, work)
-        a2 = trainer2["eval_accuracy"]
-        trainer_two.append(t2)
-        o2, b2 = areal_torchrun(event, pairs, bs, ml, 2, work / "w2")
-        two.append(o2)
-        accs2.add((round(a2, 9), round(b2, 9)))
+    seconds: dict[str, list[float]] = {}
+    accuracies: dict[int, set] = {1: set(), 2: set()}
+    counted = {}
+    for _ in range(args.rounds):  # alternate: this machine is noisy
+        for nproc in (1, 2):
+            t, plain = trainer_run(ckpt, pairs, bs, ml, nproc, work, heap_settings=False)
+            seconds.setdefault(f"trainer_{nproc}", []).append(t)
+            t, tuned = trainer_run(ckpt, pairs, bs, ml, nproc, work, heap_settings=True)
+            seconds.setdefault(f"trainer_heap_{nproc}", []).append(t)
+            t, ours = areal_run(event, pairs, bs, ml, nproc, work / f"w{nproc}")
+            seconds.setdefault(f"areal_{nproc}", []).append(t)
+            accuracies[nproc] |= {round(plain["eval_accuracy"], 9), round(tuned["eval_accuracy"], 9), round(ours, 9)}
+            counted[nproc] = (plain["eval_n_pairs"], plain["eval_padding_rows"])
     n = args.pairs
+    rate = {key: round(n / median(values), 1) for key, values in seconds.items()}
+    ratio = lambda a, b: round(median(seconds[b]) / median(seconds[a]), 2)  # noqa: E731
     emit({
         "benchmark": "eval_throughput",
         "pairs": n, "batch_size": bs, "rounds": args.rounds, "length_jitter": args.length_jitter,
-        "trainer_pairs_per_s": round(n / median(trainer_s), 1),
-        "areal_pairs_per_s": round(n / median(ours_s), 1),
-        "speedup_vs_trainer": round(median(trainer_s) / median(ours_s), 2),
-        "identical_accuracy": all(a == b for a, b in accs),
-        "accuracy": sorted(accs)[0][1],
-        "areal_1rank_pairs_per_s": round(n / median(one), 1),
-        "areal_2rank_pairs_per_s": round(n / median(two), 1),
-        "scaling_2_vs_1": round(median(one) / median(two), 2),
-        "trainer_2rank_pairs_per_s": round(n / median(trainer_two), 1),
-        "speedup_vs_trainer_2rank": round(median(trainer_two) / median(two), 2),
-        "identical_accuracy_2rank": all(a == b for a, b in accs2),
-        "accuracy_2rank_trainer_areal": sorted(accs2)[0],
-        "trainer_2rank_pairs_counted": trainer2["eval_n_pairs"], "trainer_2rank_padding_rows": trainer2["eval_padding_rows"],
+        **{f"{key}_pairs_per_s": value for key, value in rate.items()},
+        "speedup_vs_trainer_1proc": ratio("areal_1", "trainer_1"),
+        "speedup_vs_trainer_2rank": ratio("areal_2", "trainer_2"),
+        "speedup_vs_trainer_same_heap_1proc": ratio("areal_1", "trainer_heap_1"),
+        "speedup_vs_trainer_same_heap_2rank": ratio("areal_2", "trainer_heap_2"),
+        "scaling_2_vs_1": ratio("areal_2", "areal_1"),
+        "identical_accuracy_1proc": len(accuracies[1]) == 1,
+        "identical_accuracy_2rank": len(accuracies[2]) == 1,
+        "accuracy": sorted(accuracies[1] | accuracies[2]),
+        "trainer_2rank_pairs_counted": counted[2][0], "trainer_2rank_padding_rows": counted[2][1],
     })
 
 
