@@ -38,3 +38,14 @@ def test_node_layout_from_the_pool_environment(monkeypatch):
     assert "--standalone" not in command
     assert {"--nnodes=4", "--node-rank=2", "--master-addr=job-0.areal-eval-rdzv", "--master-port=29400",
             "--nproc-per-node=8"} <= set(command)
+
+
+def test_jobs_get_the_heap_settings_unless_the_caller_set_them(tmp_path, monkeypatch):
+    from areal_eval.launcher import HEAP_SETTINGS, TorchrunJob
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    show = "import os; print('heap', os.environ['MALLOC_MMAP_THRESHOLD_'], os.environ['MALLOC_TRIM_THRESHOLD_'])"
+    job = TorchrunJob("timeit", ["-n", "1", "-r", "1", show], 1, tmp_path / "job.log")
+    log = tmp_path / "job.log"
+    assert job.wait(120) == 0, log.read_text()
+    assert f"heap {HEAP_SETTINGS['MALLOC_MMAP_THRESHOLD_']} 12345" in log.read_text()
