@@ -123,8 +123,8 @@ def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConf
             return Decision(True, f"fixed interval: {gap} >= {cfg.fixed_interval_steps} steps")
         return Decision(False, f"fixed interval: {gap} < {cfg.fixed_interval_steps} steps")
     limit = max_interval(step, offered_steps, cfg)
-    if limit is not None and gap >= limit:
-        return Decision(True, f"{gap} steps since step {last.step} >= max interval {limit:.0f}")
+    if limit is not None and gap >= limit[0]:
+        return Decision(True, f"{gap} steps since step {last.step} >= max interval {limit[0]:.0f} ({limit[1]})")
     return _adaptive(step, last, history, cfg)
 
 
@@ -136,12 +136,14 @@ def checkpoint_spacing(step: int, offered_steps: Sequence[int], window: int = 8)
     return statistics.median(gaps) if gaps else None
 
 
-def max_interval(step: int, offered_steps: Sequence[int], cfg: SchedulerConfig) -> float | None:
-    """The largest gap allowed before ``step``: the tighter of the step and the cover bound."""
-    bounds = [b for b in (cfg.max_interval_steps,) if b is not None]
+def max_interval(step: int, offered_steps: Sequence[int], cfg: SchedulerConfig) -> tuple[float, str] | None:
+    """The largest gap allowed before ``step`` and where it comes from: the tighter of the step
+    bound and the cover bound."""
+    bounds = [(b, "max_interval_steps") for b in (cfg.max_interval_steps,) if b is not None]
     spacing = checkpoint_spacing(step, offered_steps)
     if cfg.max_interval_checkpoints is not None and spacing is not None:
-        bounds.append(max(cfg.min_interval_steps, cfg.max_interval_checkpoints * spacing))
+        cover = max(cfg.min_interval_steps, cfg.max_interval_checkpoints * spacing)
+        bounds.append((cover, f"{cfg.max_interval_checkpoints:g} checkpoint spacings of {spacing:g} steps"))
     return min(bounds) if bounds else None
 
 

@@ -11,6 +11,9 @@ evaluation on this machine), then reads the timestamps the run left behind:
   for the evaluation in flight); and launch -> started, the workers' own start-up;
 * durable -> metrics visible in MLflow: to the timestamp of the MLflow metric.
 
+The end-of-run refinement (skipped neighbours of the best, looked at once the final checkpoint
+is in) is not feedback on arrival: those evaluations are counted (``refined``) but left out.
+
 Prints one JSON line.
 """
 
@@ -46,15 +49,20 @@ def main() -> None:
     run = RunDir(work / "latency")
     durable = {e.global_step: e.wall_time for e in Manifest(run.manifest).events()}
     decided: dict[int, float] = {}
+    refined = set()
     for line in run.ledger.read_text().splitlines():
         row = json.loads(line)
         decided.setdefault(row["step"], row["time"])
+        if row["status"] == "scheduled" and row["reason"].startswith("refine"):
+            refined.add(row["step"])
     results = {int(p.stem.split("_")[-1]): json.loads(p.read_text()) for p in run.evals.glob("global_step_*[0-9].json")}
+    results = {s: r for s, r in results.items() if s not in refined}
     tracker = Tracker(summary["tracking_uri"], "areal-eval")
-    visible = {m.step: m.timestamp / 1000 for m in tracker.client.get_metric_history(summary["mlflow_run_id"], "eval/accuracy")}
+    history = tracker.client.get_metric_history(summary["mlflow_run_id"], "eval/accuracy")
+    visible = {m.step: m.timestamp / 1000 for m in history if m.step not in refined}
     emit({
         "benchmark": "feedback_latency",
-        "checkpoints": len(durable), "evaluated": len(visible),
+        "checkpoints": len(durable), "evaluated": len(history), "refined": len(refined),
         "durable_to_decision": stats([decided[s] - t for s, t in durable.items() if s in decided]),
         "decision_to_workers_started": stats([r["started_at"] - decided[s] for s, r in results.items() if "started_at" in r]),
         "launch_to_workers_started": stats([r["started_at"] - r["launched_at"] for r in results.values() if "started_at" in r]),
