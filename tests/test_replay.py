@@ -81,6 +81,9 @@ def test_cli_json_on_the_shared_curves(capsys):
     assert policies["fixed:1"]["evaluations"] == 1920 and policies["fixed:1"]["mean_tracking_error"] == 0
     for row in policies.values():
         assert set(row) == {"evaluations", "mean_tracking_error", "mean_regret", "max_regret", "detection_delay"}
-    # The adaptive policy tracks better than fixed:2 and sees regressions within a checkpoint.
-    assert policies["adaptive"]["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
-    assert policies["adaptive"]["detection_delay"] <= 1.0
+    # The targets: tracking better than fixed:2, so fixed:1 is the policy to beat; at most
+    # 60% of its evaluations, regret within 0.005 of its 0, regressions seen within a checkpoint.
+    adaptive = policies["adaptive"]
+    assert adaptive["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
+    assert adaptive["evaluations"] <= 0.6 * policies["fixed:1"]["evaluations"]
+    assert adaptive["mean_regret"] <= 0.005 and adaptive["detection_delay"] <= 1.0
