@@ -104,8 +104,12 @@ class Tracker:
 
     def deleted_steps(self, run_id: str) -> set[int]:
         """Steps whose checkpoints retention deleted (tags ``deleted.<step>``)."""
+        return self.tagged_steps(run_id, "deleted")
+
+    def tagged_steps(self, run_id: str, prefix: str) -> set[int]:
+        """Steps with a tag ``<prefix>.<step>`` (``deleted``, ``skipped``)."""
         tags = self.client.get_run(run_id).data.tags
-        return {int(k.split(".", 1)[1]) for k in tags if k.startswith("deleted.") and k.split(".", 1)[1].isdigit()}
+        return {int(k.split(".", 1)[1]) for k in tags if k.startswith(prefix + ".") and k.split(".", 1)[1].isdigit()}
 
     def eval_history(self, run_id: str, metric: str) -> dict[int, float]:
         return {m.step: m.value for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}

@@ -2,8 +2,9 @@
 
 Started by a deployment trigger on ``areal.checkpoint.saved`` (parameters templated from the
 event payload), by ``prefect deployment run``, or by ``sweep-checkpoints``. Scheduling state is
-the run's evaluation history in MLflow, so separate triggered runs decide consistently and a
-second event for the same checkpoint does not evaluate it again.
+the run's evaluation history in MLflow (skips as ``skipped.<step>`` tags), so separate triggered
+runs decide consistently, a second event for the same checkpoint does not evaluate it again, and
+the run for the final checkpoint can refine around the best as ``train-and-evaluate`` does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from areal_eval.checkpoint_store import is_s3, localize_manifest
 from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import load_pipeline_config
 from areal_eval.run_dir import RunDir
-from areal_eval.scheduler import decide
+from areal_eval.scheduler import decide, refine
 from tasks.alerts import send_alert
 from tasks.evaluate import evaluate
 from tasks.tracking import log_evaluation, start_tracking_run, tracker_for
@@ -72,17 +73,37 @@ def evaluate_checkpoint(
     if use_scheduler:
         offered = [e.global_step for e in published.events() if e.global_step < global_step]
         decision = decide(event, history, cfg.scheduler, offered)
-        tracker.set_tags(mlflow_run_id, {f"decision.{global_step}": decision.reason})
+        tags = {f"decision.{global_step}": decision.reason}
+        if not decision.evaluate:
+            tags[f"skipped.{global_step}"] = decision.reason
+        tracker.set_tags(mlflow_run_id, tags)
         if not decision.evaluate:
             logger.info("step %d skipped: %s", global_step, decision.reason)
             return {"global_step": global_step, "evaluated": False, "reason": decision.reason}
 
-    with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
-        result = evaluate(event, Path(data_path) if data_path else run.valid_data, cfg, run.evals)
-    log_evaluation(cfg, mlflow_run_id, result, "triggered")
+    data = Path(data_path) if data_path else run.valid_data
     rules = AlertEngine(cfg.alerts)
     for past in history:  # the alert rules judge against the run's best so far
         rules.check(past.step, {cfg.scheduler.metric: past.metric})
-    for alert in rules.check(global_step, result.metrics):
+    with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
+        result = evaluate_and_log(cfg, event, data, run, mlflow_run_id, "triggered", rules)
+        refined = []
+        if use_scheduler and event.final:  # the run is over: look next to the best
+            history = tracker.scheduler_history(mlflow_run_id, cfg.scheduler.metric, cfg.scheduler.stderr_metric)
+            skipped = tracker.tagged_steps(mlflow_run_id, "skipped") - {h.step for h in history}
+            deleted = tracker.deleted_steps(mlflow_run_id)
+            for step, reason in refine(history, sorted(skipped), cfg.scheduler):
+                if step not in deleted:
+                    logger.info("step %d: %s", step, reason)
+                    evaluate_and_log(cfg, published.find(step), data, run, mlflow_run_id, reason, rules)
+                    refined.append(step)
+    return {"global_step": global_step, "evaluated": True, "metrics": result.metrics, "refined": refined}
+
+
+def evaluate_and_log(cfg, event, data: Path, run: RunDir, mlflow_run_id: str, reason: str, rules: AlertEngine):
+    """Evaluate one checkpoint, log it to MLflow and put it through the alert rules."""
+    result = evaluate(event, data, cfg, run.evals)
+    log_evaluation(cfg, mlflow_run_id, result, reason)
+    for alert in rules.check(event.global_step, result.metrics):
         send_alert(alert, cfg, mlflow_run_id, run)
-    return {"global_step": global_step, "evaluated": True, "metrics": result.metrics}
+    return result

@@ -137,3 +137,27 @@ def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_
     tracker, runs = mlflow_run(cfg)
     steps = [m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")]
     assert sorted(steps) == sorted(set(steps)) == [e.step for e in ledger.entries() if e.status == "evaluated"]
+
+
+def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect_server, trained_run, tmp_path):
+    # evaluate-checkpoint as the event trigger runs it, once per checkpoint in order: 4 and 8 are
+    # skipped (min interval 9), and the run for the final checkpoint evaluates the skipped
+    # neighbour of the best (8 if 12 is best, 4 if 0 is: either has nothing evaluated beyond it).
+    from flows.evaluate_checkpoint import evaluate_checkpoint
+
+    cfg, run = trained_run
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, min_interval_steps=9, max_interval_steps=None),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+    )
+    params = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    results = {s: evaluate_checkpoint(s, str(run.manifest), params=params) for s in (0, 4, 8, 12)}
+    assert [results[s]["evaluated"] for s in (0, 4, 8, 12)] == [True, False, False, True]
+    assert "min interval" in results[4]["reason"] and "min interval" in results[8]["reason"]
+    refined = results[12]["refined"]
+    assert refined in ([4], [8])
+    tracker, runs = mlflow_run(cfg)
+    steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy"))
+    assert steps == sorted([0, 12] + refined)  # each once
+    assert runs[0].data.tags[f"decision.{refined[0]}"].startswith("refine: next to the best")
+    assert evaluate_checkpoint(12, str(run.manifest), params=params)["reason"] == "already evaluated"
