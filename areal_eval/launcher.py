@@ -106,7 +106,7 @@ def lower_priority(nice: int) -> None:
 # glibc serves every allocation over its dynamic mmap threshold with a fresh mmap and gives it
 # back at free, so each forward pass page-faults its activations in again. Fixed thresholds
 # keep them in the heap: a fresh evaluation worker scores 35% more pairs/s on CPU, with a lower
-# peak RSS (Trainer gains 20-27%: bench/eval_throughput.py). Other allocators ignore these.
+# peak RSS (Trainer gains 19-29%: bench/eval_throughput.py). Other allocators ignore these.
 HEAP_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
 
 
