@@ -121,9 +121,9 @@ class EvaluationPlanner:
         """
         skipped = [e.step for e in self.ledger.entries() if e.status in ("skipped", "superseded")]
         queued = []
-        for step, reason in refine(self.history(), skipped, self.cfg):
+        for step, reason in refine(self.history(), skipped, self.cfg, deleted):
             event = self._events.get(step)
-            if event is None or step in deleted:  # not offered in this process (cannot happen after a full re-read)
+            if event is None:  # not offered in this process (cannot happen after a full re-read)
                 continue
             self.ledger.record(step, event.uri, "scheduled", reason)
             self.queue.push(event, pinned=True)

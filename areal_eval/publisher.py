@@ -7,8 +7,8 @@
 Call it after the checkpoint's files are written. It records sizes and sha256, uploads and
 verifies the files when ``store`` is an ``s3://`` prefix, appends the checkpoint to the manifest
 (the durable log; mirrored beside the checkpoints on S3), then posts an
-``areal.checkpoint.saved`` event to the Prefect API at ``$PREFECT_API_URL`` if one is set. Plain HTTP: the training process needs no
-Prefect client and starts no temporary server. A deployment trigger on that event starts
+``areal.checkpoint.saved`` event to the Prefect API at ``$PREFECT_API_URL`` if one is set.
+Plain HTTP: the training process needs no Prefect client and starts no temporary server. A deployment trigger on that event starts
 ``evaluate-checkpoint``.
 """
 
@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 from areal_eval.checkpoint_files import describe_files
-from areal_eval.checkpoint_store import S3Config, is_s3, open_store
+from areal_eval.checkpoint_store import S3Config, StorageConfig, is_s3, open_store
 from areal_eval.manifest import CheckpointEvent, Manifest
 
 CHECKPOINT_SAVED = "areal.checkpoint.saved"
@@ -87,7 +87,7 @@ def publish_checkpoint(
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
     files = describe_files(directory)
-    root = f"{store.rstrip('/')}/{run_id}" if store else None
+    root = StorageConfig(checkpoint_uri=store).run_root(run_id)
     checkpoint_store = open_store(root, s3)
     event = CheckpointEvent(
         run_id=run_id, uri=checkpoint_store.publish(directory, files), epoch=epoch, epoch_step=epoch_step,

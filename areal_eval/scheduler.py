@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Literal, Protocol, Sequence
+from typing import Collection, Literal, Protocol, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,12 +179,14 @@ def _adaptive(step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cf
     return Decision(False, f"plateau: predicted drift {drift:.3g} < {cfg.drift_tolerance} stderr ({se_latest:.3g})")
 
 
-def refine(history: Sequence[HistoryEntry], skipped_steps: Sequence[int], cfg: SchedulerConfig) -> list[tuple[int, str]]:
+def refine(history: Sequence[HistoryEntry], skipped_steps: Sequence[int], cfg: SchedulerConfig,
+           deleted_steps: Collection[int] = ()) -> list[tuple[int, str]]:
     """After the final checkpoint: the skipped checkpoints worth evaluating, with their reasons.
 
     These are the skipped neighbours of the best result whose value, interpolated in steps between
     the finished evaluations on either side (or the best's own value where one side has none),
-    comes within ``refine_stderrs`` of the best.
+    comes within ``refine_stderrs`` of the best. A neighbour retention deleted stays a neighbour
+    (the one beyond it is not next to the best) but is not returned.
     """
     done = _finished(history)
     if cfg.policy != "adaptive" or cfg.refine_stderrs is None or not done:
@@ -195,7 +197,7 @@ def refine(history: Sequence[HistoryEntry], skipped_steps: Sequence[int], cfg: S
     at = known.index(best.step)
     out = []
     for step in known[at - 1: at] + known[at + 1: at + 2]:
-        if step not in skipped_steps:
+        if step not in skipped_steps or step in deleted_steps:
             continue
         below = [h for h in done if h.step < step]
         above = [h for h in done if h.step > step]

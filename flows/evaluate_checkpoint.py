@@ -92,11 +92,10 @@ def evaluate_checkpoint(
             history = tracker.scheduler_history(mlflow_run_id, cfg.scheduler.metric, cfg.scheduler.stderr_metric)
             skipped = tracker.tagged_steps(mlflow_run_id, "skipped") - {h.step for h in history}
             deleted = tracker.deleted_steps(mlflow_run_id)
-            for step, reason in refine(history, sorted(skipped), cfg.scheduler):
-                if step not in deleted:
-                    logger.info("step %d: %s", step, reason)
-                    evaluate_and_log(cfg, published.find(step), data, run, mlflow_run_id, reason, rules)
-                    refined.append(step)
+            for step, reason in refine(history, sorted(skipped), cfg.scheduler, deleted):
+                logger.info("step %d: %s", step, reason)
+                evaluate_and_log(cfg, published.find(step), data, run, mlflow_run_id, reason, rules)
+                refined.append(step)
     return {"global_step": global_step, "evaluated": True, "metrics": result.metrics, "refined": refined}
 
 

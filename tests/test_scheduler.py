@@ -138,6 +138,8 @@ def test_refine_looks_at_skipped_neighbours_of_the_best():
     at_the_end = [H(0, 0.5), H(30, 0.6), H(60, 0.8)]
     # 50: interpolated 0.733, no; 70: nothing evaluated beyond, so the best's own value: yes.
     assert [s for s, _ in refine(at_the_end, [50, 70], cfg)] == [70]
+    # 40 deleted by retention: not evaluated, and 50 beyond it is still not next to the best
+    assert refine(close, [20, 40, 50, 70], cfg, deleted_steps={40}) == []
     assert refine(close, [40], dataclasses.replace(cfg, refine_stderrs=None)) == []
     assert refine(close, [40], dataclasses.replace(cfg, policy="fixed")) == []
 
