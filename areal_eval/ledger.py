@@ -28,6 +28,15 @@ class LedgerEntry:
     metrics: dict = dataclasses.field(default_factory=dict)
     time: float = dataclasses.field(default_factory=time.time)
 
+    def history_entry(self, metric: str, stderr_metric: str | None) -> HistoryEntry | None:
+        """What the scheduler sees of this checkpoint: a result, a pending one, or nothing."""
+        if self.status == "evaluated":
+            return HistoryEntry(self.step, self.time, self.metrics.get(metric),
+                                self.metrics.get(stderr_metric) if stderr_metric else None)
+        if self.status == "scheduled":
+            return HistoryEntry(self.step, self.time, None, None)
+        return None
+
 
 class Ledger:
     """Thread-safe: the flow's decision thread records while its main loop reads."""
@@ -72,13 +81,8 @@ class Ledger:
         return [e for e in self.entries() if e.status == "scheduled"]
 
     def history(self, metric: str, stderr_metric: str | None) -> list[HistoryEntry]:
-        out = []
-        for e in self.entries():
-            if e.status == "evaluated":
-                out.append(HistoryEntry(e.step, e.time, e.metrics.get(metric), e.metrics.get(stderr_metric) if stderr_metric else None))
-            elif e.status == "scheduled":
-                out.append(HistoryEntry(e.step, e.time, None, None))
-        return out
+        entries = (e.history_entry(metric, stderr_metric) for e in self.entries())
+        return [h for h in entries if h is not None]
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 from areal_eval.eval_queue import CoalescingQueue
 from areal_eval.ledger import FINAL_STATES, Ledger
 from areal_eval.manifest import CheckpointEvent, Manifest
-from areal_eval.scheduler import Decision, SchedulerConfig, decide, refine
+from areal_eval.scheduler import Decision, DecisionHistory, SchedulerConfig, decide, refine
 
 
 class ManifestFollower:
@@ -87,9 +87,17 @@ class EvaluationPlanner:
         self.ledger = ledger
         self.queue: CoalescingQueue[CheckpointEvent] = CoalescingQueue(cfg.queue_capacity, coalesce=cfg.coalesce)
         self._events: dict[int, CheckpointEvent] = {}
+        # What decide() reads, kept per record: a decision costs the same at any run length.
+        self._decisions = DecisionHistory(cfg.higher_is_better)
+        for entry in ledger.entries():
+            self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_metric))
 
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_metric)
+
+    def _record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None) -> None:
+        entry = self.ledger.record(step, uri, status, reason, metrics)
+        self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_metric))
 
     @_locked
     def offer(self, event: CheckpointEvent) -> Decision:
@@ -101,16 +109,21 @@ class EvaluationPlanner:
         if status == "scheduled":  # scheduled before a restart: resume it
             decision = Decision(True, "resumed: scheduled before restart", pinned=True)
         else:
-            offered = [e.step for e in self.ledger.entries()]
-            decision = decide(event, self.history(), self.cfg, offered)
+            step = event.global_step
+            decision = decide(event, self._decisions.view(), self.cfg, self._decisions.offered_before(step))
         if not decision.evaluate:
-            self.ledger.record(event.global_step, event.uri, "skipped", decision.reason)
+            self._record(event.global_step, event.uri, "skipped", decision.reason)
             return decision
         if status != "scheduled":
-            self.ledger.record(event.global_step, event.uri, "scheduled", decision.reason)
+            self._record(event.global_step, event.uri, "scheduled", decision.reason)
         for old in self.queue.push(event, pinned=decision.pinned):
             self._supersede(old, event)
         return decision
+
+    @_locked
+    def events(self) -> list[CheckpointEvent]:
+        """Every checkpoint offered so far, in step order."""
+        return [self._events[s] for s in sorted(self._events)]
 
     @_locked
     def refine(self, deleted: set[int] = frozenset()) -> list[CheckpointEvent]:
@@ -125,7 +138,7 @@ class EvaluationPlanner:
             event = self._events.get(step)
             if event is None:  # not offered in this process (cannot happen after a full re-read)
                 continue
-            self.ledger.record(step, event.uri, "scheduled", reason)
+            self._record(step, event.uri, "scheduled", reason)
             self.queue.push(event, pinned=True)
             queued.append(event)
         return queued
@@ -141,15 +154,15 @@ class EvaluationPlanner:
         return event
 
     def _supersede(self, old: CheckpointEvent, by: CheckpointEvent) -> None:
-        self.ledger.record(old.global_step, old.uri, "superseded", f"evaluation behind training: coalesced to step {by.global_step}")
+        self._record(old.global_step, old.uri, "superseded", f"evaluation behind training: coalesced to step {by.global_step}")
 
     @_locked
     def evaluated(self, event: CheckpointEvent, metrics: dict) -> None:
-        self.ledger.record(event.global_step, event.uri, "evaluated", "", metrics)
+        self._record(event.global_step, event.uri, "evaluated", "", metrics)
 
     @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:
-        self.ledger.record(event.global_step, event.uri, "failed", error)
+        self._record(event.global_step, event.uri, "failed", error)
 
     @property
     def waiting(self) -> int:

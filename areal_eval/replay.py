@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 from areal_eval.config import from_dict
-from areal_eval.scheduler import HistoryEntry, SchedulerConfig, decide, refine
+from areal_eval.scheduler import DecisionHistory, HistoryEntry, SchedulerConfig, decide, refine
 
 DEFAULT_STDERR = 0.01
 REGRESSION_STDERRS = 5.0
@@ -103,13 +103,16 @@ class SchedulerPolicy(Policy):
         cfg = dataclasses.replace(self.cfg, higher_is_better=curve.higher_is_better)
         points = curve.points
         history: list[HistoryEntry] = []
+        index = DecisionHistory(cfg.higher_is_better)  # what the pipeline's planner decides from
         chosen, skipped = [], []
         for i, p in enumerate(points):
-            if decide(_Event(p.step, i == len(points) - 1), history, cfg, [q.step for q in points[:i]]).evaluate:
+            if decide(_Event(p.step, i == len(points) - 1), index.view(), cfg, index.offered_before(p.step)).evaluate:
                 chosen.append((i, i))
                 history.append(HistoryEntry(p.step, float(p.step), p.value, p.stderr))  # revealed now
+                index.set(p.step, history[-1])
             else:
                 skipped.append(p.step)
+                index.offer(p.step)
         index = {p.step: i for i, p in enumerate(points)}
         chosen += [(index[step], len(points) - 1) for step, _ in refine(history, skipped, cfg)]
         return chosen

@@ -3,7 +3,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from areal_eval.scheduler import HistoryEntry, SchedulerConfig, checkpoint_spacing, decide, refine
+import random
+
+from areal_eval.scheduler import DecisionHistory, HistoryEntry, SchedulerConfig, checkpoint_spacing, decide, refine
 
 
 @dataclass
@@ -148,3 +150,30 @@ def test_refine_in_the_metric_direction():
     cfg = SchedulerConfig(refine_stderrs=1.0, higher_is_better=False, stderr_metric=None)
     loss = [H(0, 0.70, None), H(30, 0.40, None), H(60, 0.41, None)]
     assert [s for s, _ in refine(loss, [20, 40], cfg)] == [40]  # 0.403 within 1 stderr of 0.40; 20: 0.50
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("higher_is_better", [True, False])
+def test_decision_history_decides_as_the_full_history(seed, higher_is_better):
+    # Random runs with uneven spacing, ties, NaNs, pending, superseded and re-evaluated entries:
+    # the index's few entries give the decision the whole history gives, at every checkpoint.
+    rng = random.Random(seed)
+    cfg = dataclasses.replace(SchedulerConfig(max_interval_checkpoints=3.0), higher_is_better=higher_is_better)
+    index, full, offered, step = DecisionHistory(higher_is_better), {}, [], 0
+    for i in range(300):
+        step += rng.choice([1, 1, 5, 10, 50])
+        event = Ev(step, final=i == 299)
+        expected = decide(event, sorted(full.values(), key=lambda h: h.step), cfg, offered)
+        assert decide(event, index.view(), cfg, index.offered_before(step)) == expected
+        offered.append(step)
+        index.offer(step)
+        for target in [step] + rng.sample(offered, min(2, len(offered))):
+            roll = rng.random()
+            metric = rng.choice([0.5, 0.6, 0.6, rng.random(), float("nan")])
+            entry = (HistoryEntry(target, float(target), metric, rng.choice([None, 0.01, 0.02])) if roll < 0.5
+                     else HistoryEntry(target, float(target), None) if roll < 0.7 else None)
+            if entry is None:
+                full.pop(target, None)
+            else:
+                full[target] = entry
+            index.set(target, entry)
