@@ -1,8 +1,12 @@
 """MLflow tracking: one MLflow run per training run, metrics at ``step=global_step``.
 
-Evaluation logging is idempotent: a checkpoint's metrics go in one ``log_batch`` (atomic in
-MLflow's SQL store) and are skipped when the step is already there, so a retried or re-run
-evaluation never duplicates a point.
+Logging is idempotent without rereading histories, so its cost stays flat over a long run:
+
+* training rows go in with a watermark, the run tag ``areal.train_logged_through``, in the same
+  ``log_batch`` (atomic in MLflow's SQL store and one request to a server), and rows at or below
+  it are dropped, after a retry or a resume alike;
+* a checkpoint's metrics go in one ``log_batch`` and are skipped when the step is already there;
+  the logged steps are read from MLflow once per run and tracker, then kept in memory.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from pathlib import Path
 from areal_eval.config import flatten
 
 RUN_ID_TAG = "areal.run_id"
+TRAIN_WATERMARK_TAG = "areal.train_logged_through"
+MAX_POINTS_WITH_WATERMARK = 999
+"""Metric points sent with one watermark tag: MLflow's client splits a ``log_batch`` past 1,000
+entities into several requests, and a watermark must land in the same request as its points."""
 EVAL_PREFIX = "eval/"
 TRAIN_PREFIX = "train/"
 
@@ -46,6 +54,8 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment, artifact_location)
+        self._train_through: dict[str, int] = {}
+        self._eval_logged: dict[tuple[str, str], set[int]] = {}
 
     def find_run(self, training_run_id: str) -> str | None:
         runs = self.client.search_runs(
@@ -68,22 +78,48 @@ class Tracker:
                 self.client.log_batch(run_id, params=items[i : i + 100])
         return run_id
 
+    def train_logged_through(self, run_id: str) -> int:
+        """The last training step logged to ``run_id`` (-1: none); read from MLflow once."""
+        if run_id not in self._train_through:
+            tag = self.client.get_run(run_id).data.tags.get(TRAIN_WATERMARK_TAG)
+            if tag is None:  # a run logged before the watermark existed
+                steps = [m.step for m in self.client.get_metric_history(run_id, TRAIN_PREFIX + "loss")]
+                self._train_through[run_id] = max(steps, default=-1)
+            else:
+                self._train_through[run_id] = int(tag)
+        return self._train_through[run_id]
+
     def log_train_metrics(self, run_id: str, rows: list[dict]) -> int:
-        """Log training rows (``{"step": .., "loss": ..}``) newer than what the run already has."""
+        """Log training rows (``{"step": .., "loss": ..}``) past the run's watermark; returns the
+        number of metric points logged."""
         from mlflow.entities import Metric
 
-        done = {m.step for m in self.client.get_metric_history(run_id, TRAIN_PREFIX + "loss")}
+        through = self.train_logged_through(run_id)
         now = int(time.time() * 1000)
-        metrics = [
-            Metric(TRAIN_PREFIX + k, float(v), now, int(row["step"]))
-            for row in rows
-            if row["step"] not in done
-            for k, v in row.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
-        ]
-        for i in range(0, len(metrics), 1000):
-            self.client.log_batch(run_id, metrics=metrics[i : i + 1000])
-        return len(metrics)
+        batch: list = []
+        logged = 0
+        for row in sorted(rows, key=lambda r: int(r["step"])):
+            step = int(row["step"])
+            if step <= through:  # logged before a retry or a resume (or twice in ``rows``)
+                continue
+            points = [Metric(TRAIN_PREFIX + k, float(v), now, step) for k, v in row.items()
+                      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if batch and len(batch) + len(points) > MAX_POINTS_WITH_WATERMARK:
+                self._log_train_batch(run_id, batch, through)
+                logged += len(batch)
+                batch = []
+            batch += points
+            through = step
+        if through > self.train_logged_through(run_id):
+            self._log_train_batch(run_id, batch, through)
+            logged += len(batch)
+        return logged
+
+    def _log_train_batch(self, run_id: str, metrics: list, through: int) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, metrics=metrics, tags=[RunTag(TRAIN_WATERMARK_TAG, str(through))])
+        self._train_through[run_id] = through
 
     def eval_steps(self, run_id: str, key: str = "n_pairs") -> set[int]:
         return {m.step for m in self.client.get_metric_history(run_id, EVAL_PREFIX + key)}
@@ -92,7 +128,11 @@ class Tracker:
         """Log one checkpoint's metrics at ``step``; False (and nothing logged) if already there."""
         from mlflow.entities import Metric, RunTag
 
-        if step in self.eval_steps(run_id, marker if marker in metrics else sorted(metrics)[0]):
+        key = marker if marker in metrics else sorted(metrics)[0]
+        if (run_id, key) not in self._eval_logged:
+            self._eval_logged[run_id, key] = self.eval_steps(run_id, key)
+        logged = self._eval_logged[run_id, key]
+        if step in logged:
             return False
         now = int(time.time() * 1000)
         self.client.log_batch(
@@ -100,6 +140,7 @@ class Tracker:
             metrics=[Metric(EVAL_PREFIX + k, float(v), now, step) for k, v in sorted(metrics.items())],
             tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
         )
+        logged.add(step)
         return True
 
     def deleted_steps(self, run_id: str) -> set[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from prefect.cache_policies import NO_CACHE
@@ -17,7 +18,14 @@ from areal_eval.tracking import Tracker, resolve_tracking_uri
 
 
 def tracker_for(cfg: PipelineConfig) -> Tracker:
-    return Tracker(resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment, cfg.tracking.artifact_location)
+    """One tracker per store and experiment in this process: it keeps what it has logged (the
+    training watermark, the evaluated steps), so logging never rereads a run's history."""
+    return _tracker(resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment, cfg.tracking.artifact_location)
+
+
+@functools.lru_cache(maxsize=16)
+def _tracker(tracking_uri: str, experiment: str, artifact_location: str | None) -> Tracker:
+    return Tracker(tracking_uri, experiment, artifact_location)
 
 
 @task(cache_policy=NO_CACHE, name="start-tracking")
@@ -28,11 +36,6 @@ def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str) 
 
 def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
     return start_tracking_run(cfg, run.run_id, str(run.root))
-
-
-@task(cache_policy=NO_CACHE, name="log-training-metrics")
-def log_training_metrics(cfg: PipelineConfig, run_id: str, rows: list[dict]) -> int:
-    return tracker_for(cfg).log_train_metrics(run_id, [r for r in rows if "loss" in r])
 
 
 @task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from areal_eval.tracking import Tracker, TrackingConfig, resolve_tracking_uri
+from areal_eval.tracking import TRAIN_WATERMARK_TAG, Tracker, TrackingConfig, resolve_tracking_uri
 
 
 @pytest.fixture
@@ -44,3 +44,35 @@ def test_tracking_uri_resolution(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere.db")
     assert resolve_tracking_uri(TrackingConfig(), tmp_path) == "sqlite:////elsewhere.db"
     assert resolve_tracking_uri(TrackingConfig(tracking_uri="http://mlflow:5000"), tmp_path) == "http://mlflow:5000"
+
+
+def test_training_watermark_survives_a_resume_and_large_flushes(tracker, tmp_path):
+    run_id = tracker.start_run("r", {})
+    rows = [{"step": s, "loss": 1.0 / (s + 1), "lr": 0.001, "grad_norm": 1.0} for s in range(1, 801)]
+    assert tracker.log_train_metrics(run_id, rows[:500]) == 1500  # 1,500 points: two requests
+    tags = tracker.client.get_run(run_id).data.tags
+    assert tags[TRAIN_WATERMARK_TAG] == "500"
+    resumed = Tracker(tracker.tracking_uri, "test")  # a restarted flow: reads the watermark once
+    assert resumed.log_train_metrics(run_id, rows[400:]) == 900  # steps 501-800 only
+    assert resumed.log_train_metrics(run_id, rows) == 0
+    history = tracker.client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, 801))
+
+
+def test_runs_logged_before_the_watermark_resume_from_their_history(tracker):
+    from mlflow.entities import Metric
+
+    run_id = tracker.start_run("old", {})
+    tracker.client.log_batch(run_id, metrics=[Metric("train/loss", 0.5, 0, s) for s in (5, 10)])
+    assert tracker.log_train_metrics(run_id, [{"step": 10, "loss": 0.4}, {"step": 15, "loss": 0.3}]) == 1
+    assert sorted(m.step for m in tracker.client.get_metric_history(run_id, "train/loss")) == [5, 10, 15]
+
+
+def test_evaluation_logged_by_another_tracker_is_not_duplicated(tracker):
+    run_id = tracker.start_run("r", {})
+    metrics = {"accuracy": 0.8, "n_pairs": 101.0}
+    assert tracker.log_evaluation(run_id, 25, metrics)
+    other = Tracker(tracker.tracking_uri, "test")
+    assert not other.log_evaluation(run_id, 25, metrics)
+    assert other.log_evaluation(run_id, 50, metrics) and not tracker.log_evaluation(run_id, 25, metrics)
+    assert sorted(m.step for m in tracker.client.get_metric_history(run_id, "eval/accuracy")) == [25, 50]
