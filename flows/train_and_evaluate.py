@@ -2,48 +2,38 @@
 
     python -m flows.train_and_evaluate [--config FILE] [--set section.field=value ...]
 
-The flow body is the pipeline diagram: training runs in its own torchrun job; each durable
-checkpoint is announced and put to the scheduler; chosen ones are evaluated on separate
-torchrun workers (one evaluation in flight, the queue coalescing when training is faster);
-results go to MLflow and through the alert rules, a firing rule starting the alert branch.
+The flow body is the pipeline diagram: training runs in its own torchrun job; the library's
+follow loop announces each durable checkpoint and puts it to the scheduler; chosen ones are
+evaluated on separate torchrun workers (one evaluation in flight, the queue coalescing when
+training is faster); results go to MLflow and through the alert rules, a firing rule starting
+the alert branch.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
 import time
 from pathlib import Path
 
-from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
 
 from areal_eval.alerts import AlertEngine
+from areal_eval.follow_loop import FollowLoop, LoopConfig
 from areal_eval.launcher import TorchrunJob
 from areal_eval.ledger import Ledger
 from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
 from areal_eval.plot import plot_curve
-from areal_eval.planner import DecisionThread, EvaluationPlanner, JsonlFollower, ManifestFollower
+from areal_eval.planner import EvaluationPlanner
 from areal_eval.run_dir import RunDir
 from areal_eval.run_setup import total_train_steps
 from areal_eval.tracking import resolve_tracking_uri
-from tasks.alerts import send_alert
-from tasks.checkpoints import announce_checkpoint, apply_retention
-from tasks.evaluate import dispatch_evaluation, submit_evaluation, warm_workers
-from tasks.tracking import finish_tracking, log_evaluation, log_training_metrics, start_tracking, tracker_for
+from tasks.evaluate import warm_workers
+from tasks.loop_io import PrefectLoopIO
+from tasks.tracking import finish_tracking, start_tracking, tracker_for
 from tasks.training import prepare_run_dir, start_training, wait_for_training
-
-TRAIN_LOG_EVERY_S = 5.0
-
-
-@dataclasses.dataclass
-class InFlight:
-    event: object
-    future: object
-    reason: str
-
 
 @flow(name="train-and-evaluate", log_prints=True)
 def train_and_evaluate(params: dict | None = None, config_path: str | None = None, overrides: list[str] | None = None) -> dict:
@@ -66,81 +56,18 @@ def train_and_evaluate(params: dict | None = None, config_path: str | None = Non
 def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, training: TorchrunJob | None) -> Ledger:
     """Follow the run's manifest until its final checkpoint is handled (call inside a flow).
 
-    Each checkpoint is announced and decided on; one evaluation runs at a time while training
-    goes on; finished ones are logged and checked by the alert rules. ``training`` None follows
+    The library's :class:`FollowLoop` with Prefect behind its effects. ``training`` None follows
     a run whose training is already over (or happens elsewhere).
     """
-    logger = get_run_logger()
     planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger))
-    alert_rules = AlertEngine(cfg.alerts)
-    train_log = JsonlFollower(run.train_log)
-    total_steps = total_train_steps(run, cfg)
-    progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
-    in_flight: InFlight | None = None
-    final_seen, refined, pending_rows, last_train_log, decided = False, False, [], 0.0, []
-    retention_on, deleted = cfg.storage.retention.keep_last is not None, set()
-    # Decisions are made in their own thread the moment the manifest grows; this loop announces them.
-    decision_thread = DecisionThread(planner, ManifestFollower(Manifest(run.manifest)))
-    with decision_thread as decisions, warm_workers(cfg, run.evals) as workers:
-        while True:
-            settled = False
-            for event, decision in decided:
-                announce_checkpoint(event, run.manifest)
-                logger.info("checkpoint step %d: %s (%s)", event.global_step, "evaluate" if decision.evaluate else "skip", decision.reason)
-                final_seen, settled = final_seen | event.final, True
-
-            pending_rows += train_log.poll()
-            if pending_rows and (final_seen or time.monotonic() - last_train_log > TRAIN_LOG_EVERY_S):
-                log_training_metrics(cfg, mlflow_run_id, pending_rows)
-                update_progress_artifact(progress, 100.0 * min(1.0, pending_rows[-1]["step"] / total_steps))
-                pending_rows, last_train_log = [], time.monotonic()
-
-            if in_flight and in_flight.future.state.is_final():
-                collect_evaluation(cfg, run, mlflow_run_id, planner, alert_rules, in_flight)
-                in_flight, settled = None, True
-            if retention_on and settled:
-                deleted.update(apply_retention(cfg, run, mlflow_run_id, planner.ledger, deleted))
-            if in_flight is None and (event := planner.next()):
-                reason = planner.ledger.latest(event.global_step).reason
-                if cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
-                    future = dispatch_evaluation.submit(event, run.manifest, cfg)
-                else:
-                    future = submit_evaluation(event, run.valid_data, cfg, run.evals, workers)
-                in_flight = InFlight(event, future, reason)
-
-            if final_seen and in_flight is None and not planner.waiting:
-                if refined:
-                    break
-                refined = True  # once: the skipped neighbours of the best, now that the run is over
-                for event in planner.refine(deleted):
-                    logger.info("checkpoint step %d: evaluate (%s)", event.global_step, planner.ledger.latest(event.global_step).reason)
-            if training is not None and training.poll() not in (None, 0):
-                wait_for_training(training)  # raises with the training log tail
-            nothing_left = in_flight is None and not planner.waiting and not decided and decisions.idle()
-            if training is None and not final_seen and nothing_left:
-                raise RuntimeError(f"{run.manifest}: no final checkpoint and no training job to wait for")
-            decided = decisions.drain(timeout_s=cfg.poll_interval_s)
-    update_progress_artifact(progress, 100.0)
-    return planner.ledger
-
-
-def collect_evaluation(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, planner: EvaluationPlanner,
-                       alert_rules: AlertEngine, done: InFlight) -> None:
-    """Record a finished evaluation (or its failure), log it, and branch into alerts."""
-    step = done.event.global_step
-    if done.future.state.is_completed():
-        result = done.future.result()
-        planner.evaluated(done.event, result.metrics)
-        if cfg.eval.deployment:  # the dispatched run logged it and ran the alert rules itself
-            return
-        log_evaluation(cfg, mlflow_run_id, result, done.reason)
-        alerts = alert_rules.check(step, result.metrics)
-    else:
-        error = str(done.future.result(raise_on_failure=False))
-        planner.failed(done.event, error)
-        alerts = alert_rules.check(step, None, error)
-    for alert in alerts:
-        send_alert(alert, cfg, mlflow_run_id, run)
+    loop_cfg = LoopConfig(poll_interval_s=cfg.poll_interval_s, results_logged_by_evaluator=bool(cfg.eval.deployment),
+                          retention=cfg.storage.retention)
+    with warm_workers(cfg, run.evals) as workers:
+        io = PrefectLoopIO(cfg, run, mlflow_run_id, planner.ledger, total_train_steps(run, cfg), workers)
+        ledger = FollowLoop(planner, Manifest(run.manifest), run.train_log, AlertEngine(cfg.alerts), io, loop_cfg,
+                            training).run()
+        io.set_progress(1.0)
+    return ledger
 
 
 def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:

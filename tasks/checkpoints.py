@@ -10,30 +10,24 @@ from prefect.events import emit_event
 
 from areal_eval.checkpoint_store import open_store
 from areal_eval.ledger import Ledger
-from areal_eval.manifest import CheckpointEvent, Manifest
+from areal_eval.manifest import CheckpointEvent
 from areal_eval.pipeline_config import PipelineConfig
 from areal_eval.publisher import CHECKPOINT_SAVED, checkpoint_resource, event_payload
-from areal_eval.retention import checkpoints_to_delete
 from areal_eval.run_dir import RunDir
 from tasks.tracking import tracker_for
 
 
-@task(cache_policy=NO_CACHE, name="announce-checkpoint")
 def announce_checkpoint(event: CheckpointEvent, manifest: Path) -> None:
-    """Emit ``areal.checkpoint.saved`` so automations and the UI see the durable checkpoint."""
+    """Emit ``areal.checkpoint.saved`` so automations and the UI see the durable checkpoint (an
+    event, not a task run: the flow's task runs grow with evaluations, not with checkpoints)."""
     emit_event(CHECKPOINT_SAVED, resource=checkpoint_resource(event, source="flow"), payload=event_payload(event, manifest))
 
 
 @task(cache_policy=NO_CACHE, name="apply-retention")
-def apply_retention(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, deleted: set[int]) -> list[int]:
-    """Delete the checkpoints retention lets go (never one waiting for evaluation) and record
+def apply_retention(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger,
+                    doomed: list[CheckpointEvent]) -> list[int]:
+    """Delete the checkpoints retention let go (``retention.checkpoints_to_delete``) and record
     each as an MLflow tag ``deleted.<step>``; returns their steps."""
-    doomed = checkpoints_to_delete(
-        Manifest(run.manifest).events(), {e.step: e for e in ledger.entries()}, cfg.storage.retention,
-        cfg.scheduler.metric, cfg.scheduler.higher_is_better, deleted,
-    )
-    if not doomed:
-        return []
     store = open_store(cfg.storage.run_root(run.run_id), cfg.storage.s3)
     for event in doomed:
         store.delete(event.uri)

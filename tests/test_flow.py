@@ -64,6 +64,16 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook):
     announced = sorted(e.payload["global_step"] for e in page.events if e.payload.get("run_id") == run.run_id)
     assert announced == steps
 
+    # Task runs grow with evaluations, not with checkpoints or training-metric flushes.
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    names = [t.task_key.rsplit("-", 1)[0] for t in task_runs]
+    per_evaluation = {"evaluate_task": len(evaluated), "log_evaluation": len(evaluated), "send_alert": len(evaluated)}
+    assert {k: names.count(k) for k in per_evaluation} == per_evaluation
+    assert len(names) == sum(per_evaluation.values()) + 5  # prepare, start tracking and training, wait, finish
+
 
 def test_bad_checkpoint_fails_alerts_and_the_flow_goes_on(prefect_server, trained_run, tmp_path, webhook):
     from prefect import flow

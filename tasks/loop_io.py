@@ -1,0 +1,78 @@
+"""The follow loop's effects (``areal_eval.follow_loop.LoopIO``) as Prefect tasks, events and logs.
+
+Evaluations, their logging, alerts and deletions are task runs, so they show in the UI. A new
+checkpoint is an event, and a training-metrics flush a plain MLflow call with a progress
+update: both happen thousands of times in a long run and would bury the evaluations in the
+flow run's timeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from areal_eval.alerts import Alert
+from areal_eval.evaluation import EvalResult
+from areal_eval.ledger import Ledger
+from areal_eval.manifest import CheckpointEvent
+from areal_eval.pipeline_config import PipelineConfig
+from areal_eval.run_dir import RunDir
+from areal_eval.worker_pool import WarmEvalWorkers
+from tasks.alerts import send_alert
+from tasks.checkpoints import announce_checkpoint, apply_retention
+from tasks.evaluate import dispatch_evaluation, submit_evaluation
+from tasks.tracking import log_evaluation, tracker_for
+
+
+@dataclasses.dataclass
+class TaskHandle:
+    """A submitted Prefect task as an ``EvaluationHandle``."""
+
+    future: object
+
+    def done(self) -> bool:
+        return self.future.state.is_final()
+
+    def result(self) -> EvalResult:
+        return self.future.result()
+
+
+class PrefectLoopIO:
+    def __init__(self, cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, total_steps: int,
+                 workers: WarmEvalWorkers | None = None):
+        self.cfg, self.run, self.mlflow_run_id, self.ledger = cfg, run, mlflow_run_id, ledger
+        self.total_steps, self.workers = max(1, total_steps), workers
+        self.logger = get_run_logger()
+        self.progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
+
+    def announce(self, event: CheckpointEvent) -> None:
+        announce_checkpoint(event, self.run.manifest)
+
+    def submit(self, event: CheckpointEvent, reason: str) -> TaskHandle:
+        if self.cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
+            return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg))
+        return TaskHandle(submit_evaluation(event, self.run.valid_data, self.cfg, self.run.evals, self.workers))
+
+    def log_result(self, result: EvalResult, reason: str) -> None:
+        log_evaluation(self.cfg, self.mlflow_run_id, result, reason)
+
+    def send_alert(self, alert: Alert) -> None:
+        send_alert(alert, self.cfg, self.mlflow_run_id, self.run)
+
+    def log_training(self, rows: list[dict]) -> None:
+        tracker_for(self.cfg).log_train_metrics(self.mlflow_run_id, [r for r in rows if "loss" in r])
+        self.set_progress(rows[-1]["step"] / self.total_steps)
+
+    def set_progress(self, fraction: float) -> None:
+        update_progress_artifact(self.progress, 100.0 * min(1.0, fraction))
+
+    def delete_checkpoints(self, events: list[CheckpointEvent]) -> None:
+        apply_retention(self.cfg, self.run, self.mlflow_run_id, self.ledger, events)
+
+    def info(self, message: str) -> None:
+        self.logger.info(message)
+
+    def warn(self, message: str) -> None:
+        self.logger.warning(message)

@@ -1,0 +1,126 @@
+"""The library's follow loop with plain effects: slots, out-of-order completions, side faults."""
+
+import json
+import threading
+import time
+from concurrent.futures import Future
+
+from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
+from areal_eval.evaluation import EvalResult, EvaluationFailed
+from areal_eval.follow_loop import FollowLoop, LoopConfig
+from areal_eval.ledger import FINAL_STATES, Ledger
+from areal_eval.manifest import CheckpointEvent, Manifest
+from areal_eval.planner import EvaluationPlanner
+from areal_eval.scheduler import SchedulerConfig
+
+
+def accuracy_at(step):
+    return 0.5 + step / 1000
+
+
+class ReversingIO:
+    """Completes evaluations newest first whenever two are in flight (out of order)."""
+
+    def __init__(self, fail_steps=(), failing_flushes=1):
+        self.lock = threading.Lock()
+        self.pending: list[tuple[int, Future]] = []
+        self.most_in_flight = 0
+        self.logged: list[EvalResult] = []
+        self.rows: list[dict] = []
+        self.alerts, self.warnings, self.announced = [], [], []
+        self.fail_steps, self.failing_flushes = set(fail_steps), failing_flushes
+        self.stop = threading.Event()
+        threading.Thread(target=self._complete, daemon=True).start()
+
+    def _complete(self):
+        lonely_since = None
+        while not self.stop.is_set():
+            with self.lock:
+                self.most_in_flight = max(self.most_in_flight, len(self.pending))
+                ready = len(self.pending) >= 2 or (lonely_since and time.monotonic() - lonely_since > 0.05)
+                item = self.pending.pop() if ready and self.pending else None
+                lonely_since = (lonely_since or time.monotonic()) if len(self.pending) == 1 else None
+            if item:
+                step, future = item
+                if step in self.fail_steps:
+                    future.set_exception(EvaluationFailed(f"step {step}: worker died"))
+                else:
+                    future.set_result(EvalResult(step, f"/c/{step}", {"accuracy": accuracy_at(step), "accuracy_stderr": 0.01}, 0.0))
+            time.sleep(0.005)
+
+    def announce(self, event):
+        self.announced.append(event.global_step)
+
+    def submit(self, event, reason):
+        future = Future()
+        with self.lock:
+            self.pending.append((event.global_step, future))
+        return future
+
+    def log_result(self, result, reason):
+        self.logged.append(result)
+
+    def send_alert(self, alert):
+        self.alerts.append(alert)
+
+    def log_training(self, rows):
+        if self.failing_flushes:
+            self.failing_flushes -= 1
+            raise ConnectionError("MLflow unreachable")
+        self.rows += rows
+
+    def delete_checkpoints(self, events):
+        raise AssertionError("retention is off")
+
+    def info(self, message):
+        pass
+
+    def warn(self, message):
+        self.warnings.append(message)
+
+
+def write_run(tmp_path, steps):
+    manifest = Manifest(tmp_path / "manifest.jsonl")
+    for step in steps:
+        manifest.append(CheckpointEvent("r", f"/c/{step}", 0, step, step, time.time(), {}, final=step == steps[-1]))
+    train_log = tmp_path / "train_log.jsonl"
+    train_log.write_text("".join(json.dumps({"step": s, "loss": 1.0 / (s + 1)}) + "\n" for s in range(1, steps[-1] + 1)))
+    return manifest, train_log
+
+
+def run_loop(tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=AlertsConfig()):
+    manifest, train_log = write_run(tmp_path, list(steps))
+    cfg = SchedulerConfig(policy="fixed", fixed_interval_steps=1, coalesce=False)
+    planner = EvaluationPlanner(cfg, Ledger(tmp_path / "ledger.jsonl"))
+    loop = FollowLoop(planner, manifest, train_log, AlertEngine(alerts), io,
+                      LoopConfig(poll_interval_s=0.01, train_log_every_s=0.0, slots=slots))
+    try:
+        return loop.run()
+    finally:
+        io.stop.set()
+
+
+def test_two_slots_with_out_of_order_completions_land_at_their_own_step(tmp_path):
+    io = ReversingIO()
+    ledger = run_loop(tmp_path, io, slots=2)
+    assert io.most_in_flight == 2
+    completion_order = [r.global_step for r in io.logged]
+    assert completion_order != sorted(completion_order)  # they did finish out of order
+    assert all(r.metrics["accuracy"] == accuracy_at(r.global_step) for r in io.logged)
+    entries = ledger.entries()
+    assert all(e.status in FINAL_STATES for e in entries)
+    evaluated = {e.step: e.metrics["accuracy"] for e in entries if e.status == "evaluated"}
+    assert sorted(evaluated) == sorted(completion_order)  # each evaluation recorded once
+    assert all(value == accuracy_at(step) for step, value in evaluated.items())
+    assert io.announced == list(range(0, 200, 10))
+
+
+def test_a_failed_flush_is_retried_and_a_failed_evaluation_alerts(tmp_path):
+    io = ReversingIO(fail_steps={50}, failing_flushes=1)
+    rules = AlertsConfig(rules=[AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0)])
+    ledger = run_loop(tmp_path, io, slots=1, alerts=rules)
+    assert io.warnings and "MLflow unreachable" in io.warnings[0]
+    assert [r["step"] for r in io.rows] == list(range(1, 191))  # every row once, in order
+    assert ledger.status(50) == "failed" and "worker died" in ledger.latest(50).reason
+    assert [a.rule for a in io.alerts] == ["eval-failed"] and io.alerts[0].step == 50
+    assert ledger.status(190) == "evaluated"
