@@ -11,6 +11,8 @@ import math
 import time
 from typing import Callable, Literal
 
+from areal_eval.config import NON_NEGATIVE, check_ranges
+
 
 @dataclasses.dataclass
 class AlertRule:
@@ -35,6 +37,9 @@ class AlertRule:
     """Ask training to stop when this rule fires."""
     throttle_secs: float = 300.0
     """After a notification, further firings of this rule are only logged for this long."""
+
+    def __post_init__(self):
+        check_ranges(self, tolerance=NON_NEGATIVE, min_step=NON_NEGATIVE, throttle_secs=NON_NEGATIVE)
 
 
 @dataclasses.dataclass

@@ -27,6 +27,36 @@ def checkpoint_name(global_step: int) -> str:
     return f"global_step_{global_step:08d}"
 
 
+def cpu_copy(state):
+    """A deep copy with every tensor on the CPU (what a background thread may write later)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: cpu_copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cpu_copy(v) for v in state)
+    return state
+
+
+def resume_state_path(resume_dir: Path, global_step: int) -> Path:
+    return Path(resume_dir) / f"{checkpoint_name(global_step)}.pt"
+
+
+def write_resume_state(resume_dir: Path, global_step: int, state: dict) -> None:
+    path = resume_state_path(resume_dir, global_step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    torch.save(state, tmp)
+    with tmp.open("rb") as fh:
+        os.fsync(fh.fileno())
+    tmp.rename(path)
+
+
+def read_resume_state(resume_dir: Path, global_step: int) -> dict:
+    """Tensors, numbers and containers only (``weights_only``): no code is unpickled."""
+    return torch.load(resume_state_path(resume_dir, global_step), weights_only=True)
+
+
 @dataclasses.dataclass
 class SaveRequest:
     state_dict: dict[str, torch.Tensor]
@@ -35,6 +65,9 @@ class SaveRequest:
     global_step: int
     train_metrics: dict
     final: bool
+    resume_state: dict | None = None
+    """What training needs to go on from here (optimizer, schedule, trigger state, data
+    position), written beside the checkpoint before it is announced, never published."""
 
 
 class CheckpointWriter:
@@ -57,6 +90,7 @@ class CheckpointWriter:
         run_id: str,
         on_durable: Callable[[CheckpointEvent], None] | None = None,
         store=None,
+        resume_dir: str | Path | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -65,19 +99,22 @@ class CheckpointWriter:
         self.run_id = run_id
         self.on_durable = on_durable
         self.store = store if store is not None else LocalStore()
+        self.resume_dir = Path(resume_dir) if resume_dir else None
         self.blocked_seconds = 0.0
         self._queue: queue.Queue[SaveRequest | None] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def save(self, epoch: int, epoch_step: int, global_step: int, train_metrics: dict, final: bool = False) -> None:
+    def save(self, epoch: int, epoch_step: int, global_step: int, train_metrics: dict, final: bool = False,
+             resume_state: dict | None = None) -> None:
         if self._error:
             raise CheckpointError(f"an earlier checkpoint write failed: {self._error}") from self._error
         start = time.perf_counter()
         snapshot = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        resume_state = cpu_copy(resume_state) if resume_state is not None and self.resume_dir else None
         self.blocked_seconds += time.perf_counter() - start
-        self._queue.put(SaveRequest(snapshot, epoch, epoch_step, global_step, dict(train_metrics), final))
+        self._queue.put(SaveRequest(snapshot, epoch, epoch_step, global_step, dict(train_metrics), final, resume_state))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -107,6 +144,8 @@ class CheckpointWriter:
         files = describe_files(tmp_dir)
         shutil.rmtree(final_dir, ignore_errors=True)
         tmp_dir.rename(final_dir)
+        if req.resume_state is not None:  # before the announcement: every announced checkpoint can be resumed
+            write_resume_state(self.resume_dir, req.global_step, req.resume_state)
         uri = self.store.publish(final_dir, files)
         event = CheckpointEvent(
             run_id=self.run_id,

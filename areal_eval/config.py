@@ -22,6 +22,34 @@ class ConfigError(ValueError):
     """A config value is unknown or invalid; the message names the field."""
 
 
+class FieldError(ValueError):
+    """Raised by a config's ``__post_init__`` about one of its fields; ``from_dict`` prefixes the
+    section, so the message names the dotted field (``train.max_steps: must be >= 1, got -5``)."""
+
+    def __init__(self, field: str, message: str):
+        self.field, self.message = field, message
+        super().__init__(f"{field}: {message}")
+
+
+def check_ranges(obj: Any, **bounds: tuple[float | None, float | None]) -> None:
+    """Range-check numeric fields of ``obj``: ``name=(low, high)``, either end None for open.
+    A None value passes (it means "off" or "default"): 0 never silently stands for "all"."""
+    for name, (low, high) in bounds.items():
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        if (low is not None and value < low) or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+            raise FieldError(name, f"must be {span}, got {value!r}")
+
+
+AT_LEAST_1 = (1, None)
+"""Counts: ranks, steps, batch sizes, epochs."""
+NON_NEGATIVE = (0, None)
+POSITIVE = (1e-12, None)
+"""Durations, rates and noise levels: strictly above zero."""
+
+
 def _check_scalar(tp: Any, value: Any, where: str) -> Any:
     if tp is Any:
         return value
@@ -88,6 +116,8 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
         obj = cls(**kwargs)
     except ConfigError:
         raise
+    except FieldError as exc:
+        raise ConfigError(f"{where}.{exc.field}: {exc.message}" if where else str(exc)) from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{label}: {exc}") from exc
     return obj

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from areal_eval import distributed
+from areal_eval.launcher import die_with_parent
 from areal_eval.checkpoint_store import S3Config, open_store
 from areal_eval.evaluator import BaseEvaluator, make_evaluator
 from areal_eval.manifest import FileEntry
@@ -230,4 +231,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    die_with_parent()  # the torchrun agent: if it is killed outright, its ranks go too
     distributed.exit_process(main())

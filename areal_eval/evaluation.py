@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from areal_eval.checkpoint_store import S3Config, s3_config_json
+from areal_eval.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
 from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary
 from areal_eval.manifest import CheckpointEvent
 from areal_eval.worker_pool import WarmEvalWorkers
@@ -52,12 +53,10 @@ class EvalConfig:
     serves them all), saving interpreter and library start-up each time. Single node only."""
 
     def __post_init__(self):
-        if self.nproc < 1:
-            raise ValueError("eval.nproc must be >= 1")
-        if not 0 <= self.nice <= 19:
-            raise ValueError("eval.nice must be in 0..19")
+        check_ranges(self, nproc=AT_LEAST_1, mp_size=AT_LEAST_1, batch_size=AT_LEAST_1, collective_timeout_s=POSITIVE,
+                     job_timeout_s=POSITIVE, retries=NON_NEGATIVE, nice=(0, 19))
         if self.nproc % self.mp_size:
-            raise ValueError(f"eval.nproc ({self.nproc}) must be divisible by eval.mp_size ({self.mp_size})")
+            raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,9 @@ class BaseEvaluator:
     """Subclass and implement ``load``, ``batches``, ``batch_sums`` and ``metrics``."""
 
     name = "base"
+    metric_names: tuple[str, ...] | None = None
+    """What :meth:`metrics` returns, declared beside it so alert rules and the scheduler can be
+    checked against it before a run starts; None: not declared, not checked."""
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         """Load the model and the evaluation data (called on every rank)."""
@@ -51,6 +54,8 @@ class RewardModelEvaluator(BaseEvaluator):
     """Pairwise accuracy, Bradley-Terry loss, chosen/rejected scores and margin."""
 
     name = "reward_model"
+    metric_names = ("accuracy", "accuracy_stderr", "loss", "loss_stderr", "chosen_score", "rejected_score", "margin",
+                    "n_pairs")
 
     def __init__(self, max_length: int = 64):
         self.max_length = max_length
@@ -109,13 +114,24 @@ class RewardModelEvaluator(BaseEvaluator):
 EVALUATORS: dict[str, type[BaseEvaluator]] = {"reward_model": RewardModelEvaluator}
 
 
-def make_evaluator(name: str, **kwargs) -> BaseEvaluator:
+def evaluator_class(name: str) -> type[BaseEvaluator]:
     """A registered evaluator by name, or any ``package.module:Class`` subclass of BaseEvaluator."""
     if name in EVALUATORS:
-        return EVALUATORS[name](**kwargs)
+        return EVALUATORS[name]
     if ":" in name:
         module, attr = name.split(":", 1)
         cls = getattr(importlib.import_module(module), attr)
         if isinstance(cls, type) and issubclass(cls, BaseEvaluator):
-            return cls(**kwargs)
+            return cls
     raise ValueError(f"eval.evaluator: unknown evaluator {name!r} (known: {sorted(EVALUATORS)} or module:Class)")
+
+
+def make_evaluator(name: str, **kwargs) -> BaseEvaluator:
+    return evaluator_class(name)(**kwargs)
+
+
+def declared_metrics(cls: type[BaseEvaluator]) -> tuple[str, ...] | None:
+    """The metric names declared by the class that defines ``cls.metrics`` (a subclass that
+    overrides ``metrics`` without declaring its names is not checked)."""
+    owner = next(c for c in cls.__mro__ if "metrics" in c.__dict__)
+    return owner.__dict__.get("metric_names")

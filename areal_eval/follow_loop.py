@@ -7,13 +7,17 @@ checkpoint and the end-of-run refinement are handled. What it does outside itsel
 a :class:`LoopIO`: the ``train-and-evaluate`` flow backs it with Prefect tasks, a benchmark or a
 test with plain calls, so every path runs the same loop.
 
-Faults on the side never end the loop: a training-metrics flush that fails is kept and retried
-at the next flush.
+Faults on the side never end the loop. A training-metrics flush or a result that cannot be
+logged (MLflow unreachable) is kept and retried at the next turn, results in step order; an
+alert that cannot be sent is warned about (the alert task retries it first). The loop goes on
+deciding and evaluating meanwhile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Protocol
@@ -91,15 +95,33 @@ class _InFlight:
     reason: str
 
 
+def _favour_the_decision_thread() -> None:
+    """Keep durable->decision in milliseconds while this thread is busy in MLflow calls.
+
+    The loop's process orchestrates: its work is I/O and library calls, and the one thread whose
+    latency counts is the decision thread. Two interpreter settings stood in its way (measured by
+    ``bench/scale.py``): full garbage collections, which stop every thread and scanned a heap
+    that holds torch, MLflow and Prefect for 50-500 ms, and the 5 ms GIL switch interval, paid at
+    each of a decision's few GIL handovers. What exists now (imports, config) lives as long as
+    the process, so it is frozen out of collections (after one last collection, so no garbage is
+    kept), and the switch interval drops to 1 ms.
+    """
+    gc.collect()
+    gc.freeze()
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+
+
 class FollowLoop:
     """One run's loop; :meth:`run` returns the ledger once everything is handled."""
 
     def __init__(self, planner: EvaluationPlanner, manifest: Manifest, train_log: Path, alerts: AlertEngine,
                  io: LoopIO, cfg: LoopConfig = LoopConfig(), training: TrainingJob | None = None,
-                 on_iteration: Callable[[float], None] | None = None):
+                 on_iteration: Callable[[float], None] | None = None, run_id: str | None = None):
         if cfg.slots < 1:
             raise ValueError("slots must be >= 1")
         self.planner, self.manifest, self.alerts, self.io, self.cfg = planner, manifest, alerts, io, cfg
+        self.follower = ManifestFollower(manifest, run_id)
+        """Entries of another run (``run_id`` given) and torn lines are skipped and warned about."""
         self.train_log = JsonlFollower(train_log)
         self.training = training
         self.on_iteration = on_iteration
@@ -107,37 +129,52 @@ class FollowLoop:
         self.deleted: set[int] = set()
         self._pending_rows: list[dict] = []
         self._last_flush = 0.0
+        self._unlogged: list[tuple[EvalResult, str]] = []
+        """Results not in the tracker yet (it was unreachable), retried each turn in step order."""
 
     def run(self) -> Ledger:
+        _favour_the_decision_thread()
         final_seen, refined, decided = False, False, []
-        decision_thread = DecisionThread(self.planner, ManifestFollower(self.manifest))
+        training_error: Exception | None = None
+        decision_thread = DecisionThread(self.planner, self.follower)
         with decision_thread as decisions:
             while True:
                 started = time.perf_counter()
                 settled = bool(decided)
+                for problem in self.follower.take_problems():
+                    self.io.warn(problem)
                 for event, decision in decided:
                     self.io.announce(event)
                     self._log_decision(event, decision)
                     final_seen |= event.final
                 self._ship_training_rows(final_seen)
                 settled |= self._collect_finished()
+                self._log_results()
                 if self.cfg.retention is not None and self.cfg.retention.keep_last is not None and settled:
                     self._apply_retention()
                 self._start_evaluations()
+                training_error = training_error or self._training_error()
+                idle = not self.in_flight and not self.planner.waiting and not decided and decisions.idle()
+                if training_error is not None and idle:
+                    break  # every checkpoint training published before it died is handled
                 if final_seen and not self.in_flight and not self.planner.waiting:
                     if refined:
                         break
                     refined = True  # once: the skipped neighbours of the best, now that the run is over
                     for event in self.planner.refine(self.deleted):
                         self._log_decision(event, Decision(True, self.planner.ledger.latest(event.global_step).reason))
-                self._check_training()
-                idle = not self.in_flight and not self.planner.waiting and not decided and decisions.idle()
                 if self.training is None and not final_seen and idle:
                     raise RuntimeError(f"{self.manifest.path}: no final checkpoint and no training job to wait for")
                 if self.on_iteration:
                     self.on_iteration(time.perf_counter() - started)
                 decided = decisions.drain(timeout_s=self.cfg.poll_interval_s)
         self._ship_training_rows(True)
+        self._log_results()
+        if self._unlogged:
+            self.io.warn(f"{len(self._unlogged)} results could not be logged (steps "
+                         f"{[r.global_step for r, _ in self._unlogged]}); they are in the ledger")
+        if training_error is not None:
+            raise training_error
         return self.planner.ledger
 
     def _log_decision(self, event: CheckpointEvent, decision: Decision) -> None:
@@ -175,10 +212,25 @@ class FollowLoop:
             self.planner.evaluated(done.event, result.metrics)
             if self.cfg.results_logged_by_evaluator:
                 return
-            self.io.log_result(result, done.reason)
+            self._unlogged.append((result, done.reason))
             alerts = self.alerts.check(step, result.metrics)
         for alert in alerts:
-            self.io.send_alert(alert)
+            try:
+                self.io.send_alert(alert)
+            except Exception as exc:  # noqa: BLE001 - a side fault: warned about, the run goes on
+                self.io.warn(f"alert {alert.rule} at step {alert.step} could not be sent: {exc!r}")
+
+    def _log_results(self) -> None:
+        self._unlogged.sort(key=lambda item: item[0].global_step)
+        while self._unlogged:
+            result, reason = self._unlogged[0]
+            try:
+                self.io.log_result(result, reason)
+            except Exception as exc:  # noqa: BLE001 - a side fault: kept, retried next turn
+                self.io.warn(f"result of step {result.global_step} not logged yet "
+                             f"({len(self._unlogged)} waiting): {exc!r}")
+                return
+            self._unlogged.pop(0)
 
     def _start_evaluations(self) -> None:
         while len(self.in_flight) < self.cfg.slots and (event := self.planner.next()):
@@ -193,7 +245,15 @@ class FollowLoop:
             self.io.delete_checkpoints(doomed)
             self.deleted.update(e.global_step for e in doomed)
 
-    def _check_training(self) -> None:
-        if self.training is not None and self.training.poll() not in (None, 0):
+    def _training_error(self) -> Exception | None:
+        """Training's error once it died (a rank killed, an exception); the loop then handles what
+        was already published and raises it."""
+        if self.training is None or self.training.poll() in (None, 0):
+            return None
+        try:
             self.training.wait(10)
             self.training.raise_for_status("training")
+        except Exception as exc:  # noqa: BLE001 - raised once the published checkpoints are handled
+            self.io.warn(f"training failed; evaluating what it published before ending: {exc}")
+            return exc
+        return None

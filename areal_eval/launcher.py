@@ -7,6 +7,7 @@ and every rank it started: nothing is left behind, whatever state the ranks are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -88,6 +89,39 @@ def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text[-lines:])
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies, however it dies
+    (``kill -9`` included), so no training or evaluation job outlives the flow that watches it.
+
+    Linux only (elsewhere it does nothing). The kernel watches the *thread* that forked: start
+    jobs from threads that live as long as the job's owner (the flow's, a task runner's).
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return
+    prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the call
+        os.kill(os.getpid(), sig)
+
+
+@functools.cache
+def _prctl():
+    """libc's prctl, looked up once in the parent: a child between fork and exec must not dlopen."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _start_job(nice: int) -> None:
+    """In the child, before exec: die with the flow, then lower the priority if asked."""
+    die_with_parent()
+    if nice:
+        lower_priority(nice)
+
+
 def lower_priority(nice: int) -> None:
     """Lower this process's CPU priority (runs in the child, after setsid).
 
@@ -126,11 +160,12 @@ class TorchrunJob:
         full_env.setdefault("HF_HUB_OFFLINE", "1")
         full_env.setdefault("TRANSFORMERS_VERBOSITY", "error")
         full_env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        _prctl()  # resolved here, before the fork
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 torchrun_command(module, args, nproc, nodes),
                 stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                preexec_fn=(lambda: lower_priority(nice)) if nice else None,
+                preexec_fn=lambda: _start_job(nice),
             )
 
     @property

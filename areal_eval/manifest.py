@@ -3,14 +3,20 @@
 A checkpoint is appended only after its files are written, hashed and renamed into place, so
 anything in the manifest can be evaluated. The manifest survives a flow restart: a follower
 re-reads it from the start and the evaluation ledger tells what was already handled.
+
+A line left torn by a writer that crashed mid-append is skipped with a warning naming its line,
+and every later entry is still read: the next append starts on a fresh line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -54,12 +60,31 @@ class CheckpointEvent:
         return data
 
 
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@dataclasses.dataclass
+class ManifestChunk:
+    """What one read of the manifest found."""
+
+    events: list[CheckpointEvent]
+    offset: int
+    """Byte offset to read on from (after the last complete line)."""
+    line: int
+    """Number of the next line to read (1-based), for messages."""
+    problems: list[str]
+    """``path:line: why`` for each complete line that is not an entry (skipped)."""
 
 
 class Manifest:
@@ -71,39 +96,55 @@ class Manifest:
     def append(self, event: CheckpointEvent) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.exists()
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(event.to_json() + "\n")
+        with self.path.open("ab") as fh:
+            torn = fh.tell() > 0 and _last_byte(self.path) != b"\n"
+            # After a writer crashed mid-line, start a fresh line: the torn one stays skippable.
+            fh.write((b"\n" if torn else b"") + event.to_json().encode() + b"\n")
             fh.flush()
             os.fsync(fh.fileno())
         if new:
             _fsync_dir(self.path.parent)
 
-    def read_from(self, offset: int = 0) -> tuple[list[CheckpointEvent], int]:
-        """Complete lines after byte ``offset``; returns them and the offset to resume from.
+    def read(self, offset: int = 0, line: int = 1, run_id: str | None = None) -> ManifestChunk:
+        """Complete lines after byte ``offset`` (line number ``line``).
 
-        A line still being written (no newline yet) is left for the next call.
+        A line still being written (no newline yet) is left for the next call. A line that is not
+        an entry, or whose ``run_id`` is not ``run_id`` (when given), is skipped and reported.
         """
         if not self.path.exists():
-            return [], offset
+            return ManifestChunk([], offset, line, [])
         with self.path.open("rb") as fh:
             fh.seek(offset)
             data = fh.read()
         end = data.rfind(b"\n") + 1
-        events = []
-        for lineno, line in enumerate(data[:end].splitlines(), start=1):
-            if not line.strip():
+        events, problems = [], []
+        lines = data[:end].split(b"\n")[:-1]
+        for lineno, raw in enumerate(lines, start=line):
+            if not raw.strip():
                 continue
             try:
-                events.append(CheckpointEvent.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, TypeError) as exc:
-                raise CheckpointError(f"{self.path}: bad manifest entry after byte {offset} (line {lineno}): {exc}") from exc
-        return events, offset + end
+                event = CheckpointEvent.from_dict(json.loads(raw))
+            except (ValueError, TypeError) as exc:
+                problems.append(f"{self.path}:{lineno}: not a manifest entry, skipped (torn or corrupt line): {exc}")
+                continue
+            if run_id is not None and event.run_id != run_id:
+                problems.append(f"{self.path}:{lineno}: entry for run {event.run_id!r}, not this run's {run_id!r}: "
+                                f"step {event.global_step} rejected")
+                continue
+            events.append(event)
+        return ManifestChunk(events, offset + end, line + len(lines), problems)
 
     def events(self) -> list[CheckpointEvent]:
-        return self.read_from(0)[0]
+        """Every entry, in order; lines that are not entries are skipped with a logged warning."""
+        chunk = self.read()
+        for problem in chunk.problems:
+            log.warning(problem)
+        return chunk.events
 
     def find(self, global_step: int) -> CheckpointEvent:
         """The announced checkpoint at ``global_step`` (the last entry wins)."""
+        if not self.path.exists():
+            raise CheckpointError(f"{self.path}: no such manifest file")
         matches = [e for e in self.events() if e.global_step == global_step]
         if not matches:
             raise CheckpointError(f"{self.path}: no checkpoint at step {global_step} in the manifest")

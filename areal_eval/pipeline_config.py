@@ -12,8 +12,9 @@ from pathlib import Path
 
 from areal_eval.alerts import AlertRule, AlertsConfig
 from areal_eval.checkpoint_store import StorageConfig
-from areal_eval.config import from_dict, merge, parse_overrides, read_file
+from areal_eval.config import POSITIVE, FieldError, check_ranges, from_dict, merge, parse_overrides, read_file
 from areal_eval.evaluation import EvalConfig
+from areal_eval.evaluator import declared_metrics, evaluator_class
 from areal_eval.preference_data import SyntheticPreferences
 from areal_eval.reward_model import RewardModelConfig
 from areal_eval.scheduler import SchedulerConfig
@@ -57,6 +58,29 @@ class PipelineConfig:
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
     alerts: AlertsConfig = dataclasses.field(default_factory=lambda: AlertsConfig(rules=_default_rules()))
+
+    def __post_init__(self):
+        check_ranges(self, poll_interval_s=POSITIVE)
+        if not self.run_name or self.run_name in (".", "..") or "/" in self.run_name or "\\" in self.run_name:
+            raise FieldError("run_name", f"{self.run_name!r} must be a plain directory name")
+        self._check_metric_names()
+
+    def _check_metric_names(self) -> None:
+        """A rule or a schedule on a metric the evaluator never produces would silently never
+        fire: refuse it before anything starts."""
+        try:
+            produced = declared_metrics(evaluator_class(self.eval.evaluator))
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise FieldError("eval.evaluator", f"{self.eval.evaluator!r} cannot be loaded: {exc}") from exc
+        if produced is None:
+            return
+        watched = [("scheduler.metric", self.scheduler.metric), ("scheduler.stderr_metric", self.scheduler.stderr_metric)]
+        watched += [(f"alerts.rules[{i}].metric", r.metric) for i, r in enumerate(self.alerts.rules)
+                    if r.kind in ("threshold", "regression")]
+        for field, metric in watched:
+            if metric is not None and metric not in produced:
+                raise FieldError(field, f"{metric!r} is not a metric of evaluator {self.eval.evaluator!r} "
+                                        f"(it produces {', '.join(produced)})")
 
     @property
     def run_root(self) -> Path:

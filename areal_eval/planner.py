@@ -22,15 +22,29 @@ from areal_eval.scheduler import Decision, DecisionHistory, SchedulerConfig, dec
 
 
 class ManifestFollower:
-    """New manifest entries since the last poll (a restarted follower re-reads from the start)."""
+    """New manifest entries since the last poll (a restarted follower re-reads from the start).
 
-    def __init__(self, manifest: Manifest):
-        self.manifest = manifest
-        self._offset = 0
+    Lines that are not entries of run ``run_id`` are skipped; :meth:`take_problems` says which.
+    """
+
+    def __init__(self, manifest: Manifest, run_id: str | None = None):
+        self.manifest, self.run_id = manifest, run_id
+        self._offset, self._line = 0, 1
+        self._problems: list[str] = []
+        self._lock = threading.Lock()
 
     def poll(self) -> list[CheckpointEvent]:
-        events, self._offset = self.manifest.read_from(self._offset)
-        return events
+        chunk = self.manifest.read(self._offset, self._line, self.run_id)
+        self._offset, self._line = chunk.offset, chunk.line
+        with self._lock:
+            self._problems += chunk.problems
+        return chunk.events
+
+    def take_problems(self) -> list[str]:
+        """Lines skipped since the last call, each as ``path:line: why``."""
+        with self._lock:
+            problems, self._problems = self._problems, []
+        return problems
 
     def caught_up(self) -> bool:
         """Every complete entry written so far has been read."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from areal_eval.config import AT_LEAST_1, NON_NEGATIVE, check_ranges
 from areal_eval.ledger import FINAL_STATES, LedgerEntry
 from areal_eval.manifest import CheckpointEvent
 
@@ -24,10 +25,7 @@ class RetentionConfig:
     """Also keep the N best evaluated checkpoints by the scheduler's metric."""
 
     def __post_init__(self):
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError("storage.retention.keep_last must be >= 1 (or null for no retention)")
-        if self.keep_best < 0:
-            raise ValueError("storage.retention.keep_best must be >= 0")
+        check_ranges(self, keep_last=AT_LEAST_1, keep_best=NON_NEGATIVE)
 
 
 def checkpoints_to_delete(

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from areal_eval.config import AT_LEAST_1, FieldError, check_ranges
 from areal_eval.manifest import CheckpointError
 
 
@@ -31,6 +32,12 @@ class RewardModelConfig:
     """Token limit per sequence; longer texts are truncated from the left (keep the answer)."""
     vocab_size: int = 512
     """Vocabulary size of a locally trained tokenizer."""
+
+    def __post_init__(self):
+        check_ranges(self, hidden_size=AT_LEAST_1, num_layers=AT_LEAST_1, num_heads=AT_LEAST_1, max_length=AT_LEAST_1,
+                     vocab_size=(16, None))
+        if self.hidden_size % self.num_heads:
+            raise FieldError("hidden_size", f"{self.hidden_size} must be divisible by num_heads ({self.num_heads})")
 
 
 def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512):

@@ -30,6 +30,8 @@ import math
 import statistics
 from typing import Collection, Literal, Protocol, Sequence
 
+from areal_eval.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
+
 
 @dataclasses.dataclass(frozen=True)
 class HistoryEntry:
@@ -92,14 +94,12 @@ class SchedulerConfig:
     ones as superseded. False evaluates every scheduled checkpoint in order (offline sweeps)."""
 
     def __post_init__(self):
+        check_ranges(self, fixed_interval_steps=AT_LEAST_1, min_interval_steps=NON_NEGATIVE,
+                     max_interval_steps=AT_LEAST_1, max_interval_checkpoints=POSITIVE, drift_tolerance=NON_NEGATIVE,
+                     noise_discount=NON_NEGATIVE, refine_stderrs=NON_NEGATIVE, regression_z=POSITIVE,
+                     default_stderr=POSITIVE, queue_capacity=AT_LEAST_1)
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
-            raise ValueError("max_interval_steps must be >= min_interval_steps")
-        if self.max_interval_checkpoints is not None and self.max_interval_checkpoints <= 0:
-            raise ValueError("max_interval_checkpoints must be positive")
-        if self.fixed_interval_steps < 1:
-            raise ValueError("fixed_interval_steps must be >= 1")
-        if self.queue_capacity < 1:
-            raise ValueError("queue_capacity must be >= 1")
+            raise FieldError("max_interval_steps", f"must be >= min_interval_steps ({self.min_interval_steps})")
 
 
 def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConfig,

@@ -63,11 +63,14 @@ class Tracker:
         )
         return runs[0].info.run_id if runs else None
 
-    def start_run(self, training_run_id: str, params: dict, tags: dict | None = None) -> str:
-        """The MLflow run of a training run: created once, reused when a flow resumes it."""
+    def start_run(self, training_run_id: str, params: dict, tags: dict | None = None, reopen: bool = False) -> str:
+        """The MLflow run of a training run: created once, reused when a flow resumes it
+        (``reopen``: marked RUNNING again, as the resumed training goes on)."""
         from mlflow.entities import Param
 
         run_id = self.find_run(training_run_id)
+        if reopen and run_id is not None and self.client.get_run(run_id).info.status != "RUNNING":
+            self.client.update_run(run_id, status="RUNNING")  # resumed: the same run goes on
         if run_id is None:
             run = self.client.create_run(
                 self.experiment_id, run_name=training_run_id, tags={RUN_ID_TAG: training_run_id, **(tags or {})}

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from areal_eval import distributed, reward_model
-from areal_eval.checkpoint import CheckpointWriter
+from areal_eval.checkpoint import CheckpointWriter, checkpoint_name, read_resume_state, resume_state_path
 from areal_eval.checkpoint_store import StorageConfig, open_store
-from areal_eval.config import from_dict
+from areal_eval.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges, from_dict
 from areal_eval.control import StopSignal
 from areal_eval.freq_ctl import EpochStepTimeFreqCtl
-from areal_eval.manifest import Manifest
+from areal_eval.launcher import die_with_parent
+from areal_eval.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.preference_data import read_pairs
 from areal_eval.reward_model import RewardModelConfig
 from areal_eval.run_dir import RunDir
@@ -42,6 +43,9 @@ class SaveConfig:
     """Save every this many seconds of training (monotonic, not counting downtime)."""
     eval_before_train: bool = True
     """Save the untrained model before step 1, so its evaluation is the baseline."""
+
+    def __post_init__(self):
+        check_ranges(self, freq_epochs=AT_LEAST_1, freq_steps=AT_LEAST_1, freq_secs=POSITIVE)
 
 
 @dataclasses.dataclass
@@ -67,6 +71,10 @@ class TrainConfig:
     save: SaveConfig = dataclasses.field(default_factory=SaveConfig)
     """When to save checkpoints."""
 
+    def __post_init__(self):
+        check_ranges(self, nproc=AT_LEAST_1, epochs=AT_LEAST_1, max_steps=AT_LEAST_1, batch_size=AT_LEAST_1,
+                     lr=POSITIVE, warmup_steps=NON_NEGATIVE, log_every=AT_LEAST_1, collective_timeout_s=POSITIVE)
+
 
 @dataclasses.dataclass
 class TrainJobSpec:
@@ -87,11 +95,41 @@ def steps_per_epoch(n_pairs: int, world: int, batch: int) -> int:
 def total_steps(n_pairs: int, world: int, cfg: TrainConfig) -> int:
     """Optimizer steps the job will take: all epochs, capped by ``max_steps``."""
     steps = steps_per_epoch(n_pairs, world, cfg.batch_size) * cfg.epochs
-    return min(steps, cfg.max_steps or steps)
+    return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
+
+
+def last_checkpoint(run: RunDir, run_id: str) -> CheckpointEvent | None:
+    """The newest checkpoint this run announced (None: none yet)."""
+    events = [e for e in Manifest(run.manifest).events() if e.run_id == run_id]
+    return max(events, key=lambda e: e.global_step, default=None)
+
+
+def training_finished(run: RunDir, run_id: str) -> bool:
+    """The run's final checkpoint is announced: there is nothing left to train."""
+    last = last_checkpoint(run, run_id)
+    return last is not None and last.final
+
+
+def resume_point(run: RunDir, run_id: str) -> tuple[CheckpointEvent, dict] | None:
+    """Where a restarted job goes on: the newest announced checkpoint and its resume state."""
+    last = last_checkpoint(run, run_id)
+    if last is None:
+        return None
+    if not resume_state_path(run.resume_states, last.global_step).exists():
+        raise CheckpointError(f"{run.resume_states}: no resume state for step {last.global_step}, the newest "
+                              f"checkpoint of run {run_id}: it cannot be resumed (choose another run_name)")
+    return last, read_resume_state(run.resume_states, last.global_step)
+
+
+def next_position(epoch: int, epoch_step: int, epoch_steps: int) -> tuple[int, int]:
+    """The (epoch, epoch step) after the step at ``epoch_step`` of ``epoch``."""
+    return (epoch, epoch_step + 1) if epoch_step + 1 < epoch_steps else (epoch + 1, 0)
 
 
 def train(spec: TrainJobSpec) -> None:
     cfg, run = spec.train, RunDir(spec.run_dir)
+    if training_finished(run, spec.run_id):
+        return  # a resumed run whose training was over: only its evaluation goes on
     distributed.init(timeout_s=cfg.collective_timeout_s)
     rank, world = distributed.rank(), distributed.world_size()
     torch.set_num_threads(int(os.environ.get("AREAL_TRAIN_THREADS", "1")))
@@ -100,7 +138,10 @@ def train(spec: TrainJobSpec) -> None:
 
     tok_path = spec.model.tokenizer_path or run.tokenizer
     tokenizer = reward_model.load_tokenizer(tok_path)
-    if spec.model.pretrained_path:
+    resume = resume_point(run, spec.run_id)
+    if resume:
+        model = reward_model.load_model(run.checkpoints / checkpoint_name(resume[0].global_step))
+    elif spec.model.pretrained_path:
         model = reward_model.load_model(spec.model.pretrained_path)
     else:
         model = reward_model.build_model(spec.model, tokenizer)
@@ -125,17 +166,29 @@ def train(spec: TrainJobSpec) -> None:
     if rank == 0:
         store = open_store(spec.storage.run_root(spec.run_id), spec.storage.s3, spec.storage.keep_local_copy)
         store.mirror(run.valid_data, "data/valid.jsonl")  # so a sweep of the store can evaluate the run
-        writer = CheckpointWriter(model, tokenizer, run.checkpoints, Manifest(run.manifest), spec.run_id, store=store)
+        writer = CheckpointWriter(model, tokenizer, run.checkpoints, Manifest(run.manifest), spec.run_id, store=store,
+                                  resume_dir=run.resume_states)
     log = run.train_log.open("a") if rank == 0 else None
 
-    if ctl.before_train() and writer:
-        writer.save(epoch=0, epoch_step=0, global_step=0, train_metrics={})
-    global_step, metrics = 0, {}
+    def resume_state(next_epoch: int, next_epoch_step: int, global_step: int) -> dict:
+        return {"optimizer": opt.state_dict(), "schedule": sched.state_dict(), "trigger": ctl.state_dict(),
+                "next_epoch": next_epoch, "next_epoch_step": next_epoch_step, "global_step": global_step}
+
+    global_step, metrics, start_epoch, start_epoch_step = 0, {}, 0, 0
+    if resume:  # model, optimizer, schedule, trigger state and data position of the newest checkpoint
+        state = resume[1]
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["schedule"])
+        ctl.load_state_dict(state["trigger"])
+        global_step, start_epoch, start_epoch_step = state["global_step"], state["next_epoch"], state["next_epoch_step"]
+    elif ctl.before_train() and writer:
+        writer.save(epoch=0, epoch_step=0, global_step=0, train_metrics={}, resume_state=resume_state(0, 0, 0))
     started, stop_reason = time.monotonic(), None
-    for epoch in range(cfg.epochs):
+    epoch = epoch_step = 0
+    for epoch in range(start_epoch, cfg.epochs):
         order = list(range(len(pairs)))
         random.Random(cfg.seed * 1000 + epoch).shuffle(order)
-        for epoch_step in range(epoch_steps):
+        for epoch_step in range(start_epoch_step if epoch == start_epoch else 0, epoch_steps):
             if global_step >= total:
                 break
             base = (epoch_step * world + rank) * cfg.batch_size
@@ -161,7 +214,8 @@ def train(spec: TrainJobSpec) -> None:
                 break
             is_last = global_step >= total
             if ctl.check(epochs=int(epoch_step == epoch_steps - 1), steps=1) and not is_last and writer:
-                writer.save(epoch, epoch_step, global_step, metrics)
+                writer.save(epoch, epoch_step, global_step, metrics,
+                            resume_state=resume_state(*next_position(epoch, epoch_step, epoch_steps), global_step))
         if stop_reason or global_step >= total:
             break
     if writer:
@@ -184,4 +238,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    die_with_parent()  # the torchrun agent: if it is killed outright, its ranks go too
     distributed.exit_process(main())

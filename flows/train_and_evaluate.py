@@ -27,8 +27,10 @@ from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
 from areal_eval.plot import plot_curve
 from areal_eval.planner import EvaluationPlanner
-from areal_eval.run_dir import RunDir
+from areal_eval.reaper import watch_over_children
+from areal_eval.run_dir import RunDir, RunLock
 from areal_eval.run_setup import total_train_steps
+from areal_eval.train import training_finished
 from areal_eval.tracking import resolve_tracking_uri
 from tasks.evaluate import warm_workers
 from tasks.loop_io import PrefectLoopIO
@@ -37,20 +39,36 @@ from tasks.training import prepare_run_dir, start_training, wait_for_training
 
 @flow(name="train-and-evaluate", log_prints=True)
 def train_and_evaluate(params: dict | None = None, config_path: str | None = None, overrides: list[str] | None = None) -> dict:
-    """Run the whole pipeline for one training run; returns a summary."""
+    """Run the whole pipeline for one training run, or resume it (same ``run_name``); returns a summary.
+
+    The flow owns the run directory while it runs (a second flow on it is refused, naming this
+    one). Every exit ends the MLflow run: FINISHED, FAILED (with the reason as the tag
+    ``areal.failure``) or KILLED; the evaluation curve and the summary are written in every case.
+    """
     cfg = load_pipeline_config(config_path, params, overrides)
-    run = prepare_run_dir(cfg)
-    mlflow_run_id = start_tracking(cfg, run)
-    training = start_training(cfg, run)
-    try:
-        ledger = follow_and_evaluate(cfg, run, mlflow_run_id, training)
-        wait_for_training(training)
-    finally:
-        if training.poll() is None:
-            training.kill()
-    plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run.run_id)
-    finish_tracking(cfg, mlflow_run_id, ledger, plot)
-    return summarize(cfg, run, mlflow_run_id, ledger, plot)
+    watch_over_children()  # training and evaluation workers end with this process, however it ends
+    with RunLock(RunDir(cfg.run_root)):
+        run = prepare_run_dir(cfg)
+        mlflow_run_id = start_tracking(cfg, run)
+        training = None if training_finished(run, run.run_id) else start_training(cfg, run)
+        failure: BaseException | None = None
+        try:
+            follow_and_evaluate(cfg, run, mlflow_run_id, training)
+            if training is not None:
+                wait_for_training(training)
+        except BaseException as exc:  # recorded in MLflow below, then raised
+            failure = exc
+        finally:
+            if training is not None and training.poll() is None:
+                training.kill()
+        ledger = Ledger(run.ledger)
+        plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run.run_id)
+        status = "FINISHED" if failure is None else "FAILED" if isinstance(failure, Exception) else "KILLED"
+        finish_tracking(cfg, mlflow_run_id, ledger, plot, status, None if failure is None else repr(failure))
+        summary = summarize(cfg, run, mlflow_run_id, ledger, plot)
+        if failure is not None:
+            raise failure
+        return summary
 
 
 def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, training: TorchrunJob | None) -> Ledger:
@@ -65,7 +83,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     with warm_workers(cfg, run.evals) as workers:
         io = PrefectLoopIO(cfg, run, mlflow_run_id, planner.ledger, total_train_steps(run, cfg), workers)
         ledger = FollowLoop(planner, Manifest(run.manifest), run.train_log, AlertEngine(cfg.alerts), io, loop_cfg,
-                            training).run()
+                            training, run_id=run.run_id).run()
         io.set_progress(1.0)
     return ledger
 
@@ -106,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
     load_pipeline_config(args.config, None, args.overrides)  # fail on bad config before Prefect starts
+    watch_over_children()  # before Prefect starts its temporary server, so that it is reaped too
     start = time.monotonic()
     summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)
     minutes = (time.monotonic() - start) / 60

@@ -29,13 +29,16 @@ def _tracker(tracking_uri: str, experiment: str, artifact_location: str | None) 
 
 
 @task(cache_policy=NO_CACHE, name="start-tracking")
-def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str) -> str:
-    """The MLflow run of a training run (created once), with the whole config as params."""
-    return tracker_for(cfg).start_run(training_run_id, dataclasses.asdict(cfg), tags={"areal.run_dir": run_dir})
+def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str, reopen: bool = False) -> str:
+    """The MLflow run of a training run (created once), with the whole config as params;
+    ``reopen`` marks it RUNNING again (a resumed run)."""
+    return tracker_for(cfg).start_run(training_run_id, dataclasses.asdict(cfg), tags={"areal.run_dir": run_dir},
+                                      reopen=reopen)
 
 
 def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
-    return start_tracking_run(cfg, run.run_id, str(run.root))
+    """The MLflow run the flow that owns ``run`` writes to (reopened if the run is resumed)."""
+    return start_tracking_run(cfg, run.run_id, str(run.root), reopen=True)
 
 
 @task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")
@@ -54,10 +57,13 @@ def log_evaluation(cfg: PipelineConfig, run_id: str, result: EvalResult, reason:
 
 
 @task(cache_policy=NO_CACHE, name="finish-tracking")
-def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, plot: Path, status: str = "FINISHED") -> None:
-    """Scheduler decisions and the curve plot as artifacts, counts as tags, the run finished."""
+def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, plot: Path, status: str = "FINISHED",
+                    failure: str | None = None) -> None:
+    """Scheduler decisions and the curve plot as artifacts, counts as tags, the run ended with
+    ``status`` (and ``failure`` as the tag ``areal.failure``)."""
     tracker = tracker_for(cfg)
     tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
     tracker.log_artifact(run_id, plot)
-    tracker.set_tags(run_id, {f"checkpoints.{k}": v for k, v in ledger.counts().items()})
+    tags = {f"checkpoints.{k}": v for k, v in ledger.counts().items()}
+    tracker.set_tags(run_id, tags | ({"areal.failure": failure[:5000]} if failure else {}))
     tracker.finish(run_id, status)

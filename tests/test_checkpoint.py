@@ -78,19 +78,43 @@ def test_manifest_follower_skips_a_torn_last_line(tmp_path):
     line = ev.to_json()
     with m.path.open("a") as fh:
         fh.write(line[:10])  # a writer mid-line
-    events, offset = m.read_from(0)
-    assert events == [ev]
+    chunk = m.read(0)
+    assert chunk.events == [ev] and not chunk.problems
     with m.path.open("a") as fh:
         fh.write(line[10:] + "\n")
-    more, _ = m.read_from(offset)
-    assert len(more) == 1
+    assert len(m.read(chunk.offset, chunk.line).events) == 1
 
 
-def test_bad_manifest_line_is_a_clear_error(tmp_path):
+def test_a_line_torn_by_a_crashed_writer_is_skipped_and_later_entries_read(tmp_path):
     m = Manifest(tmp_path / "m.jsonl")
-    m.path.write_text("not json\n")
-    with pytest.raises(CheckpointError, match="m.jsonl"):
-        m.events()
+    events = [CheckpointEvent("r", f"/x/{s}", 0, s, s, 1.0, {}) for s in (0, 25, 50, 75)]
+    for ev in events[:3]:
+        m.append(ev)
+    with m.path.open("a") as fh:
+        fh.write(events[3].to_json()[:40])  # the writer died here
+    m.append(events[3])  # the restarted writer starts a fresh line: nothing glued on
+    chunk = m.read()
+    assert chunk.events == events
+    assert chunk.problems == [f"{m.path}:4: " + chunk.problems[0].split(":4: ", 1)[1]]
+    assert "torn or corrupt" in chunk.problems[0]
+    assert m.events() == events
+
+
+def test_entries_of_another_run_are_rejected_and_reported(tmp_path):
+    from areal_eval.planner import ManifestFollower
+
+    m = Manifest(tmp_path / "m.jsonl")
+    m.append(CheckpointEvent("mine", "/x/0", 0, 0, 0, 1.0, {}))
+    m.append(CheckpointEvent("other", "/y/12", 0, 12, 12, 1.0, {}, final=True))
+    follower = ManifestFollower(m, run_id="mine")
+    assert [e.global_step for e in follower.poll()] == [0]
+    [problem] = follower.take_problems()
+    assert problem.startswith(f"{m.path}:2: entry for run 'other'") and follower.take_problems() == []
+
+
+def test_missing_manifest_says_so(tmp_path):
+    with pytest.raises(CheckpointError, match="no such manifest file"):
+        Manifest(tmp_path / "nope.jsonl").find(100)
 
 
 def test_event_payload_round_trip():

@@ -171,3 +171,38 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
     assert steps == sorted([0, 12] + refined)  # each once
     assert runs[0].data.tags[f"decision.{refined[0]}"].startswith("refine: next to the best")
     assert evaluate_checkpoint(12, str(run.manifest), params=params)["reason"] == "already evaluated"
+
+
+def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, trained_run, tmp_path):
+    import socket
+
+    from prefect import flow
+
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.tracking import start_tracking
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/hook"
+    cfg, original = trained_run
+    always = {"name": "seen", "kind": "threshold", "metric": "accuracy", "op": ">", "value": 0.0, "throttle_secs": 3600}
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path), alerts=dataclasses.replace(cfg.alerts, webhook_url=closed, rules=[]),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+    )
+    from areal_eval.alerts import AlertRule
+
+    cfg.alerts.rules.append(AlertRule(**always))
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, start_tracking(cfg, run), training=None)
+
+    ledger = evaluate_existing()
+    assert ledger.status(12) == "evaluated"  # the final checkpoint, after the failed notification
+    tracker, runs = mlflow_run(cfg)
+    tags = runs[0].data.tags
+    assert tags["alert.seen.notify_failed"].startswith("step 0: ConnectError") and "alert.seen" in tags

@@ -124,3 +124,31 @@ def test_a_failed_flush_is_retried_and_a_failed_evaluation_alerts(tmp_path):
     assert ledger.status(50) == "failed" and "worker died" in ledger.latest(50).reason
     assert [a.rule for a in io.alerts] == ["eval-failed"] and io.alerts[0].step == 50
     assert ledger.status(190) == "evaluated"
+
+
+class FlakySideEffectsIO(ReversingIO):
+    """The tracker refuses the first results; every notification fails."""
+
+    def __init__(self, refused_logs=3):
+        super().__init__(failing_flushes=0)
+        self.refused_logs = refused_logs
+
+    def log_result(self, result, reason):
+        if self.refused_logs:
+            self.refused_logs -= 1
+            raise ConnectionError("MLflow unreachable")
+        super().log_result(result, reason)
+
+    def send_alert(self, alert):
+        raise ConnectionError("webhook refused")
+
+
+def test_unreachable_tracker_and_refusing_webhook_never_stop_the_loop(tmp_path):
+    io = FlakySideEffectsIO()
+    rules = AlertsConfig(rules=[AlertRule(name="seen", kind="threshold", op=">", value=0.0, throttle_secs=0)])
+    ledger = run_loop(tmp_path, io, slots=1, alerts=rules)
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    assert evaluated == list(range(0, 200, 10))
+    assert sorted(r.global_step for r in io.logged) == evaluated  # each logged once, none lost
+    assert any("not logged yet" in w for w in io.warnings)
+    assert sum("could not be sent" in w for w in io.warnings) == len(evaluated)

@@ -48,3 +48,52 @@ def test_stop_request_ends_training_at_the_next_step(tmp_path):
     [final] = Manifest(run.manifest).events()
     assert final.final and final.global_step == 1
     assert final.train_metrics["stopped"] == "alert accuracy-regression"
+
+
+def run_training(run, timeout_s=300):
+    job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], 2, run.logs / "train.log")
+    job.wait(timeout_s)
+    job.raise_for_status("training")
+
+
+def test_a_killed_job_resumes_from_its_newest_checkpoint_as_if_never_stopped(tmp_path):
+    # The same run trained straight through, and killed after its step-12 checkpoint then run
+    # again: model, optimizer, schedule, trigger state and data position come back, so the final
+    # weights agree and every checkpoint is announced once.
+    import time
+
+    import torch
+
+    sections = {"train": {"max_steps": 24, "epochs": 3, "save": {"freq_steps": 6}}}
+    straight = prepare_run(tiny_config(tmp_path / "straight", **sections))
+    run_training(straight)
+    resumed = prepare_run(tiny_config(tmp_path / "resumed", **sections))
+    job = TorchrunJob("areal_eval.train", ["--config", str(resumed.train_config)], 2, resumed.logs / "train.log")
+    deadline = time.monotonic() + 300
+    while 12 not in [e.global_step for e in Manifest(resumed.manifest).events()] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.kill()
+    stopped_at = max(e.global_step for e in Manifest(resumed.manifest).events())
+    assert 12 <= stopped_at < 24  # killed mid-run
+    again = prepare_run(tiny_config(tmp_path / "resumed", **sections))  # the same command: resumes, never wipes
+    assert again.run_id == resumed.run_id
+    run_training(again)
+    steps = [e.global_step for e in Manifest(resumed.manifest).events()]
+    assert steps == [0, 6, 12, 18, 24] and Manifest(resumed.manifest).events()[-1].final
+    a = load_model(straight.checkpoints / "global_step_00000024").state_dict()
+    b = load_model(resumed.checkpoints / "global_step_00000024").state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    run_training(again)  # once training is over, running it again does nothing
+    assert [e.global_step for e in Manifest(resumed.manifest).events()] == steps
+
+
+def test_prepare_validates_data_before_touching_an_existing_run(tmp_path):
+    from areal_eval.preference_data import DataError
+
+    run = prepare_run(tiny_config(tmp_path))
+    before = sorted(p.name for p in run.root.iterdir())
+    bad = tmp_path / "malformed.jsonl"
+    bad.write_text('{"chosen": "a", "rejected": "b"}\n' * 50 + "{not json\n")
+    with pytest.raises(DataError, match=r"malformed.jsonl:51: not valid JSON"):
+        prepare_run(tiny_config(tmp_path, data={"train_path": str(bad)}))
+    assert sorted(p.name for p in run.root.iterdir()) == before and run.run_id_file.exists()

@@ -1,0 +1,95 @@
+"""Never lose a run: ``kill -9`` the demo's command mid-run, then run the same command again.
+
+Real processes and signals: the flow CLI with its temporary Prefect server, torchrun training
+and warm evaluation workers, MLflow on SQLite.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from areal_eval.ledger import FINAL_STATES, Ledger
+from areal_eval.manifest import Manifest
+from areal_eval.run_dir import RunDir
+from areal_eval.tracking import Tracker
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def flow_command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "flows.train_and_evaluate", "--config", str(config)]
+
+
+def clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # its own temporary server
+    env.pop("AREAL_EVAL_OWNER", None)
+    return env
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
+    params = {**TINY, "run_name": "resume", "work_dir": str(tmp_path),
+              "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+              "train": {**TINY["train"], "max_steps": 120, "epochs": 8, "save": {"freq_steps": 6}},
+              "scheduler": {"min_interval_steps": 0, "max_interval_steps": 12}}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(params))
+    run = RunDir(tmp_path / "resume")
+    log = (tmp_path / "first-flow.log").open("w")
+    flow = subprocess.Popen(flow_command(config), cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        def mid_run():
+            steps = [e.global_step for e in Manifest(run.manifest).events()]
+            return 12 <= max(steps, default=0) < 120
+
+        wait_for(mid_run, 300, f"training past step 12 (flow log {log.name})")
+        family = psutil.Process(flow.pid).children(recursive=True)
+        assert any("areal_eval.train" in " ".join(p.cmdline()) for p in family)
+        os.kill(flow.pid, signal.SIGKILL)
+        flow.wait(10)
+
+        def all_gone():
+            return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+        wait_for(all_gone, 60, "training, workers and the temporary server to end")
+        first_id = run.run_id
+        published = [e.global_step for e in Manifest(run.manifest).events()]
+    finally:
+        if flow.poll() is None:
+            os.killpg(flow.pid, signal.SIGKILL)
+
+    again = subprocess.run(flow_command(config), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert run.run_id == first_id  # resumed, not wiped
+    events = Manifest(run.manifest).events()
+    steps = [e.global_step for e in events]
+    assert steps[: len(published)] == published and steps[-1] == 120 and events[-1].final
+    assert steps == sorted(set(steps))  # every checkpoint published once
+    ledger = Ledger(run.ledger)
+    assert [e.step for e in ledger.entries()] == steps and all(e.status in FINAL_STATES for e in ledger.entries())
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])  # the same MLflow run went on
+    assert mlflow_run.info.status == "FINISHED"
+    eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")]
+    assert sorted(eval_steps) == evaluated  # none evaluated twice, none lost
+    train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "train/loss")]
+    assert train_steps == sorted(set(train_steps)) and max(train_steps) == 120
