@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import urllib.parse
 from typing import Callable, Literal
 
-from areal_eval.config import NON_NEGATIVE, check_ranges
+from areal_eval.config import NON_NEGATIVE, FieldError, check_ranges
 
 
 @dataclasses.dataclass
@@ -47,15 +48,51 @@ class AlertsConfig:
     rules: list[AlertRule] = dataclasses.field(default_factory=list)
     """The rules; see AlertRule."""
     webhook_url: str | None = None
-    """Generic webhook to notify (Prefect CustomWebhookNotificationBlock)."""
+    """Generic webhook to notify (Prefect CustomWebhookNotificationBlock). Only for a URL that is
+    no secret: one with credentials (``user:pass@``, a query string) is refused, and the URL is
+    recorded only as scheme and host. A secret URL goes in ``webhook_url_env`` or ``_secret``."""
+    webhook_url_env: str | None = None
+    """Name of an environment variable of the flow's process that holds the webhook URL."""
+    webhook_url_secret: str | None = None
+    """Name of a Prefect ``Secret`` block that holds the webhook URL."""
     notification_block: str | None = None
     """Name of a saved Prefect notification block (Slack, e-mail, ...) to notify as well."""
 
     def __post_init__(self):
+        if self.webhook_url and has_credentials(self.webhook_url):
+            raise FieldError("webhook_url", "carries credentials (user:password@ or a query string); put the URL in an "
+                                            "environment variable named by alerts.webhook_url_env, or a Prefect Secret "
+                                            "block named by alerts.webhook_url_secret")
+        if sum(x is not None for x in (self.webhook_url, self.webhook_url_env, self.webhook_url_secret)) > 1:
+            raise FieldError("webhook_url", "give one of webhook_url, webhook_url_env, webhook_url_secret")
         names = [r.name for r in self.rules]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise ValueError(f"alerts.rules: duplicate rule names {sorted(dupes)}")
+
+
+def has_credentials(url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    return bool(parts.username or parts.password or parts.query)
+
+
+def redact_url(url: str) -> str:
+    """Scheme and host only: what a record may say about a webhook."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}/<redacted>"
+
+
+def redact(text: str, secret: str | None) -> str:
+    """``text`` with ``secret`` (a URL) replaced by its redacted form, e.g. in an error message."""
+    return text.replace(secret, redact_url(secret)) if secret else text
+
+
+def recorded_config(cfg: dict) -> dict:
+    """A pipeline config (as a dict) fit for MLflow params and run files: the webhook redacted."""
+    alerts = cfg.get("alerts") or {}
+    if alerts.get("webhook_url"):
+        return {**cfg, "alerts": {**alerts, "webhook_url": redact_url(alerts["webhook_url"])}}
+    return cfg
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,16 @@ def checkpoint_name(global_step: int) -> str:
     return f"global_step_{global_step:08d}"
 
 
+def save_clean_tokenizer(tokenizer, directory: Path) -> None:
+    """Save the tokenizer without the truncation and padding that training's calls left on its
+    fast backend: whoever loads the checkpoint must not get silent truncation they never asked for."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
+    tokenizer.save_pretrained(str(directory))
+
+
 def cpu_copy(state):
     """A deep copy with every tensor on the CPU (what a background thread may write later)."""
     if isinstance(state, torch.Tensor):
@@ -137,7 +147,7 @@ class CheckpointWriter:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         tmp_dir.mkdir(parents=True)
         self.model.save_pretrained(str(tmp_dir), state_dict=req.state_dict, safe_serialization=True)
-        self.tokenizer.save_pretrained(str(tmp_dir))
+        save_clean_tokenizer(self.tokenizer, tmp_dir)
         for path in tmp_dir.iterdir():
             with path.open("rb") as fh:
                 os.fsync(fh.fileno())

@@ -117,6 +117,18 @@ def _write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+def _create_json(path: Path, data: dict) -> None:
+    """Write ``path`` whole unless it exists (a hard link is atomic and refuses to replace)."""
+    tmp = path.with_suffix(f".{distributed.rank()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="checkpoint directory or s3:// URI")
@@ -188,6 +200,7 @@ def serve(parser: argparse.ArgumentParser, inbox: Path) -> None:
             run_job(args, started_at=time.time())
         except Exception as exc:
             _fail(args, exc)
+            exc.reported = True  # against the job that failed: main() need not report it again
             raise
         done.add(path.name)
         if distributed.world_size() > 1:
@@ -197,9 +210,14 @@ def serve(parser: argparse.ArgumentParser, inbox: Path) -> None:
 
 
 def _fail(args: argparse.Namespace, exc: Exception) -> None:
-    print(f"[rank {distributed.rank()}] evaluation failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    if distributed.rank() == 0 and args.out:
-        _write_json(Path(args.out), {"checkpoint": args.checkpoint, "error": f"{type(exc).__name__}: {exc}"})
+    """Log the failure and record it in the job's result file, whichever rank it hit: the first
+    rank to fail writes the file (its cause), and peers that fail after it, often only because
+    it is gone, leave it alone."""
+    cause = f"{type(exc).__name__}: {exc}"
+    print(f"[rank {distributed.rank()}] evaluation failed: {cause}", file=sys.stderr, flush=True)
+    if getattr(args, "out", None):
+        error = cause if distributed.rank() == 0 else f"rank {distributed.rank()}: {cause}"
+        _create_json(Path(args.out), {"checkpoint": args.checkpoint, "error": error})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
         return 0
     except Exception as exc:
-        if not args.serve:  # serve() reported it against the job that failed
+        if not getattr(exc, "reported", False):  # serve() reports a job's failure against that job
             _fail(args, exc)
         return 1
     finally:

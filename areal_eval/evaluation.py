@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ class EvaluationFailed(RuntimeError):
 
 
 class CorruptCheckpoint(EvaluationFailed):
-    """The checkpoint itself is missing or fails verification: retrying cannot help."""
+    """The checkpoint (or the validation data) is missing, fails verification or cannot be
+    read: retrying cannot help."""
 
 
 @dataclasses.dataclass
@@ -114,7 +116,8 @@ def evaluate_checkpoint(
             summary = failure_summary(log_path)
             reason = result.get("error") or (
                 "workers exited abnormally" if "metrics" in result else "worker wrote no result")
-            failure = CorruptCheckpoint if reason.startswith("CheckpointError") else EvaluationFailed
+            cause = re.sub(r"^rank \d+: ", "", reason)
+            failure = CorruptCheckpoint if cause.startswith(("CheckpointError", "DataError")) else EvaluationFailed
             raise failure(
                 f"checkpoint step {event.global_step} ({event.uri}): {reason} [torchrun exit {code}; log {log_path}]"
                 + (f"\n{summary}" if summary else "")

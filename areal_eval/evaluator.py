@@ -64,7 +64,7 @@ class RewardModelEvaluator(BaseEvaluator):
         self.tokenizer = reward_model.load_tokenizer(checkpoint_dir)
         self.model = reward_model.load_model(checkpoint_dir, allow_pickle=allow_pickle)
         self.model.eval()
-        self.pairs = reward_model.tokenize_pairs(self.tokenizer, read_pairs(data_path), self.max_length)
+        self.pairs = reward_model.tokenize_pairs(self.tokenizer, read_pairs(data_path), self.max_length, data_path)
 
     def num_samples(self) -> int:
         return len(self.pairs)
@@ -81,10 +81,14 @@ class RewardModelEvaluator(BaseEvaluator):
     def batch_sums(self, batch):
         chosen, rejected = reward_model.pair_scores_trimmed(self.model, batch)
         chosen, rejected = chosen.double(), rejected.double()
+        # A pair of identical texts is a tie, scored once: half correct at any world or batch size
+        # (its two rows may sit in forward passes of different shapes, whose last bits differ).
+        identical = batch["identical"].bool()
+        rejected = torch.where(identical, chosen, rejected)
         losses = reward_model.bradley_terry_loss(chosen, rejected, reduction="none")
         return {
             "n_pairs": float(chosen.numel()),
-            "correct": float((chosen > rejected).sum()),
+            "correct": float((chosen > rejected).sum()) + 0.5 * float(identical.sum()),
             "loss": float(losses.sum()),
             "loss_sq": float((losses * losses).sum()),
             "chosen_score": float(chosen.sum()),

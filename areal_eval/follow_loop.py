@@ -7,10 +7,10 @@ checkpoint and the end-of-run refinement are handled. What it does outside itsel
 a :class:`LoopIO`: the ``train-and-evaluate`` flow backs it with Prefect tasks, a benchmark or a
 test with plain calls, so every path runs the same loop.
 
-Faults on the side never end the loop. A training-metrics flush or a result that cannot be
-logged (MLflow unreachable) is kept and retried at the next turn, results in step order; an
-alert that cannot be sent is warned about (the alert task retries it first). The loop goes on
-deciding and evaluating meanwhile.
+Faults on the side never end the loop. Results and training metrics reach the tracker through a
+:class:`~areal_eval.delivery.Deliverer` in a thread of its own, retried with backoff while MLflow
+is unreachable (and after a restart, from the ledger); an alert that cannot be sent is warned
+about (the alert task retries it first). The loop goes on deciding and evaluating meanwhile.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from areal_eval.alerts import Alert, AlertEngine
+from areal_eval.delivery import Deliverer
 from areal_eval.evaluation import EvalResult
 from areal_eval.ledger import Ledger
 from areal_eval.manifest import CheckpointEvent, Manifest
@@ -64,7 +65,8 @@ class LoopIO(Protocol):
     def send_alert(self, alert: Alert) -> None: ...
 
     def log_training(self, rows: list[dict]) -> None:
-        """Ship training-log rows; raising keeps them for the next flush."""
+        """Ship training-log rows; raising keeps them for the next flush. Called from the
+        delivery thread, as is ``log_result``."""
 
     def delete_checkpoints(self, events: list[CheckpointEvent]) -> None:
         """Delete what retention lets go, and record it."""
@@ -86,6 +88,9 @@ class LoopConfig:
     """The evaluation logs and alerts on its own result (a dispatched deployment run)."""
     retention: RetentionConfig | None = None
     """Delete checkpoints as they settle; None keeps all."""
+    delivery_timeout_s: float = 60.0
+    """Once the run is handled, how long to keep trying to deliver to an unreachable tracker; what
+    is left is delivered by the next run of the same command."""
 
 
 @dataclasses.dataclass
@@ -127,15 +132,16 @@ class FollowLoop:
         self.on_iteration = on_iteration
         self.in_flight: list[_InFlight] = []
         self.deleted: set[int] = set()
-        self._pending_rows: list[dict] = []
-        self._last_flush = 0.0
-        self._unlogged: list[tuple[EvalResult, str]] = []
-        """Results not in the tracker yet (it was unreachable), retried each turn in step order."""
+        self.delivery: Deliverer | None = None
 
     def run(self) -> Ledger:
         _favour_the_decision_thread()
         final_seen, refined, decided = False, False, []
         training_error: Exception | None = None
+        self.delivery = Deliverer(self.io.log_result, self.io.log_training, self.io.warn,
+                                  lambda result: self.planner.delivered(result.global_step), self.cfg.train_log_every_s)
+        for entry in self.planner.undelivered():  # results a killed run evaluated but never delivered
+            self.delivery.add_result(EvalResult(entry.step, entry.uri, entry.metrics, 0.0), entry.reason)
         decision_thread = DecisionThread(self.planner, self.follower)
         with decision_thread as decisions:
             while True:
@@ -147,9 +153,8 @@ class FollowLoop:
                     self.io.announce(event)
                     self._log_decision(event, decision)
                     final_seen |= event.final
-                self._ship_training_rows(final_seen)
+                self.delivery.add_rows(self.train_log.poll(), flush_now=final_seen)
                 settled |= self._collect_finished()
-                self._log_results()
                 if self.cfg.retention is not None and self.cfg.retention.keep_last is not None and settled:
                     self._apply_retention()
                 self._start_evaluations()
@@ -168,11 +173,11 @@ class FollowLoop:
                 if self.on_iteration:
                     self.on_iteration(time.perf_counter() - started)
                 decided = decisions.drain(timeout_s=self.cfg.poll_interval_s)
-        self._ship_training_rows(True)
-        self._log_results()
-        if self._unlogged:
-            self.io.warn(f"{len(self._unlogged)} results could not be logged (steps "
-                         f"{[r.global_step for r, _ in self._unlogged]}); they are in the ledger")
+        self.delivery.add_rows(self.train_log.poll(), flush_now=True)
+        results, rows = self.delivery.close(self.cfg.delivery_timeout_s)
+        if results or rows:
+            self.io.warn(f"the tracker did not take {results} results and {rows} training rows; they are in the "
+                         "ledger and the training log, and the same command delivers them")
         if training_error is not None:
             raise training_error
         return self.planner.ledger
@@ -180,18 +185,6 @@ class FollowLoop:
     def _log_decision(self, event: CheckpointEvent, decision: Decision) -> None:
         verdict = "evaluate" if decision.evaluate else "skip"
         self.io.info(f"checkpoint step {event.global_step}: {verdict} ({decision.reason})")
-
-    def _ship_training_rows(self, now: bool) -> None:
-        self._pending_rows += self.train_log.poll()
-        if not self._pending_rows or not (now or time.monotonic() - self._last_flush > self.cfg.train_log_every_s):
-            return
-        self._last_flush = time.monotonic()
-        try:
-            self.io.log_training(self._pending_rows)
-        except Exception as exc:  # noqa: BLE001 - a side fault: keep the rows, retry next flush
-            self.io.warn(f"training metrics not logged yet ({len(self._pending_rows)} rows kept for retry): {exc!r}")
-            return
-        self._pending_rows = []
 
     def _collect_finished(self) -> bool:
         """Record every finished evaluation, whatever order they finish in."""
@@ -209,28 +202,16 @@ class FollowLoop:
             self.planner.failed(done.event, str(exc))
             alerts = self.alerts.check(step, None, str(exc))
         else:
-            self.planner.evaluated(done.event, result.metrics)
+            self.planner.evaluated(done.event, result.metrics, delivered=self.cfg.results_logged_by_evaluator)
             if self.cfg.results_logged_by_evaluator:
                 return
-            self._unlogged.append((result, done.reason))
+            self.delivery.add_result(result, done.reason)
             alerts = self.alerts.check(step, result.metrics)
         for alert in alerts:
             try:
                 self.io.send_alert(alert)
             except Exception as exc:  # noqa: BLE001 - a side fault: warned about, the run goes on
                 self.io.warn(f"alert {alert.rule} at step {alert.step} could not be sent: {exc!r}")
-
-    def _log_results(self) -> None:
-        self._unlogged.sort(key=lambda item: item[0].global_step)
-        while self._unlogged:
-            result, reason = self._unlogged[0]
-            try:
-                self.io.log_result(result, reason)
-            except Exception as exc:  # noqa: BLE001 - a side fault: kept, retried next turn
-                self.io.warn(f"result of step {result.global_step} not logged yet "
-                             f"({len(self._unlogged)} waiting): {exc!r}")
-                return
-            self._unlogged.pop(0)
 
     def _start_evaluations(self) -> None:
         while len(self.in_flight) < self.cfg.slots and (event := self.planner.next()):

@@ -27,6 +27,8 @@ class LedgerEntry:
     reason: str = ""
     metrics: dict = dataclasses.field(default_factory=dict)
     time: float = dataclasses.field(default_factory=time.time)
+    delivered: bool = False
+    """An evaluated checkpoint's result is in the tracker (the ledger is the tracker's outbox)."""
 
     def history_entry(self, metric: str, stderr_metric: str | None) -> HistoryEntry | None:
         """What the scheduler sees of this checkpoint: a result, a pending one, or nothing."""
@@ -55,8 +57,9 @@ class Ledger:
                     raise ValueError(f"{self.path}:{lineno}: bad ledger entry: {exc}") from exc
                 self._latest[entry.step] = entry
 
-    def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None) -> LedgerEntry:
-        entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}))
+    def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
+               delivered: bool = False) -> LedgerEntry:
+        entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock, self.path.open("a") as fh:
             fh.write(json.dumps(dataclasses.asdict(entry), sort_keys=True) + "\n")

@@ -109,8 +109,9 @@ class EvaluationPlanner:
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_metric)
 
-    def _record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None) -> None:
-        entry = self.ledger.record(step, uri, status, reason, metrics)
+    def _record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
+                delivered: bool = False) -> None:
+        entry = self.ledger.record(step, uri, status, reason, metrics, delivered)
         self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_metric))
 
     @_locked
@@ -171,8 +172,22 @@ class EvaluationPlanner:
         self._record(old.global_step, old.uri, "superseded", f"evaluation behind training: coalesced to step {by.global_step}")
 
     @_locked
-    def evaluated(self, event: CheckpointEvent, metrics: dict) -> None:
-        self._record(event.global_step, event.uri, "evaluated", "", metrics)
+    def evaluated(self, event: CheckpointEvent, metrics: dict, delivered: bool = False) -> None:
+        """Record a result, with the reason it was scheduled for (``delivered``: already in the tracker)."""
+        scheduled = self.ledger.latest(event.global_step)
+        reason = scheduled.reason if scheduled and scheduled.status == "scheduled" else ""
+        self._record(event.global_step, event.uri, "evaluated", reason, metrics, delivered)
+
+    @_locked
+    def delivered(self, step: int) -> None:
+        """The result of ``step`` is in the tracker."""
+        entry = self.ledger.latest(step)
+        if entry is not None and entry.status == "evaluated" and not entry.delivered:
+            self._record(step, entry.uri, "evaluated", entry.reason, entry.metrics, delivered=True)
+
+    def undelivered(self) -> list:
+        """Evaluated checkpoints whose results never reached the tracker (before a restart)."""
+        return [e for e in self.ledger.entries() if e.status == "evaluated" and not e.delivered]
 
     @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:

@@ -32,12 +32,20 @@ def read_pairs(path: str | Path) -> list[dict]:
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected an object with 'chosen' and 'rejected'")
             for key in ("chosen", "rejected"):
-                if not isinstance(row.get(key), str) or not row[key]:
-                    raise DataError(f"{path}:{lineno}: field '{key}' must be a non-empty string")
+                if not isinstance(row.get(key), str) or not row[key].strip():
+                    raise DataError(f"{path}:{lineno}: field '{key}' must be a string with text in it (not empty, "
+                                    "not only white space)")
             pairs.append(row)
     if not pairs:
         raise DataError(f"{path}: no preference pairs")
     return pairs
+
+
+def line_of_pair(path: str | Path, index: int) -> int:
+    """The line number of the ``index``-th pair that :func:`read_pairs` returned (blank lines skipped)."""
+    with Path(path).open(encoding="utf-8") as fh:
+        rows = (lineno for lineno, line in enumerate(fh, start=1) if line.strip())
+        return next(lineno for i, lineno in enumerate(rows) if i == index)
 
 
 def write_pairs(path: str | Path, pairs: list[dict]) -> None:

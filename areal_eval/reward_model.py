@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from areal_eval.config import AT_LEAST_1, FieldError, check_ranges
 from areal_eval.manifest import CheckpointError
+from areal_eval.preference_data import DataError, line_of_pair
 
 
 @dataclasses.dataclass
@@ -99,15 +100,24 @@ def load_model(path: str | Path, allow_pickle: bool = False):
     )
 
 
-def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int) -> list[dict]:
-    """Token ids of each pair's chosen and rejected text (unpadded; batches pad dynamically)."""
+def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, source: str | Path | None = None) -> list[dict]:
+    """Token ids of each pair's chosen and rejected text (unpadded; batches pad dynamically).
+
+    A text that tokenizes to nothing cannot be scored: it is refused, naming ``source``'s line.
+    """
     texts = [t for row in pairs for t in (row["chosen"], row["rejected"])]
     ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=False)["input_ids"]
+    for i, seq in enumerate(ids):
+        if not seq:
+            where = f"{source}:{line_of_pair(source, i // 2)}" if source else f"pair {i // 2}"
+            field = ("chosen", "rejected")[i % 2]
+            raise DataError(f"{where}: field '{field}' has no tokens for this tokenizer ({texts[i]!r})")
     return [{"chosen_ids": ids[2 * i], "rejected_ids": ids[2 * i + 1]} for i in range(len(pairs))]
 
 
 def collate_pairs(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad to the longest sequence in the batch; rows alternate chosen, rejected (as AReaL)."""
+    """Pad to the longest sequence in the batch; rows alternate chosen, rejected (as AReaL).
+    ``identical`` marks pairs whose two texts have the same tokens (a tie, whatever the scores)."""
     seqs = [ids for item in items for ids in (item["chosen_ids"], item["rejected_ids"])]
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -115,7 +125,8 @@ def collate_pairs(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     for row, seq in enumerate(seqs):
         input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention_mask[row, : len(seq)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    identical = torch.tensor([item["chosen_ids"] == item["rejected_ids"] for item in items], dtype=torch.bool)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "identical": identical}
 
 
 def pair_scores(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

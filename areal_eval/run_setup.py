@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+from areal_eval.alerts import recorded_config
 from areal_eval.pipeline_config import PipelineConfig
 from areal_eval.preference_data import SyntheticPreferences, read_pairs, write_pairs
 from areal_eval.reward_model import train_tokenizer
@@ -21,8 +22,7 @@ def prepare_run(cfg: PipelineConfig) -> RunDir:
     manifest and ledger, and training goes on from its newest checkpoint; only the training
     settings come from ``cfg``. Given data files are validated before anything is created.
     """
-    given = {target: read_pairs(path) for path, target in ((cfg.data.train_path, "train"), (cfg.data.valid_path, "valid"))
-             if path is not None}  # every row checked, naming file and line, before the run is touched
+    given = check_inputs(cfg)  # every row checked, naming file and line, before the run is touched
     run = RunDir(cfg.run_root)
     if run.exists():
         run_id = run.run_id
@@ -33,8 +33,14 @@ def prepare_run(cfg: PipelineConfig) -> RunDir:
         model = dataclasses.replace(model, tokenizer_path=model.pretrained_path)
     spec = TrainJobSpec(run_id=run_id, run_dir=str(run.root), model=model, train=cfg.train, storage=cfg.storage)
     atomic_write_text(run.train_config, json.dumps(dataclasses.asdict(spec), indent=1))
-    atomic_write_text(run.root / "pipeline_config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
+    atomic_write_text(run.root / "pipeline_config.json", json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
     return run
+
+
+def check_inputs(cfg: PipelineConfig) -> dict[str, list[dict]]:
+    """The given data files, read and validated (DataError names file and line)."""
+    return {target: read_pairs(path) for path, target in ((cfg.data.train_path, "train"), (cfg.data.valid_path, "valid"))
+            if path is not None}
 
 
 def _new_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> str:

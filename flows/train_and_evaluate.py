@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import sys
 import time
 from pathlib import Path
 
@@ -28,10 +29,13 @@ from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
 from areal_eval.plot import plot_curve
 from areal_eval.planner import EvaluationPlanner
 from areal_eval.reaper import watch_over_children
-from areal_eval.run_dir import RunDir, RunLock
-from areal_eval.run_setup import total_train_steps
+from areal_eval.config import ConfigError
+from areal_eval.preference_data import DataError
+from areal_eval.run_dir import RunBusy, RunDir, RunLock
+from areal_eval.run_setup import check_inputs, total_train_steps
 from areal_eval.train import training_finished
 from areal_eval.tracking import resolve_tracking_uri
+from tasks.alerts import webhook_url
 from tasks.evaluate import warm_workers
 from tasks.loop_io import PrefectLoopIO
 from tasks.tracking import finish_tracking, start_tracking, tracker_for
@@ -46,6 +50,7 @@ def train_and_evaluate(params: dict | None = None, config_path: str | None = Non
     ``areal.failure``) or KILLED; the evaluation curve and the summary are written in every case.
     """
     cfg = load_pipeline_config(config_path, params, overrides)
+    webhook_url(cfg.alerts)  # a webhook named but not set fails now, not at the first alert
     watch_over_children()  # training and evaluation workers end with this process, however it ends
     with RunLock(RunDir(cfg.run_root)):
         run = prepare_run_dir(cfg)
@@ -123,7 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="JSON or YAML pipeline config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
-    load_pipeline_config(args.config, None, args.overrides)  # fail on bad config before Prefect starts
+    try:  # bad input is reported once, first, in one line, before Prefect or training starts
+        cfg = load_pipeline_config(args.config, None, args.overrides)
+        check_inputs(cfg)
+        webhook_url(cfg.alerts)
+        RunLock(RunDir(cfg.run_root)).acquire().release()  # the flow takes it for good
+    except (ConfigError, DataError, RunBusy) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     watch_over_children()  # before Prefect starts its temporary server, so that it is reaped too
     start = time.monotonic()
     summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)

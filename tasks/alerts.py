@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 from prefect.cache_policies import NO_CACHE
 from prefect import get_run_logger, task
@@ -11,18 +12,37 @@ from prefect.tasks import exponential_backoff
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.blocks.core import Block
 
-from areal_eval.alerts import Alert, AlertsConfig
+from areal_eval.alerts import Alert, AlertsConfig, redact
+from areal_eval.config import ConfigError
 from areal_eval.control import StopSignal
 from areal_eval.run_dir import RunDir
 from tasks.tracking import tracker_for
 
 
+class NotificationFailed(RuntimeError):
+    """A notification was not delivered; the message names no secret."""
+
+
+def webhook_url(cfg: AlertsConfig) -> str | None:
+    """The webhook URL from the config, the environment variable it names, or the Prefect Secret
+    block it names. Read when needed and never stored, so a secret URL reaches no record."""
+    if cfg.webhook_url_env:
+        url = os.environ.get(cfg.webhook_url_env)
+        if not url:
+            raise ConfigError(f"alerts.webhook_url_env: environment variable {cfg.webhook_url_env} is not set")
+        return url
+    if cfg.webhook_url_secret:
+        from prefect.blocks.system import Secret
+
+        return Secret.load(cfg.webhook_url_secret).get()
+    return cfg.webhook_url
+
+
 def notification_blocks(cfg: AlertsConfig) -> list:
     blocks = []
-    if cfg.webhook_url:
+    if url := webhook_url(cfg):
         blocks.append(CustomWebhookNotificationBlock(
-            name="areal-eval-alerts", url=cfg.webhook_url,
-            json_data={"subject": "{{subject}}", "body": "{{body}}"},
+            name="areal-eval-alerts", url=url, json_data={"subject": "{{subject}}", "body": "{{body}}"},
         ))
     if cfg.notification_block:
         blocks.append(Block.load(cfg.notification_block))
@@ -32,19 +52,20 @@ def notification_blocks(cfg: AlertsConfig) -> list:
 @task(cache_policy=NO_CACHE, name="send-alert", task_run_name="alert-{alert.rule}-step-{alert.step}",
       retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1))
 def send_alert(alert: Alert, pipeline_cfg, run_id: str, run: RunDir) -> None:
-    """Always logs and records the alert in MLflow; notifies unless throttled; stops training if asked.
+    """Logs the alert, stops training if asked, notifies unless throttled, records it in MLflow.
 
-    Stopping comes first, so a notification that fails (and is retried with backoff, the record
-    rewritten in place) never keeps training from stopping. Failures are recorded in MLflow.
+    Each step is independent of the ones after it: training stops even when no notification
+    gets through, and a notification goes out even while MLflow is down (its record is then
+    only warned about). A failed notification is recorded and raised, so the task retries it
+    with backoff; the stop request and the record are idempotent.
     """
     logger = get_run_logger()
     logger.warning("ALERT %s%s: %s", alert.rule, " (throttled)" if alert.throttled else "", alert.message)
-    tracker = tracker_for(pipeline_cfg)
-    tracker.log_dict(run_id, dataclasses.asdict(alert), f"alerts/step_{alert.step:08d}_{alert.rule}.json")
-    tracker.set_tags(run_id, {f"alert.{alert.rule}": f"step {alert.step}: {alert.message}"[:5000]})
     if alert.stop_training:
         StopSignal(run.stop_file).request(f"alert {alert.rule}: {alert.message}")
         logger.warning("asked training to stop: %s", alert.rule)
+    records = {f"alert.{alert.rule}": f"step {alert.step}: {alert.message}"[:5000]}
+    failure = None
     if not alert.throttled:
         subject = f"[areal-eval] {alert.rule} at step {alert.step}"
         for block in notification_blocks(pipeline_cfg.alerts):
@@ -52,5 +73,14 @@ def send_alert(alert: Alert, pipeline_cfg, run_id: str, run: RunDir) -> None:
                 with block.raise_on_failure():
                     block.notify(body=json.dumps(dataclasses.asdict(alert)), subject=subject)
             except Exception as exc:
-                tracker.set_tags(run_id, {f"alert.{alert.rule}.notify_failed": f"step {alert.step}: {exc!r}"[:5000]})
-                raise
+                cause = redact(repr(exc), webhook_url(pipeline_cfg.alerts))  # an HTTP error names the URL
+                records[f"alert.{alert.rule}.notify_failed"] = f"step {alert.step}: {cause}"[:5000]
+                failure = NotificationFailed(f"{alert.rule} at step {alert.step}: {cause}")
+    try:
+        tracker = tracker_for(pipeline_cfg)
+        tracker.log_dict(run_id, dataclasses.asdict(alert), f"alerts/step_{alert.step:08d}_{alert.rule}.json")
+        tracker.set_tags(run_id, records)
+    except Exception as exc:  # noqa: BLE001 - MLflow down: the alert itself went out
+        logger.warning("alert %s at step %d not recorded in MLflow: %r", alert.rule, alert.step, exc)
+    if failure is not None:
+        raise failure

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
+from areal_eval.alerts import recorded_config
 from areal_eval.evaluation import EvalResult
 from areal_eval.ledger import Ledger
 from areal_eval.pipeline_config import PipelineConfig
@@ -32,7 +33,7 @@ def _tracker(tracking_uri: str, experiment: str, artifact_location: str | None) 
 def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str, reopen: bool = False) -> str:
     """The MLflow run of a training run (created once), with the whole config as params;
     ``reopen`` marks it RUNNING again (a resumed run)."""
-    return tracker_for(cfg).start_run(training_run_id, dataclasses.asdict(cfg), tags={"areal.run_dir": run_dir},
+    return tracker_for(cfg).start_run(training_run_id, recorded_config(dataclasses.asdict(cfg)), tags={"areal.run_dir": run_dir},
                                       reopen=reopen)
 
 

@@ -80,3 +80,16 @@ def test_rules_on_metrics_the_evaluator_never_produces_are_refused():
     assert custom.alerts.rules[0].metric == "margin_over_0.1"  # undeclared metrics are not checked
     with pytest.raises(ConfigError, match=r"eval\.evaluator: 'nowhere:Nothing' cannot be loaded"):
         load_pipeline_config(overrides=["eval.evaluator=nowhere:Nothing"])
+
+
+@pytest.mark.parametrize("url", ["http://user:pass@hooks.example/x", "https://hooks.example/x?token=abc"])
+def test_a_webhook_url_with_credentials_is_refused(url):
+    with pytest.raises(ConfigError, match=r"alerts\.webhook_url: carries credentials.*webhook_url_env"):
+        load_pipeline_config(params={"alerts": {"webhook_url": url}})
+
+
+def test_recorded_config_names_the_webhook_host_only():
+    from areal_eval.alerts import recorded_config
+
+    recorded = recorded_config({"alerts": {"webhook_url": "https://hooks.slack.com/services/T0/B0/secret"}})
+    assert recorded["alerts"]["webhook_url"] == "https://hooks.slack.com/<redacted>"

@@ -178,3 +178,51 @@ def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(final_chec
     assert len(weight_gets) == 2  # each node's local rank 0 fetched its own copy
     assert (tmp_path / "node1-cache" / "jobs" / "rank-1" / "valid.jsonl").read_bytes() == run.valid_data.read_bytes()
     proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def awkward_pairs(trained_run, tmp_path_factory):
+    """An odd number of pairs: identical pairs (ties), texts far past max_length (truncated),
+    and the trained run's own pairs."""
+    import json
+
+    from areal_eval.preference_data import read_pairs
+
+    _, run = trained_run
+    pairs = read_pairs(run.valid_data)[:30]
+    long_text = " ".join(pairs[0]["chosen"].split() * 40)
+    pairs += [{"chosen": p["chosen"], "rejected": p["chosen"]} for p in pairs[:5]]  # chosen == rejected
+    pairs += [{"chosen": long_text, "rejected": pairs[1]["rejected"]}, {"chosen": pairs[2]["chosen"], "rejected": long_text}]
+    path = tmp_path_factory.mktemp("awkward") / "valid.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    assert len(pairs) % 2 == 1
+    return path
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ties_and_truncated_pairs_count_the_same_at_every_world_and_batch_size(final_checkpoint, awkward_pairs,
+                                                                                tmp_path, world):
+    run, event = final_checkpoint
+    reference = single_process_metrics(event, awkward_pairs, batch_size=37)
+    for batch_size in (1, 4):
+        assert single_process_metrics(event, awkward_pairs, batch_size=batch_size) == pytest.approx(reference, abs=1e-6)
+    result = evaluate_checkpoint(event, awkward_pairs, EvalConfig(nproc=world, batch_size=3), tmp_path)
+    assert result.metrics["n_pairs"] == 37
+    for key, value in reference.items():
+        assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
+    correct = reference["accuracy"] * 37
+    assert abs(correct - round(correct)) == pytest.approx(0.5)  # 5 ties, each half correct
+
+
+def test_a_whitespace_only_response_is_refused_naming_its_line_and_no_rank_crashes(final_checkpoint, tmp_path):
+    import json
+
+    from areal_eval.evaluation import CorruptCheckpoint
+
+    run, event = final_checkpoint
+    data = tmp_path / "valid.jsonl"
+    rows = [{"chosen": "kind words", "rejected": "rude"}] * 3 + [{"chosen": "kind", "rejected": " "}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(CorruptCheckpoint, match=rf"{data}:4: field 'rejected' must be a string with text"):
+        evaluate_checkpoint(event, data, EvalConfig(nproc=2, batch_size=2), tmp_path / "evals")
+    assert live_processes(str(tmp_path)) == []

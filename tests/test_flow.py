@@ -22,14 +22,19 @@ def mlflow_run(cfg):
     return tracker, runs
 
 
-def test_pipeline_end_to_end(prefect_server, tmp_path, webhook):
+SENTINEL = "SENTINEL-7f3a9c"
+
+
+def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
     from prefect.client.orchestration import get_client
     from prefect.events.filters import EventFilter, EventNameFilter
 
     from flows.train_and_evaluate import train_and_evaluate
 
+    # The webhook URL is a secret (a token in its path and query): named by an environment variable.
+    monkeypatch.setenv("ALERT_HOOK", f"{webhook.url}/{SENTINEL}?token={SENTINEL}")
     always = {"name": "accuracy-seen", "kind": "threshold", "metric": "accuracy", "op": ">", "value": 0.0, "throttle_secs": 3600}
-    cfg = tiny_config(tmp_path, alerts={"webhook_url": webhook.url, "rules": [always]})
+    cfg = tiny_config(tmp_path, alerts={"webhook_url_env": "ALERT_HOOK", "rules": [always]})
     state = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))), return_state=True)
     assert state.is_completed(), state
     summary = state.result()
@@ -55,7 +60,7 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook):
     assert {"scheduler_decisions.json", "evaluation_curve.png", "alerts"} <= set(artifacts)
 
     # The alert rule fired on every evaluation; throttling let one notification through.
-    assert len(webhook.requests) == 1
+    assert len(webhook.requests) == 1 and SENTINEL in webhook.requests[0]["path"]
     body = json.loads(webhook.requests[0]["json"]["body"])
     assert body["rule"] == "accuracy-seen" and body["step"] == 0
 
@@ -73,6 +78,16 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook):
     per_evaluation = {"evaluate_task": len(evaluated), "log_evaluation": len(evaluated), "send_alert": len(evaluated)}
     assert {k: names.count(k) for k in per_evaluation} == per_evaluation
     assert len(names) == sum(per_evaluation.values()) + 5  # prepare, start tracking and training, wait, finish
+
+    # The secret reached no record: MLflow's store, the run's files, Prefect's parameters and logs.
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    stored = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert stored and not [p for p in stored if SENTINEL.encode() in p.read_bytes()]
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(state.state_details.flow_run_id)
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200)
+    assert logs and SENTINEL not in json.dumps(flow_run.parameters) + " ".join(log.message for log in logs)
 
 
 def test_bad_checkpoint_fails_alerts_and_the_flow_goes_on(prefect_server, trained_run, tmp_path, webhook):

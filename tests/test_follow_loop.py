@@ -88,12 +88,15 @@ def write_run(tmp_path, steps):
     return manifest, train_log
 
 
-def run_loop(tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=AlertsConfig()):
-    manifest, train_log = write_run(tmp_path, list(steps))
+def run_loop(tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=AlertsConfig(), delivery_timeout_s=60.0):
+    if not (tmp_path / "manifest.jsonl").exists():
+        write_run(tmp_path, list(steps))
+    manifest, train_log = Manifest(tmp_path / "manifest.jsonl"), tmp_path / "train_log.jsonl"
     cfg = SchedulerConfig(policy="fixed", fixed_interval_steps=1, coalesce=False)
     planner = EvaluationPlanner(cfg, Ledger(tmp_path / "ledger.jsonl"))
     loop = FollowLoop(planner, manifest, train_log, AlertEngine(alerts), io,
-                      LoopConfig(poll_interval_s=0.01, train_log_every_s=0.0, slots=slots))
+                      LoopConfig(poll_interval_s=0.01, train_log_every_s=0.0, slots=slots,
+                                 delivery_timeout_s=delivery_timeout_s))
     try:
         return loop.run()
     finally:
@@ -150,5 +153,28 @@ def test_unreachable_tracker_and_refusing_webhook_never_stop_the_loop(tmp_path):
     evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
     assert evaluated == list(range(0, 200, 10))
     assert sorted(r.global_step for r in io.logged) == evaluated  # each logged once, none lost
-    assert any("not logged yet" in w for w in io.warnings)
+    assert any("not delivered yet" in w for w in io.warnings)
+    assert all(e.delivered for e in ledger.entries() if e.status == "evaluated")
     assert sum("could not be sent" in w for w in io.warnings) == len(evaluated)
+
+
+class TrackerDownIO(ReversingIO):
+    def __init__(self):
+        super().__init__(failing_flushes=10**6)
+
+    def log_result(self, result, reason):
+        raise ConnectionError("MLflow unreachable")
+
+
+def test_results_a_run_could_not_deliver_are_delivered_by_the_next_run_once(tmp_path):
+    down = TrackerDownIO()
+    ledger = run_loop(tmp_path, down, slots=1, delivery_timeout_s=1.0)
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    assert evaluated and not any(e.delivered for e in ledger.entries())
+    assert any("the same command delivers them" in w for w in down.warnings)
+    back = ReversingIO(failing_flushes=0)
+    ledger = run_loop(tmp_path, back, slots=1)  # the same command again, the tracker back
+    assert sorted(r.global_step for r in back.logged) == evaluated  # each delivered once, in the end
+    assert [r.global_step for r in back.logged] == sorted(r.global_step for r in back.logged)  # in step order
+    assert [r["step"] for r in back.rows] == list(range(1, 191))
+    assert all(e.delivered for e in ledger.entries() if e.status == "evaluated")

@@ -78,3 +78,16 @@ def test_tokenizer_trained_locally_covers_the_synthetic_vocabulary(tmp_path):
     tok = reward_model.train_tokenizer(SyntheticPreferences.corpus(read_pairs(tmp_path / "train.jsonl")), tmp_path / "tok")
     ids = tok("tell me about the garden please", add_special_tokens=False)["input_ids"]
     assert tok.unk_token_id not in ids
+
+
+def test_a_text_with_no_tokens_is_refused_naming_its_line(tmp_path):
+    import json
+
+    from areal_eval.preference_data import DataError
+
+    tokenizer = reward_model.train_tokenizer(["kind words rude"], tmp_path / "tok", 32)
+    source = tmp_path / "pairs.jsonl"
+    pairs = [{"chosen": "kind", "rejected": "rude"}, {"chosen": "kind", "rejected": " "}]
+    source.write_text("\n" + "".join(json.dumps(p) + "\n" for p in pairs))  # a blank first line
+    with pytest.raises(DataError, match=rf"{source}:3: field 'rejected' has no tokens"):
+        reward_model.tokenize_pairs(tokenizer, pairs, 64, source)

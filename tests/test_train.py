@@ -1,6 +1,7 @@
 """Real DDP training over torchrun (2 ranks, gloo)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,10 @@ def test_prepare_validates_data_before_touching_an_existing_run(tmp_path):
     with pytest.raises(DataError, match=r"malformed.jsonl:51: not valid JSON"):
         prepare_run(tiny_config(tmp_path, data={"train_path": str(bad)}))
     assert sorted(p.name for p in run.root.iterdir()) == before and run.run_id_file.exists()
+
+
+def test_checkpoints_carry_no_truncation_or_padding_from_training(trained_run):
+    _, run = trained_run
+    for event in Manifest(run.manifest).events():
+        saved = json.loads((Path(event.uri) / "tokenizer.json").read_text())
+        assert saved["truncation"] is None and saved["padding"] is None
