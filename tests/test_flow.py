@@ -4,6 +4,7 @@ torchrun training and evaluation, and a webhook receiver on loopback."""
 import dataclasses
 import json
 import shutil
+import time
 
 import pytest
 
@@ -221,3 +222,74 @@ def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, traine
     tracker, runs = mlflow_run(cfg)
     tags = runs[0].data.tags
     assert tags["alert.seen.notify_failed"].startswith("step 0: ConnectError") and "alert.seen" in tags
+
+
+def start_mlflow_server(db, artifacts, port):
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                             str(port), "--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(artifacts),
+                             "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("mlflow server did not start")
+
+
+def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(prefect_server, trained_run, tmp_path,
+                                                                         monkeypatch):
+    import threading
+
+    from prefect import flow
+
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.tracking import start_tracking
+    from tests.helpers import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the client gives up at once
+    port = free_port()
+    server = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", port)
+    cfg, original = trained_run
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path), tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"http://127.0.0.1:{port}"),
+        scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
+    )
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    mlflow_run_id = start_tracking(cfg, run)
+    server.terminate()
+    server.wait(30)  # MLflow is down from here on
+    outcome = {}
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, mlflow_run_id, training=None)
+
+    thread = threading.Thread(target=lambda: outcome.update(ledger=evaluate_existing()))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and Ledger(run.ledger).counts().get("evaluated", 0) < 4:
+            time.sleep(0.2)
+        assert Ledger(run.ledger).counts()["evaluated"] == 4  # evaluation went on without MLflow
+        assert not any(e.delivered for e in Ledger(run.ledger).entries())
+        time.sleep(5)
+        server = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", port)
+        thread.join(300)
+        tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+        eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "eval/accuracy")]
+        train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "train/loss")]
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert all(e.delivered for e in outcome["ledger"].entries())
+    assert eval_steps == [0, 4, 8, 12]  # in step order, each once
+    assert train_steps == [2, 4, 6, 8, 10, 12]

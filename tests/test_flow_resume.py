@@ -93,3 +93,37 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
     assert sorted(eval_steps) == evaluated  # none evaluated twice, none lost
     train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "train/loss")]
     assert train_steps == sorted(set(train_steps)) and max(train_steps) == 120
+
+
+def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_handled(tmp_path):
+    params = {**TINY, "run_name": "rank", "work_dir": str(tmp_path),
+              "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+              "train": {**TINY["train"], "max_steps": 400, "epochs": 40, "save": {"freq_steps": 6}},
+              "scheduler": {"policy": "fixed", "fixed_interval_steps": 1, "coalesce": False}}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(params))
+    run = RunDir(tmp_path / "rank")
+    log = (tmp_path / "flow.log").open("w")
+    flow = subprocess.Popen(flow_command(config), cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: max([e.global_step for e in Manifest(run.manifest).events()], default=0) >= 12, 300,
+                 f"training past step 12 (flow log {log.name})")
+        ranks = [p for p in psutil.Process(flow.pid).children(recursive=True)
+                 if "areal_eval.train" in " ".join(p.cmdline()) and "torchrun" not in " ".join(p.cmdline())
+                 and p.environ().get("RANK") == "1"]
+        assert len(ranks) == 1
+        ranks[0].kill()
+        assert flow.wait(300) != 0
+    finally:
+        if flow.poll() is None:
+            os.killpg(flow.pid, signal.SIGKILL)
+    published = [e.global_step for e in Manifest(run.manifest).events()]
+    ledger = Ledger(run.ledger)
+    assert [e.step for e in ledger.entries()] == published  # every published checkpoint handled
+    assert all(e.status == "evaluated" for e in ledger.entries())
+    assert (run.root / "evaluation_curve.png").exists()
+    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
+    assert mlflow_run.info.status == "FAILED" and "training failed" in mlflow_run.data.tags["areal.failure"]
+    assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")) == published
