@@ -136,51 +136,56 @@ class FollowLoop:
 
     def run(self) -> Ledger:
         _favour_the_decision_thread()
-        final_seen, refined, decided = False, False, []
-        training_error: Exception | None = None
         self.delivery = Deliverer(self.io.log_result, self.io.log_training, self.io.warn,
                                   lambda result: self.planner.delivered(result.global_step), self.cfg.train_log_every_s)
         for entry in self.planner.undelivered():  # results a killed run evaluated but never delivered
             self.delivery.add_result(EvalResult(entry.step, entry.uri, entry.metrics, 0.0), entry.reason)
-        decision_thread = DecisionThread(self.planner, self.follower)
-        with decision_thread as decisions:
-            while True:
-                started = time.perf_counter()
-                settled = bool(decided)
-                for problem in self.follower.take_problems():
-                    self.io.warn(problem)
-                for event, decision in decided:
-                    self.io.announce(event)
-                    self._log_decision(event, decision)
-                    final_seen |= event.final
-                self.delivery.add_rows(self.train_log.poll(), flush_now=final_seen)
-                settled |= self._collect_finished()
-                if self.cfg.retention is not None and self.cfg.retention.keep_last is not None and settled:
-                    self._apply_retention()
-                self._start_evaluations()
-                training_error = training_error or self._training_error()
-                idle = not self.in_flight and not self.planner.waiting and not decided and decisions.idle()
-                if training_error is not None and idle:
-                    break  # every checkpoint training published before it died is handled
-                if final_seen and not self.in_flight and not self.planner.waiting:
-                    if refined:
-                        break
-                    refined = True  # once: the skipped neighbours of the best, now that the run is over
-                    for event in self.planner.refine(self.deleted):
-                        self._log_decision(event, Decision(True, self.planner.ledger.latest(event.global_step).reason))
-                if self.training is None and not final_seen and idle:
-                    raise RuntimeError(f"{self.manifest.path}: no final checkpoint and no training job to wait for")
-                if self.on_iteration:
-                    self.on_iteration(time.perf_counter() - started)
-                decided = decisions.drain(timeout_s=self.cfg.poll_interval_s)
-        self.delivery.add_rows(self.train_log.poll(), flush_now=True)
-        results, rows = self.delivery.close(self.cfg.delivery_timeout_s)
-        if results or rows:
-            self.io.warn(f"the tracker did not take {results} results and {rows} training rows; they are in the "
-                         "ledger and the training log, and the same command delivers them")
+        try:
+            with DecisionThread(self.planner, self.follower) as decisions:
+                training_error = self._follow(decisions)
+            self.delivery.add_rows(self.train_log.poll(), flush_now=True)
+        finally:  # on every way out, deliver what can be (the rest waits in the ledger and the training log)
+            results, rows = self.delivery.close(self.cfg.delivery_timeout_s)
+            if results or rows:
+                self.io.warn(f"the tracker did not take {results} results and {rows} training rows; they are in the "
+                             "ledger and the training log, and the same command delivers them")
         if training_error is not None:
             raise training_error
         return self.planner.ledger
+
+    def _follow(self, decisions: DecisionThread) -> Exception | None:
+        """Turn after turn until the final checkpoint and the refinement after it are handled, or
+        training died and what it published is; returns training's error, if it died."""
+        final_seen, refined, decided, training_error = False, False, [], None
+        while True:
+            started = time.perf_counter()
+            settled = bool(decided)
+            for problem in self.follower.take_problems():
+                self.io.warn(problem)
+            for event, decision in decided:
+                self.io.announce(event)
+                self._log_decision(event, decision)
+                final_seen |= event.final
+            self.delivery.add_rows(self.train_log.poll(), flush_now=final_seen)
+            settled |= self._collect_finished()
+            if self.cfg.retention is not None and self.cfg.retention.keep_last is not None and settled:
+                self._apply_retention()
+            self._start_evaluations()
+            training_error = training_error or self._training_error()
+            idle = not self.in_flight and not self.planner.waiting and not decided and decisions.idle()
+            if training_error is not None and idle:
+                return training_error  # every checkpoint training published before it died is handled
+            if final_seen and not self.in_flight and not self.planner.waiting:
+                if refined:
+                    return None
+                refined = True  # once: the skipped neighbours of the best, now that the run is over
+                for event in self.planner.refine(self.deleted):
+                    self._log_decision(event, Decision(True, self.planner.ledger.latest(event.global_step).reason))
+            if self.training is None and not final_seen and idle:
+                raise RuntimeError(f"{self.manifest.path}: no final checkpoint and no training job to wait for")
+            if self.on_iteration:
+                self.on_iteration(time.perf_counter() - started)
+            decided = decisions.drain(timeout_s=self.cfg.poll_interval_s)
 
     def _log_decision(self, event: CheckpointEvent, decision: Decision) -> None:
         verdict = "evaluate" if decision.evaluate else "skip"

@@ -44,17 +44,22 @@ def wait_for(condition, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
-    params = {**TINY, "run_name": "resume", "work_dir": str(tmp_path),
+def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict):
+    """The demo's command on a tiny config, as its own process; returns it, its config, run and log."""
+    params = {**TINY, "run_name": run_name, "work_dir": str(tmp_path),
               "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
-              "train": {**TINY["train"], "max_steps": 120, "epochs": 8, "save": {"freq_steps": 6}},
-              "scheduler": {"min_interval_steps": 0, "max_interval_steps": 12}}
+              "train": {**TINY["train"], "max_steps": max_steps, "epochs": 40, "save": {"freq_steps": 6}},
+              "scheduler": scheduler}
     config = tmp_path / "config.json"
     config.write_text(json.dumps(params))
-    run = RunDir(tmp_path / "resume")
-    log = (tmp_path / "first-flow.log").open("w")
+    log = (tmp_path / f"{run_name}-flow.log").open("w")
     flow = subprocess.Popen(flow_command(config), cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    return flow, params, config, RunDir(tmp_path / run_name), log
+
+
+def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
+    flow, params, config, run, log = start_flow(tmp_path, "resume", 120, {"min_interval_steps": 0, "max_interval_steps": 12})
     try:
         def mid_run():
             steps = [e.global_step for e in Manifest(run.manifest).events()]
@@ -96,16 +101,8 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
 
 
 def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_handled(tmp_path):
-    params = {**TINY, "run_name": "rank", "work_dir": str(tmp_path),
-              "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
-              "train": {**TINY["train"], "max_steps": 400, "epochs": 40, "save": {"freq_steps": 6}},
-              "scheduler": {"policy": "fixed", "fixed_interval_steps": 1, "coalesce": False}}
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(params))
-    run = RunDir(tmp_path / "rank")
-    log = (tmp_path / "flow.log").open("w")
-    flow = subprocess.Popen(flow_command(config), cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    flow, params, config, run, log = start_flow(tmp_path, "rank", 400,
+                                                {"policy": "fixed", "fixed_interval_steps": 1, "coalesce": False})
     try:
         wait_for(lambda: max([e.global_step for e in Manifest(run.manifest).events()], default=0) >= 12, 300,
                  f"training past step 12 (flow log {log.name})")
