@@ -52,10 +52,7 @@ class WarmEvalWorkers:
         """Evaluate with worker arguments ``argv`` (as for a one-shot job); returns the torchrun
         exit code (0 while the ranks live on) and the log to read on failure."""
         job = self._ensure_running()
-        name = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}.json"
-        tmp = self.inbox / f".{name}"
-        tmp.write_text(json.dumps({"argv": argv}))
-        tmp.rename(self.inbox / name)  # rank 0 sees whole jobs only
+        self._post(f"{time.time_ns()}-{uuid.uuid4().hex[:8]}.json", argv)
         deadline = time.monotonic() + timeout_s
         while not result_path.exists():
             if job.poll() is not None:
@@ -71,9 +68,15 @@ class WarmEvalWorkers:
             return job.proc.returncode or 1, job.log_path
         return 0, job.log_path
 
+    def _post(self, name: str, argv: list[str] | None) -> None:
+        """Put a job in the inbox whole: ranks glob for ``*.json`` while it is being written."""
+        tmp = self.inbox / f".{name}.partial"
+        tmp.write_text(json.dumps({"argv": argv}))
+        tmp.rename(self.inbox / name)
+
     def close(self, timeout_s: float = 30.0) -> None:
         if self.job is not None and self.job.poll() is None:
-            (self.inbox / f"{STOP}.json").write_text(json.dumps({"argv": None}))
+            self._post(f"{STOP}.json", None)
             try:
                 self.job.wait(timeout_s)
             except WorkerError:

@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from areal_eval.checkpoint_store import S3Config, S3Store, is_s3, localize_manifest
 from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import load_pipeline_config
+from areal_eval.run_dir import RunBusy, RunDir, RunLock
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from tasks.tracking import tracker_for
 
@@ -28,6 +29,20 @@ def find_manifests(store: str, s3: S3Config) -> list[str]:
     if (Path(store) / "manifest.jsonl").exists():
         return [str(Path(store) / "manifest.jsonl")]
     return [str(p) for p in sorted(Path(store).glob("*/manifest.jsonl"))]
+
+
+def end_if_abandoned(tracker, mlflow_run_id: str, run: RunDir) -> bool:
+    """A flow-owned run left RUNNING by a flow that died (its lock is free) is ended KILLED.
+    Runs of trainers outside the flow hold no lock file and are left alone."""
+    if not run.lock_file.exists() or tracker.client.get_run(mlflow_run_id).info.status != "RUNNING":
+        return False
+    try:
+        RunLock(run).acquire().release()
+    except RunBusy:
+        return False  # its flow is alive
+    tracker.set_tags(mlflow_run_id, {"areal.failure": "its flow died: found RUNNING with no live owner by sweep-checkpoints"})
+    tracker.finish(mlflow_run_id, "KILLED")
+    return True
 
 
 @flow(name="sweep-checkpoints", log_prints=True)
@@ -48,6 +63,8 @@ def sweep_checkpoints(store: str, params: dict | None = None) -> dict:
         if not events:
             continue
         mlflow_run = tracker.find_run(events[0].run_id)
+        if mlflow_run and not is_s3(manifest) and end_if_abandoned(tracker, mlflow_run, RunDir(Path(manifest).parent)):
+            logger.warning("run %s was RUNNING with no live owner: marked KILLED", events[0].run_id)
         done = tracker.eval_steps(mlflow_run) | tracker.deleted_steps(mlflow_run) if mlflow_run else set()
         for event in events:
             if event.global_step in done:

@@ -9,6 +9,8 @@ import pytest
 
 from areal_eval.run_dir import RunBusy, RunDir, RunLock
 
+pytestmark = pytest.mark.integration  # a real second process
+
 HOLD = """
 import sys, time
 from areal_eval.run_dir import RunDir, RunLock
