@@ -21,20 +21,20 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from areal_eval.alerts import AlertEngine
+from areal_eval.config import ConfigError
 from areal_eval.follow_loop import FollowLoop, LoopConfig
 from areal_eval.launcher import TorchrunJob
 from areal_eval.ledger import Ledger
 from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
-from areal_eval.plot import plot_curve
 from areal_eval.planner import EvaluationPlanner
-from areal_eval.reaper import watch_over_children
-from areal_eval.config import ConfigError
+from areal_eval.plot import plot_curve
 from areal_eval.preference_data import DataError
+from areal_eval.reaper import watch_over_children
 from areal_eval.run_dir import RunBusy, RunDir, RunLock
 from areal_eval.run_setup import check_inputs, total_train_steps
-from areal_eval.train import training_finished
 from areal_eval.tracking import resolve_tracking_uri
+from areal_eval.train import training_finished
 from tasks.alerts import webhook_url
 from tasks.evaluate import warm_workers
 from tasks.loop_io import PrefectLoopIO
@@ -69,11 +69,15 @@ def train_and_evaluate(params: dict | None = None, config_path: str | None = Non
         ledger = Ledger(run.ledger)
         plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run.run_id)
         status = "FINISHED" if failure is None else "FAILED" if isinstance(failure, Exception) else "KILLED"
-        finish_tracking(cfg, mlflow_run_id, ledger, plot, status, None if failure is None else repr(failure))
-        summary = summarize(cfg, run, mlflow_run_id, ledger, plot)
-        if failure is not None:
-            raise failure
-        return summary
+        if failure is None:
+            finish_tracking(cfg, mlflow_run_id, ledger, plot, status)
+            return summarize(cfg, run, mlflow_run_id, ledger, plot)
+        try:  # best effort: the run's own failure is what gets raised
+            finish_tracking(cfg, mlflow_run_id, ledger, plot, status, repr(failure))
+            summarize(cfg, run, mlflow_run_id, ledger, plot)
+        except Exception as exc:  # noqa: BLE001 - e.g. MLflow down as well
+            print(f"could not record the failure in MLflow: {exc!r}", file=sys.stderr)
+        raise failure
 
 
 def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, training: TorchrunJob | None) -> Ledger:
