@@ -6,6 +6,7 @@ the orchestrator's job (the alert task branch), so rules are testable without an
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
@@ -105,11 +106,32 @@ class Alert:
 
 
 class AlertEngine:
-    def __init__(self, cfg: AlertsConfig, clock: Callable[[], float] = time.monotonic):
+    """Which rules fire for each outcome.
+
+    A result is judged against what was known at its step: a regression compares it with the
+    best result of an *earlier* step, whatever order results arrive in (two slots, refinement
+    after the run, a sweep of old checkpoints). ``notified`` (rule -> clock time of its last
+    notification) carries throttling across processes when ``clock`` is wall time.
+    """
+
+    def __init__(self, cfg: AlertsConfig, clock: Callable[[], float] = time.monotonic,
+                 notified: dict[str, float] | None = None):
         self.cfg = cfg
         self._clock = clock
-        self._best: dict[str, float] = {}
-        self._last_notified: dict[str, float] = {}
+        self._results: dict[str, list[tuple[int, float]]] = {}
+        self.notified: dict[str, float] = dict(notified or {})
+
+    def remember(self, step: int, metrics: dict) -> None:
+        """Know a result without judging it (history from before this process)."""
+        for key, value in (metrics or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                bisect.insort(self._results.setdefault(key, []), (step, float(value)))
+
+    def best_before(self, metric: str, step: int, higher_is_better: bool) -> float | None:
+        values = [v for s, v in self._results.get(metric, ()) if s < step]
+        if not values:
+            return None
+        return max(values) if higher_is_better else min(values)
 
     def check(self, step: int, metrics: dict | None, error: str | None = None) -> list[Alert]:
         """Alerts for one outcome; ``metrics`` None with ``error`` means the evaluation failed."""
@@ -118,13 +140,7 @@ class AlertEngine:
             message = self._message(rule, step, metrics or {}, error)
             if message:
                 alerts.append(self._throttle(rule, step, message))
-        for key, value in (metrics or {}).items():  # track bests after judging this result
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                rule_dirs = [r.higher_is_better for r in self.cfg.rules if r.metric == key]
-                higher = rule_dirs[0] if rule_dirs else True
-                best = self._best.get(key)
-                if best is None or (value > best if higher else value < best):
-                    self._best[key] = value
+        self.remember(step, metrics or {})
         return alerts
 
     def _message(self, rule: AlertRule, step: int, metrics: dict, error: str | None) -> str | None:
@@ -142,18 +158,18 @@ class AlertEngine:
             crossed = value < rule.value if rule.op == "<" else value > rule.value
             return f"{rule.metric}={value:.4g} {rule.op} {rule.value} at step {step}" if crossed else None
         if rule.kind == "regression":
-            best = self._best.get(rule.metric)
+            best = self.best_before(rule.metric, step, rule.higher_is_better)
             if best is None:
                 return None
             drop = (best - value) if rule.higher_is_better else (value - best)
             if drop > rule.tolerance:
-                return f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than the best {best:.4g}"
+                return f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than the best {best:.4g} before it"
         return None
 
     def _throttle(self, rule: AlertRule, step: int, message: str) -> Alert:
         now = self._clock()
-        last = self._last_notified.get(rule.name)
+        last = self.notified.get(rule.name)
         throttled = last is not None and now - last < rule.throttle_secs
         if not throttled:
-            self._last_notified[rule.name] = now
+            self.notified[rule.name] = now
         return Alert(rule.name, step, message, rule.stop_training, throttled)

@@ -29,6 +29,9 @@ class LedgerEntry:
     time: float = dataclasses.field(default_factory=time.time)
     delivered: bool = False
     """An evaluated checkpoint's result is in the tracker (the ledger is the tracker's outbox)."""
+    owner: str | None = None
+    """Who evaluates a scheduled checkpoint, where flow runs share the run (a Prefect flow run
+    id); None: the loop that owns the run."""
 
     def history_entry(self, metric: str, stderr_metric: str | None) -> HistoryEntry | None:
         """What the scheduler sees of this checkpoint: a result, a pending one, or nothing."""
@@ -58,8 +61,8 @@ class Ledger:
                 self._latest[entry.step] = entry
 
     def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
-               delivered: bool = False) -> LedgerEntry:
-        entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered)
+               delivered: bool = False, owner: str | None = None) -> LedgerEntry:
+        entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered, owner=owner)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock, self.path.open("a") as fh:
             fh.write(json.dumps(dataclasses.asdict(entry), sort_keys=True) + "\n")

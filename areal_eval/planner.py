@@ -110,29 +110,32 @@ class EvaluationPlanner:
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_metric)
 
     def _record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
-                delivered: bool = False) -> None:
-        entry = self.ledger.record(step, uri, status, reason, metrics, delivered)
+                delivered: bool = False, owner: str | None = None) -> None:
+        entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner)
         self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_metric))
 
     @_locked
-    def offer(self, event: CheckpointEvent) -> Decision:
-        """Decide on a newly announced checkpoint; queue it or record the skip."""
+    def decide(self, event: CheckpointEvent) -> Decision:
+        """Decide on a newly announced checkpoint and record the decision (scheduled or skipped);
+        nothing is queued. A checkpoint already decided keeps its decision."""
         self._events[event.global_step] = event
         status = self.ledger.status(event.global_step)
         if status in FINAL_STATES:
             return Decision(False, f"already {status} (ledger)")
         if status == "scheduled":  # scheduled before a restart: resume it
-            decision = Decision(True, "resumed: scheduled before restart", pinned=True)
-        else:
-            step = event.global_step
-            decision = decide(event, self._decisions.view(), self.cfg, self._decisions.offered_before(step))
-        if not decision.evaluate:
-            self._record(event.global_step, event.uri, "skipped", decision.reason)
-            return decision
-        if status != "scheduled":
-            self._record(event.global_step, event.uri, "scheduled", decision.reason)
-        for old in self.queue.push(event, pinned=decision.pinned):
-            self._supersede(old, event)
+            return Decision(True, "resumed: scheduled before restart", pinned=True)
+        step = event.global_step
+        decision = decide(event, self._decisions.view(), self.cfg, self._decisions.offered_before(step))
+        self._record(step, event.uri, "scheduled" if decision.evaluate else "skipped", decision.reason)
+        return decision
+
+    @_locked
+    def offer(self, event: CheckpointEvent) -> Decision:
+        """Decide on a newly announced checkpoint; queue it or record the skip."""
+        decision = self.decide(event)
+        if decision.evaluate:
+            for old in self.queue.push(event, pinned=decision.pinned):
+                self._supersede(old, event)
         return decision
 
     @_locked
@@ -141,11 +144,12 @@ class EvaluationPlanner:
         return [self._events[s] for s in sorted(self._events)]
 
     @_locked
-    def refine(self, deleted: set[int] = frozenset()) -> list[CheckpointEvent]:
+    def refine(self, deleted: set[int] = frozenset(), owner: str | None = None) -> list[CheckpointEvent]:
         """Once the final checkpoint is evaluated: queue the skipped checkpoints worth a look
         (``scheduler.refine``), pinned so none is coalesced away. Returns them.
 
-        ``deleted``: steps retention removed; they stay recorded as skipped.
+        ``deleted``: steps retention removed; they stay recorded as skipped. ``owner``: who
+        evaluates them (see :class:`~areal_eval.run_record.RunRecord`).
         """
         skipped = [e.step for e in self.ledger.entries() if e.status in ("skipped", "superseded")]
         queued = []
@@ -153,7 +157,7 @@ class EvaluationPlanner:
             event = self._events.get(step)
             if event is None:  # not offered in this process (cannot happen after a full re-read)
                 continue
-            self._record(step, event.uri, "scheduled", reason)
+            self._record(step, event.uri, "scheduled", reason, owner=owner)
             self.queue.push(event, pinned=True)
             queued.append(event)
         return queued
@@ -188,6 +192,12 @@ class EvaluationPlanner:
     def undelivered(self) -> list:
         """Evaluated checkpoints whose results never reached the tracker (before a restart)."""
         return [e for e in self.ledger.entries() if e.status == "evaluated" and not e.delivered]
+
+    @_locked
+    def claim(self, event: CheckpointEvent, reason: str, owner: str) -> None:
+        """``owner`` evaluates ``event`` for ``reason``."""
+        self._events[event.global_step] = event
+        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner)
 
     @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:

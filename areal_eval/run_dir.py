@@ -32,6 +32,10 @@ class RunDir:
     logs = property(lambda self: self.root / "logs")
     run_id_file = property(lambda self: self.root / "run_id")
     lock_file = property(lambda self: self.root / "owner.lock")
+    decisions_lock = property(lambda self: self.root / "decisions.lock")
+    """Held while one of the flow runs sharing a run (triggered, manual, sweep) decides or records."""
+    record_state = property(lambda self: self.root / "evaluation_state.json")
+    """What those flow runs share beyond the ledger: alert throttling, refinement and the end."""
 
     @property
     def run_id(self) -> str:
