@@ -12,6 +12,7 @@ are never part of the config, so they cannot leak into params, tags or logs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -270,7 +271,16 @@ def localize_manifest(manifest: str, s3: S3Config, work_dir: str | Path) -> Path
             store.download_file(relative, local / relative)
         except Exception as exc:
             raise CheckpointError(f"{root}/{relative}: cannot read the run's mirrored file: {exc}") from exc
+    for relative in RUN_RECORD_FILES:  # the record of the flow that owned the run, if it mirrored one
+        if not (local / relative).exists():
+            with contextlib.suppress(Exception):
+                store.download_file(relative, local / relative)
     return local / "manifest.jsonl"
+
+
+RUN_RECORD_FILES = ("ledger.jsonl", "evaluation_state.json")
+"""What a flow that owned an S3 run mirrors beside its manifest when it ends, so a sweep on
+another machine knows its decisions. A local record, once there, is the one that counts."""
 
 
 def s3_config_json(cfg: S3Config) -> str:

@@ -25,6 +25,17 @@ class CorruptCheckpoint(EvaluationFailed):
     read: retrying cannot help."""
 
 
+def check_validation_data(path: str | Path, given_by: str) -> Path:
+    """``path`` if it is a readable file; else a :class:`CorruptCheckpoint` (not retried) that
+    says where the path came from and how to give one, before any worker starts."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorruptCheckpoint(
+            f"{path}: no such validation data file (from {given_by}); pass data_path, or register "
+            "the run's data when publishing: publish_checkpoint(..., valid_data=PATH)")
+    return path
+
+
 @dataclasses.dataclass
 class EvalConfig:
     nproc: int = 2

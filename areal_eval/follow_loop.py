@@ -85,7 +85,8 @@ class LoopConfig:
     slots: int = 1
     """Evaluations in flight at once; waiting checkpoints coalesce only when every slot is busy."""
     results_logged_by_evaluator: bool = False
-    """The evaluation logs and alerts on its own result (a dispatched deployment run)."""
+    """The evaluation logs its own result to the tracker (a dispatched deployment run); the loop
+    still records it and puts it through the alert rules."""
     retention: RetentionConfig | None = None
     """Delete checkpoints as they settle; None keeps all."""
     delivery_timeout_s: float = 60.0
@@ -208,9 +209,8 @@ class FollowLoop:
             alerts = self.alerts.check(step, None, str(exc))
         else:
             self.planner.evaluated(done.event, result.metrics, delivered=self.cfg.results_logged_by_evaluator)
-            if self.cfg.results_logged_by_evaluator:
-                return
-            self.delivery.add_result(result, done.reason)
+            if not self.cfg.results_logged_by_evaluator:
+                self.delivery.add_result(result, done.reason)
             alerts = self.alerts.check(step, result.metrics)
         for alert in alerts:
             try:

@@ -43,6 +43,9 @@ class CheckpointEvent:
     train_metrics: dict
     files: tuple[FileEntry, ...] = ()
     final: bool = False
+    valid_data: str | None = None
+    """Validation data the publisher registered for evaluating this run (a path on the
+    evaluation workers' file system); None: ``data/valid.jsonl`` beside the manifest."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

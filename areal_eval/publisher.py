@@ -76,12 +76,16 @@ def publish_checkpoint(
     api_url: str | None = None,
     store: str | None = None,
     s3: S3Config | None = None,
+    valid_data: str | Path | None = None,
 ) -> CheckpointEvent:
     """Announce a written checkpoint: upload (with ``store``), manifest (durable), then the event.
 
     With ``store="s3://bucket/prefix"`` the files go to ``prefix/<run_id>/<directory name>/``,
     the event's manifest is the mirrored ``s3://.../<run_id>/manifest.jsonl``, and evaluation
     workers on other machines need nothing but S3.
+
+    ``valid_data``: the validation data to evaluate this run on (a path the evaluation workers
+    can read); without it they look for ``data/valid.jsonl`` beside the manifest.
     """
     directory = Path(checkpoint_dir).resolve()
     if not directory.is_dir():
@@ -92,6 +96,7 @@ def publish_checkpoint(
     event = CheckpointEvent(
         run_id=run_id, uri=checkpoint_store.publish(directory, files), epoch=epoch, epoch_step=epoch_step,
         global_step=global_step, wall_time=time.time(), train_metrics=dict(train_metrics or {}), files=files, final=final,
+        valid_data=str(Path(valid_data).resolve()) if valid_data else None,
     )
     Manifest(manifest).append(event)
     checkpoint_store.mirror(Path(manifest), "manifest.jsonl")

@@ -164,3 +164,11 @@ class RunRecord:
         final = any(e.final for e in planner.events())
         return final and not any(e.status == "scheduled" for e in entries)
 
+
+
+def mark_over(run: RunDir) -> None:
+    """The run's owner (``train-and-evaluate``) refined and ended it: flow runs that evaluate
+    it later (manual, sweep) do neither again."""
+    path = run.record_state
+    state = json.loads(path.read_text()) if path.exists() else {}
+    atomic_write_text(path, json.dumps({**state, "refined": True, "finished": True}, indent=1, sort_keys=True))

@@ -36,6 +36,15 @@ class TrackingConfig:
     artifact_location: str | None = None
     """Artifact root of a new experiment, e.g. ``s3://bucket/mlflow`` (the client then needs
     ``$MLFLOW_S3_ENDPOINT_URL`` for a non-AWS endpoint); None: the tracking server's default."""
+    ui_url: str | None = None
+    """Where the MLflow UI is served, for links in the Prefect UI; None: the tracking URI when it
+    is an ``http(s)`` server, else ``http://127.0.0.1:5000`` (``mlflow ui``'s default)."""
+
+
+def mlflow_run_url(cfg: TrackingConfig, tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI."""
+    base = cfg.ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, work_root: str | Path) -> str:

@@ -1,10 +1,12 @@
-"""``evaluate-checkpoint``: evaluate one announced checkpoint, log it, run the alert rules.
+"""``evaluate-checkpoint``: decide on one published checkpoint, evaluate it if chosen, log, alert.
 
-Started by a deployment trigger on ``areal.checkpoint.saved`` (parameters templated from the
-event payload), by ``prefect deployment run``, or by ``sweep-checkpoints``. Scheduling state is
-the run's evaluation history in MLflow (skips as ``skipped.<step>`` tags), so separate triggered
-runs decide consistently, a second event for the same checkpoint does not evaluate it again, and
-the run for the final checkpoint can refine around the best as ``train-and-evaluate`` does.
+Started by the deployment trigger on ``areal.checkpoint.saved`` (parameters templated from the
+event payload), by ``prefect deployment run``, by ``sweep-checkpoints``, or by
+``train-and-evaluate`` dispatching to the evaluation pool. Flow runs of the same training run
+share its record (:class:`~areal_eval.run_record.RunRecord`): the same planner as the in-flow
+loop decides every checkpoint once, in step order, and one flow run evaluates each chosen one.
+The flow run that finds the run over (final checkpoint and refinement evaluated) ends its MLflow
+run with the curve and the decision log, as ``train-and-evaluate`` does.
 """
 
 from __future__ import annotations
@@ -14,16 +16,21 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.concurrency.sync import concurrency
+from prefect.runtime import flow_run
 
-from areal_eval.alerts import AlertEngine
 from areal_eval.checkpoint_store import is_s3, localize_manifest
-from areal_eval.manifest import Manifest
-from areal_eval.pipeline_config import load_pipeline_config
-from areal_eval.run_dir import RunDir
-from areal_eval.scheduler import decide, refine
+from areal_eval.evaluation import EvalResult, check_validation_data
+from areal_eval.ledger import Ledger
+from areal_eval.manifest import CheckpointEvent, Manifest
+from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
+from areal_eval.plot import plot_curve
+from areal_eval.run_dir import RunBusy, RunDir, RunLock
+from areal_eval.run_record import RunRecord
 from tasks.alerts import send_alert
 from tasks.evaluate import evaluate
-from tasks.tracking import log_evaluation, start_tracking_run, tracker_for
+from tasks.orchestration import flow_run_alive, tag_flow_run
+from tasks.reports import summarize, update_evaluation_table
+from tasks.tracking import finish_tracking, log_evaluation, start_tracking_run, tracker_for
 
 
 def same_location(a: str, b: str) -> bool:
@@ -32,7 +39,14 @@ def same_location(a: str, b: str) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
-@flow(name="evaluate-checkpoint", log_prints=True)
+def evaluation_run_name() -> str:
+    """``<run>@<step>`` (with the forced reason, if any), e.g. ``run-7@400`` or ``run-7@25 (sweep)``."""
+    params = flow_run.parameters
+    run = params.get("run_id") or Path(str(params.get("manifest", "?"))).parent.name
+    return f"{run}@{params.get('global_step')}" + (f" ({params['reason']})" if params.get("reason") else "")
+
+
+@flow(name="evaluate-checkpoint", flow_run_name=evaluation_run_name, log_prints=True)
 def evaluate_checkpoint(
     global_step: int,
     manifest: str,
@@ -40,69 +54,116 @@ def evaluate_checkpoint(
     checkpoint_uri: str | None = None,
     data_path: str | None = None,
     params: dict | None = None,
-    use_scheduler: bool = True,
+    reason: str | None = None,
     gpu_slot: str | None = None,
+    dispatched: bool = False,
 ) -> dict:
-    """Evaluate the checkpoint at ``global_step`` of ``manifest``.
+    """Decide on the checkpoint at ``global_step`` of ``manifest``; evaluate it if chosen.
 
     Args:
         global_step: the checkpoint's step (from the event payload).
-        manifest: the run's manifest.jsonl (a path, or ``s3://.../manifest.jsonl`` mirrored by training),
-            which holds the checkpoint's files and hashes.
-        run_id: training run id (default: the manifest entry's).
+        manifest: the run's manifest.jsonl (a path, or ``s3://.../manifest.jsonl`` mirrored by
+            training), which holds the checkpoint's files and hashes.
+        run_id: training run id (default: the manifest's).
         checkpoint_uri: expected checkpoint location; must match the manifest entry.
-        data_path: validation pairs (default: ``data/valid.jsonl`` beside the manifest).
+        data_path: validation data. Default: what the publisher registered with the checkpoint
+            (``publish_checkpoint(valid_data=...)``), else ``data/valid.jsonl`` beside the manifest.
         params: pipeline config sections (eval, scheduler, alerts, tracking, ...).
-        use_scheduler: False evaluates whenever the step has no result yet (sweeps).
-        gpu_slot: a Prefect global concurrency limit to hold while evaluating (e.g. ``gpu:0``).
+        reason: evaluate even if the scheduler skipped it, for this reason (e.g. ``manual``); the
+            scheduler's own reason is kept next to it. None: the scheduler decides.
+        gpu_slot: a Prefect global concurrency limit held while evaluating (e.g. ``gpu:0``).
+        dispatched: sent by a ``train-and-evaluate`` flow that decides and records itself: only
+            evaluate and log the metrics.
     """
     logger = get_run_logger()
     cfg = load_pipeline_config(params=params)
     local_manifest = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
+    run = RunDir(local_manifest.resolve().parent)
     published = Manifest(local_manifest)
-    event = published.find(global_step)
+    if dispatched:
+        event = published.find(global_step)
+        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot)
+        mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
+        log_evaluation(cfg, mlflow_run_id, result, reason or "dispatched")
+        return {"global_step": global_step, "evaluated": True, "metrics": result.metrics}
+    refuse_if_owned(run)
+    record = RunRecord(run, published, cfg.scheduler, cfg.alerts, run_id)
+    me = str(flow_run.id or "local")
+    claim, decided = record.claim(global_step, me, reason, flow_run_alive)
+    event = claim.event
     if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
         raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
-    run = RunDir(local_manifest.resolve().parent)
-    mlflow_run_id = start_tracking_run(cfg, run_id or event.run_id, str(run.root))
+    tag_flow_run(f"run:{event.run_id}", f"evaluator:{cfg.eval.evaluator}")
+    mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
+    log_decisions(cfg, mlflow_run_id, decided, record)
+    logger.info("step %d: %s (%s)", global_step, "evaluate" if claim.evaluate else "nothing to do", claim.reason)
+    summary = {"global_step": global_step, "evaluated": claim.evaluate, "reason": claim.reason, "refined": []}
+    if claim.evaluate:
+        summary["metrics"] = evaluate_and_record(cfg, record, event, claim.reason, data_path, run, mlflow_run_id,
+                                                 gpu_slot).metrics
+    for refined in record.refinements(me, tracker_for(cfg).deleted_steps(mlflow_run_id)):
+        reason_now = record.claim(refined.global_step, me)[0].reason
+        logger.info("step %d: %s", refined.global_step, reason_now)
+        evaluate_and_record(cfg, record, refined, reason_now, data_path, run, mlflow_run_id, gpu_slot)
+        summary["refined"].append(refined.global_step)
+    if (ledger := record.finish()) is not None:  # this flow run found the run over: end it
+        plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", event.run_id)
+        finish_tracking(cfg, mlflow_run_id, ledger, plot, "FINISHED")
+        summary["run"] = summarize(cfg, run, mlflow_run_id, ledger, plot)
+        logger.info("run %s is over: MLflow run %s finished", event.run_id, mlflow_run_id)
+    return summary
+
+
+def refuse_if_owned(run: RunDir) -> None:
+    """A run that a live ``train-and-evaluate`` owns is decided by that flow alone."""
+    if run.lock_file.exists():
+        try:
+            RunLock(run).acquire().release()
+        except RunBusy as exc:
+            raise RunBusy(f"{exc}; it evaluates its own checkpoints (dispatched runs aside)") from None
+
+
+def validation_data(data_path: str | None, event: CheckpointEvent, run: RunDir) -> Path:
+    """The validation data: the parameter, else what was published with the checkpoint, else
+    ``data/valid.jsonl`` beside the manifest; checked now, before any worker starts."""
+    chosen = data_path or event.valid_data or run.valid_data
+    return check_validation_data(chosen, "the data_path parameter" if data_path else
+                                 "publish_checkpoint(valid_data=...)" if event.valid_data else
+                                 "the default beside the manifest")
+
+
+def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[CheckpointEvent], record: RunRecord) -> None:
+    """The decisions this flow run made, as ``decision.<step>`` tags, and the training metrics
+    the publisher passed with those checkpoints (each checkpoint is decided once, so once)."""
+    if not decided:
+        return
     tracker = tracker_for(cfg)
-    history = tracker.scheduler_history(mlflow_run_id, cfg.scheduler.metric, cfg.scheduler.stderr_metric)
-    if any(h.step == global_step for h in history):
-        logger.info("step %d already evaluated: nothing to do", global_step)
-        return {"global_step": global_step, "evaluated": False, "reason": "already evaluated"}
-    if use_scheduler:
-        offered = [e.global_step for e in published.events() if e.global_step < global_step]
-        decision = decide(event, history, cfg.scheduler, offered)
-        tags = {f"decision.{global_step}": decision.reason}
-        if not decision.evaluate:
-            tags[f"skipped.{global_step}"] = decision.reason
-        tracker.set_tags(mlflow_run_id, tags)
-        if not decision.evaluate:
-            logger.info("step %d skipped: %s", global_step, decision.reason)
-            return {"global_step": global_step, "evaluated": False, "reason": decision.reason}
+    entries = Ledger(record.run.ledger)
+    tracker.set_tags(mlflow_run_id, {f"decision.{e.global_step}": entries.latest(e.global_step).reason for e in decided})
+    rows = [{"step": e.global_step, **e.train_metrics} for e in decided if e.train_metrics]
+    if rows:
+        tracker.log_train_metrics(mlflow_run_id, rows)
 
-    data = Path(data_path) if data_path else run.valid_data
-    rules = AlertEngine(cfg.alerts)
-    for past in history:  # the alert rules judge against the run's best so far
-        rules.check(past.step, {cfg.scheduler.metric: past.metric})
+
+def evaluate_one(cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None) -> EvalResult:
     with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
-        result = evaluate_and_log(cfg, event, data, run, mlflow_run_id, "triggered", rules)
-        refined = []
-        if use_scheduler and event.final:  # the run is over: look next to the best
-            history = tracker.scheduler_history(mlflow_run_id, cfg.scheduler.metric, cfg.scheduler.stderr_metric)
-            skipped = tracker.tagged_steps(mlflow_run_id, "skipped") - {h.step for h in history}
-            deleted = tracker.deleted_steps(mlflow_run_id)
-            for step, reason in refine(history, sorted(skipped), cfg.scheduler, deleted):
-                logger.info("step %d: %s", step, reason)
-                evaluate_and_log(cfg, published.find(step), data, run, mlflow_run_id, reason, rules)
-                refined.append(step)
-    return {"global_step": global_step, "evaluated": True, "metrics": result.metrics, "refined": refined}
+        return evaluate(event, data, cfg, run.evals)
 
 
-def evaluate_and_log(cfg, event, data: Path, run: RunDir, mlflow_run_id: str, reason: str, rules: AlertEngine):
-    """Evaluate one checkpoint, log it to MLflow and put it through the alert rules."""
-    result = evaluate(event, data, cfg, run.evals)
-    log_evaluation(cfg, mlflow_run_id, result, reason)
-    for alert in rules.check(event.global_step, result.metrics):
+def evaluate_and_record(cfg: PipelineConfig, record: RunRecord, event: CheckpointEvent, reason: str,
+                        data_path: str | None, run: RunDir, mlflow_run_id: str, gpu_slot: str | None) -> EvalResult:
+    """Evaluate, log to MLflow, record in the run's ledger and send what the alert rules fire.
+    A failure (missing data included) is recorded and alerted on, then raised."""
+    try:
+        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot)
+        log_evaluation(cfg, mlflow_run_id, result, reason)
+    except Exception as exc:
+        for alert in record.record(event, None, str(exc)):
+            send_alert(alert, cfg, mlflow_run_id, run)
+        raise
+    alerts = record.record(event, result.metrics)
+    update_evaluation_table(cfg, event.run_id, Ledger(run.ledger))
+    for alert in alerts:
         send_alert(alert, cfg, mlflow_run_id, run)
     return result
+

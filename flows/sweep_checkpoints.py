@@ -1,10 +1,9 @@
-"""``sweep-checkpoints``: evaluate every checkpoint in a store that was never evaluated.
+"""``sweep-checkpoints``: pick up what the event path lost, without undoing its decisions.
 
 Meant for a cron schedule. It finds manifests under ``store`` (a run directory, or a directory
-of run directories, or an S3 prefix of them), and for each announced checkpoint without an
-evaluation in MLflow (and not deleted by retention) runs ``evaluate-checkpoint`` (a subflow,
-scheduler bypassed). Idempotent: a second sweep finds
-nothing to do, because MLflow already holds every step.
+of run directories, or an S3 prefix of them) and, through each run's shared record, evaluates
+(as ``evaluate-checkpoint`` subflows) the checkpoints whose events were lost or whose flow run
+died. Idempotent: a second sweep finds nothing to do.
 """
 
 from __future__ import annotations
@@ -12,12 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from areal_eval.checkpoint_store import S3Config, S3Store, is_s3, localize_manifest
 from areal_eval.manifest import Manifest
 from areal_eval.pipeline_config import load_pipeline_config
 from areal_eval.run_dir import RunBusy, RunDir, RunLock
+from areal_eval.run_record import RunRecord
 from flows.evaluate_checkpoint import evaluate_checkpoint
+from tasks.orchestration import flow_run_alive
 from tasks.tracking import tracker_for
 
 
@@ -45,31 +47,60 @@ def end_if_abandoned(tracker, mlflow_run_id: str, run: RunDir) -> bool:
     return True
 
 
-@flow(name="sweep-checkpoints", log_prints=True)
-def sweep_checkpoints(store: str, params: dict | None = None) -> dict:
-    """Evaluate the never-evaluated checkpoints of every run under ``store``.
+def sweep_run_name() -> str:
+    return f"sweep {Path(str(flow_run.parameters.get('store', '?'))).name}"
+
+
+@flow(name="sweep-checkpoints", flow_run_name=sweep_run_name, log_prints=True)
+def sweep_checkpoints(store: str, params: dict | None = None, reevaluate_skipped: bool = False) -> dict:
+    """Evaluate what no flow run is evaluating, in every run under ``store``.
+
+    That is: checkpoints with no decision yet (their events were lost; they are decided now, by
+    the scheduler), and checkpoints decided for evaluation whose flow run died. Checkpoints the
+    scheduler skipped stay skipped unless ``reevaluate_skipped``. Runs a live
+    ``train-and-evaluate`` owns are left to it.
 
     Args:
         store: a run directory or a directory of run directories (each with manifest.jsonl), or
             the ``s3://bucket/prefix`` of ``storage.checkpoint_uri`` (training mirrors manifests there).
         params: pipeline config sections, passed on to evaluate-checkpoint.
+        reevaluate_skipped: also evaluate the checkpoints the scheduler skipped or superseded.
     """
     logger = get_run_logger()
     cfg = load_pipeline_config(params=params)
     tracker = tracker_for(cfg)
     evaluated, failed = [], []
     for manifest in find_manifests(store, cfg.storage.s3):
-        events = Manifest(localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)).events()
+        local = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
+        events = Manifest(local).events()
         if not events:
             continue
+        run = RunDir(local.resolve().parent)
         mlflow_run = tracker.find_run(events[0].run_id)
-        if mlflow_run and not is_s3(manifest) and end_if_abandoned(tracker, mlflow_run, RunDir(Path(manifest).parent)):
+        if mlflow_run and not is_s3(manifest) and end_if_abandoned(tracker, mlflow_run, run):
             logger.warning("run %s was RUNNING with no live owner: marked KILLED", events[0].run_id)
-        done = tracker.eval_steps(mlflow_run) | tracker.deleted_steps(mlflow_run) if mlflow_run else set()
-        for event in events:
-            if event.global_step in done:
-                continue
-            state = evaluate_checkpoint(event.global_step, manifest, params=params, use_scheduler=False, return_state=True)
-            (evaluated if state.is_completed() else failed).append(f"{event.run_id}@{event.global_step}")
+        if owned_by_live_flow(run):
+            logger.info("run %s: its train-and-evaluate flow is live and evaluates it", events[0].run_id)
+            continue
+        record = RunRecord(run, Manifest(local), cfg.scheduler, cfg.alerts, events[0].run_id)
+        steps = record.unhandled(flow_run_alive) + (record.skipped() if reevaluate_skipped else [])
+        steps = sorted(set(steps) - (tracker.deleted_steps(mlflow_run) if mlflow_run else set()))
+        finals = [e.global_step for e in events if e.final]
+        if not steps and finals and mlflow_run and tracker.client.get_run(mlflow_run).info.status == "RUNNING":
+            steps = finals[-1:]  # everything is evaluated, but the run's refinement and end never happened
+        for step in steps:
+            state = evaluate_checkpoint(step, manifest, run_id=events[0].run_id, params=params, reason="sweep",
+                                        return_state=True)
+            (evaluated if state.is_completed() else failed).append(f"{events[0].run_id}@{step}")
     logger.info("sweep: evaluated %d, failed %d", len(evaluated), len(failed))
     return {"evaluated": evaluated, "failed": failed}
+
+
+def owned_by_live_flow(run: RunDir) -> bool:
+    if not run.lock_file.exists():
+        return False
+    try:
+        RunLock(run).acquire().release()
+    except RunBusy:
+        return True
+    return False

@@ -12,13 +12,11 @@ the alert branch.
 from __future__ import annotations
 
 import argparse
-import base64
 import sys
 import time
 from pathlib import Path
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
 
 from areal_eval.alerts import AlertEngine
 from areal_eval.config import ConfigError
@@ -32,13 +30,15 @@ from areal_eval.plot import plot_curve
 from areal_eval.preference_data import DataError
 from areal_eval.reaper import watch_over_children
 from areal_eval.run_dir import RunBusy, RunDir, RunLock
+from areal_eval.run_record import mark_over
 from areal_eval.run_setup import check_inputs, total_train_steps
-from areal_eval.tracking import resolve_tracking_uri
 from areal_eval.train import training_finished
 from tasks.alerts import webhook_url
 from tasks.evaluate import warm_workers
 from tasks.loop_io import PrefectLoopIO
-from tasks.tracking import finish_tracking, start_tracking, tracker_for
+from tasks.checkpoints import share_run_record
+from tasks.reports import summarize
+from tasks.tracking import finish_tracking, start_tracking
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
 @flow(name="train-and-evaluate", log_prints=True)
@@ -71,6 +71,8 @@ def train_and_evaluate(params: dict | None = None, config_path: str | None = Non
         status = "FINISHED" if failure is None else "FAILED" if isinstance(failure, Exception) else "KILLED"
         if failure is None:
             finish_tracking(cfg, mlflow_run_id, ledger, plot, status)
+            mark_over(run)
+            share_run_record(cfg, run)
             return summarize(cfg, run, mlflow_run_id, ledger, plot)
         try:  # best effort: the run's own failure is what gets raised
             finish_tracking(cfg, mlflow_run_id, ledger, plot, status, repr(failure))
@@ -95,36 +97,6 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
                             training, run_id=run.run_id).run()
         io.set_progress(1.0)
     return ledger
-
-
-def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:
-    evaluated = [e for e in ledger.entries() if e.status == "evaluated"]
-    counts = ledger.counts()
-    summary = {
-        "run_name": run.run_id,
-        "mlflow_run_id": mlflow_run_id,
-        "tracking_uri": resolve_tracking_uri(cfg.tracking, cfg.work_dir),
-        "run_dir": str(run.root),
-        "checkpoints": sum(counts.values()),
-        **{k: counts.get(k, 0) for k in ("evaluated", "skipped", "superseded", "failed")},
-        "curve": [(e.step, round(e.metrics.get(cfg.scheduler.metric, float("nan")), 4)) for e in evaluated],
-    }
-    table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
-    link = mlflow_run_link(summary["tracking_uri"], tracker_for(cfg).experiment_id, mlflow_run_id)
-    image = base64.b64encode(plot.read_bytes()).decode()
-    create_markdown_artifact(
-        key="evaluation-summary",
-        markdown=(f"# {run.run_id}\n\nMLflow run: {link} (tracking URI `{summary['tracking_uri']}`)\n\n"
-                  f"Checkpoints: {summary['checkpoints']} ({counts})\n\n![evaluation curve](data:image/png;base64,{image})\n\n"
-                  f"| step | {cfg.scheduler.metric} |\n|---|---|\n{table}\n"),
-    )
-    return summary
-
-
-def mlflow_run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """A link to the run in the MLflow UI (served at the tracking URI, or by ``mlflow ui`` locally)."""
-    base = tracking_uri.rstrip("/") if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
-    return f"[{run_id}]({base}/#/experiments/{experiment_id}/runs/{run_id})"
 
 
 def main(argv: list[str] | None = None) -> int:

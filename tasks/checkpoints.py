@@ -8,7 +8,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
-from areal_eval.checkpoint_store import open_store
+from areal_eval.checkpoint_store import RUN_RECORD_FILES, open_store
 from areal_eval.ledger import Ledger
 from areal_eval.manifest import CheckpointEvent
 from areal_eval.pipeline_config import PipelineConfig
@@ -37,3 +37,12 @@ def apply_retention(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger
         for e in doomed
     })
     return [e.global_step for e in doomed]
+
+
+def share_run_record(cfg: PipelineConfig, run: RunDir) -> None:
+    """Mirror the run's ledger and record state beside its manifest on S3 (nothing to do for a
+    local store), so a sweep elsewhere keeps this flow's decisions."""
+    store = open_store(cfg.storage.run_root(run.run_id), cfg.storage.s3)
+    for name in RUN_RECORD_FILES:
+        if (run.root / name).exists():
+            store.mirror(run.root / name, name)

@@ -49,15 +49,16 @@ def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractCont
 
 
 @task(cache_policy=NO_CACHE, name="dispatch-evaluation", task_run_name="dispatch-step-{event.global_step}")
-def dispatch_evaluation(event: CheckpointEvent, manifest: Path, pipeline_cfg: PipelineConfig) -> EvalResult:
-    """Run ``evaluate-checkpoint`` on the evaluation pool and wait; it logs to MLflow and alerts
-    itself, and its metrics are read back from MLflow (idempotent, so nothing lands twice)."""
+def dispatch_evaluation(event: CheckpointEvent, manifest: Path, pipeline_cfg: PipelineConfig, reason: str) -> EvalResult:
+    """Run ``evaluate-checkpoint`` on the evaluation pool and wait; it logs the metrics to MLflow
+    (read back from there: idempotent, so nothing lands twice). The flow decided, and it records
+    and alerts."""
     cfg = pipeline_cfg.eval
     run = run_deployment(
         cfg.deployment, timeout=cfg.job_timeout_s, poll_interval=1,
         idempotency_key=f"{event.run_id}:{event.global_step}",  # a retried dispatch reuses the run
         parameters={"global_step": event.global_step, "manifest": str(manifest), "run_id": event.run_id,
-                    "params": dataclasses.asdict(pipeline_cfg), "use_scheduler": False},
+                    "params": dataclasses.asdict(pipeline_cfg), "reason": reason, "dispatched": True},
     )
     if not run.state or not run.state.is_completed():
         raise EvaluationFailed(f"checkpoint step {event.global_step}: {cfg.deployment} run {run.name} ended {run.state}")

@@ -23,6 +23,7 @@ from areal_eval.worker_pool import WarmEvalWorkers
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
 from tasks.evaluate import dispatch_evaluation, submit_evaluation
+from tasks.reports import update_evaluation_table
 from tasks.tracking import log_evaluation, tracker_for
 
 
@@ -52,11 +53,12 @@ class PrefectLoopIO:
 
     def submit(self, event: CheckpointEvent, reason: str) -> TaskHandle:
         if self.cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
-            return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg))
+            return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg, reason))
         return TaskHandle(submit_evaluation(event, self.run.valid_data, self.cfg, self.run.evals, self.workers))
 
     def log_result(self, result: EvalResult, reason: str) -> None:
         log_evaluation(self.cfg, self.mlflow_run_id, result, reason)
+        update_evaluation_table(self.cfg, self.run.run_id, self.ledger)
 
     def send_alert(self, alert: Alert) -> None:
         send_alert(alert, self.cfg, self.mlflow_run_id, self.run)

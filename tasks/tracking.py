@@ -8,7 +8,6 @@ from pathlib import Path
 
 from prefect.cache_policies import NO_CACHE
 from prefect import task
-from prefect.artifacts import create_table_artifact
 
 from areal_eval.alerts import recorded_config
 from areal_eval.evaluation import EvalResult
@@ -44,13 +43,8 @@ def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
 
 @task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")
 def log_evaluation(cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str) -> bool:
-    """Metrics at ``step=global_step`` plus checkpoint tags (and a table in the Prefect UI);
-    False if the step was already logged."""
+    """Metrics at ``step=global_step`` plus checkpoint tags; False if the step was already logged."""
     step = result.global_step
-    create_table_artifact(
-        table=[{"step": step, **{k: round(v, 6) for k, v in sorted(result.metrics.items())}, "decision": reason}],
-        description=f"Evaluation of step {step} ({result.uri})",
-    )
     return tracker_for(cfg).log_evaluation(
         run_id, step, result.metrics,
         tags={f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason, "last_evaluated_step": step},

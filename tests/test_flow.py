@@ -171,7 +171,9 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
     # neighbour of the best (8 if 12 is best, 4 if 0 is: either has nothing evaluated beyond it).
     from flows.evaluate_checkpoint import evaluate_checkpoint
 
-    cfg, run = trained_run
+    cfg, trained = trained_run
+    run = RunDir(tmp_path / "run")  # the run's record is written beside its manifest: a copy of its own
+    shutil.copytree(trained.root, run.root, ignore=shutil.ignore_patterns("checkpoints", "resume", "evals", "ledger.jsonl"))
     cfg = dataclasses.replace(
         cfg, scheduler=dataclasses.replace(cfg.scheduler, min_interval_steps=9, max_interval_steps=None),
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
@@ -186,7 +188,13 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
     steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy"))
     assert steps == sorted([0, 12] + refined)  # each once
     assert runs[0].data.tags[f"decision.{refined[0]}"].startswith("refine: next to the best")
-    assert evaluate_checkpoint(12, str(run.manifest), params=params)["reason"] == "already evaluated"
+    # The run that found the run over ended it, as train-and-evaluate does.
+    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "3"
+    assert "min interval" in runs[0].data.tags["decision.4"]
+    published_loss = {e.global_step for e in Manifest(run.manifest).events() if "loss" in e.train_metrics}
+    assert {m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")} == published_loss
+    again = evaluate_checkpoint(12, str(run.manifest), params=params)
+    assert again["reason"].startswith("already evaluated") and "run" not in again
 
 
 def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, trained_run, tmp_path):

@@ -62,12 +62,14 @@ def test_pipeline_on_s3_with_faults_retention_and_sweep(prefect_server, s3_serve
     # MLflow artifacts live on the same endpoint.
     assert any(k.startswith("mlflow/") and k.endswith("evaluation_curve.png") for k in keys)
 
-    # The sweep reads the mirrored manifest from S3: it evaluates what was never evaluated and
-    # is still there, skips what retention deleted, and a second sweep does nothing.
-    first = sweep_checkpoints(store=store, params=params)
+    # The sweep reads the mirrored manifest and the flow's mirrored ledger from S3: every
+    # checkpoint was decided, so it evaluates nothing. Asked to re-evaluate skipped ones, it
+    # evaluates those still there (not what retention deleted), once.
+    assert sweep_checkpoints(store=store, params=params) == {"evaluated": [], "failed": []}
+    first = sweep_checkpoints(store=store, params=params, reevaluate_skipped=True)
     assert first["failed"] == []
     assert {int(s.split("@")[1]) for s in first["evaluated"]} == set(steps) - set(evaluated) - deleted
-    assert sweep_checkpoints(store=store, params=params) == {"evaluated": [], "failed": []}
+    assert sweep_checkpoints(store=store, params=params, reevaluate_skipped=True) == {"evaluated": [], "failed": []}
 
     # Credentials appear in no file the pipeline wrote: run files, logs, the MLflow store.
     secret = TEST_CREDENTIALS["AWS_SECRET_ACCESS_KEY"].encode()

@@ -105,7 +105,7 @@ def stored_run(server, trained_run):
     _, original = trained_run
     store = Path(server["AREAL_EVAL_STORE"])
     run_dir = store / original.root.name
-    shutil.copytree(original.root, run_dir, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    shutil.copytree(original.root, run_dir, ignore=shutil.ignore_patterns("ledger.jsonl", "evals", "decisions.lock", "evaluation_state.json"))
     (run_dir / "manifest.jsonl").write_text((original.manifest).read_text().replace(str(original.root), str(run_dir)))
     return run_dir
 

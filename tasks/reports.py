@@ -1,0 +1,59 @@
+"""What a run shows in the Prefect UI: keyed artifacts that update in place, one set per run."""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from areal_eval.ledger import Ledger
+from areal_eval.pipeline_config import PipelineConfig
+from areal_eval.run_dir import RunDir
+from areal_eval.tracking import mlflow_run_url, resolve_tracking_uri
+from tasks.tracking import tracker_for
+
+COUNTED = ("evaluated", "skipped", "superseded", "failed", "scheduled")
+
+
+def artifact_key(kind: str, run_id: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) for one run's ``kind``."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{kind}-{run_id}".lower()).strip("-")[:100]
+
+
+def update_evaluation_table(cfg: PipelineConfig, run_id: str, ledger: Ledger) -> None:
+    """The run's evaluations so far, one row each, as one artifact that each result updates."""
+    rows = [{"step": e.step, **{k: round(v, 6) for k, v in sorted(e.metrics.items())}, "decision": e.reason}
+            for e in ledger.entries() if e.status == "evaluated"]
+    create_table_artifact(key=artifact_key("evaluations", run_id), table=rows,
+                          description=f"Evaluations of {run_id} ({cfg.scheduler.metric} and the rest, by step)")
+
+
+def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:
+    """The run's summary: returned, and shown as the run's ``summary-<run>`` artifact."""
+    counts = ledger.counts()
+    evaluated = [e for e in ledger.entries() if e.status == "evaluated"]
+    tracking_uri = resolve_tracking_uri(cfg.tracking, cfg.work_dir)
+    summary = {
+        "run_name": run.run_id,
+        "mlflow_run_id": mlflow_run_id,
+        "tracking_uri": tracking_uri,
+        "run_dir": str(run.root),
+        "checkpoints": sum(counts.values()),
+        **{k: counts.get(k, 0) for k in ("evaluated", "skipped", "superseded", "failed")},
+        "curve": [(e.step, round(e.metrics.get(cfg.scheduler.metric, float("nan")), 4)) for e in evaluated],
+    }
+    url = mlflow_run_url(cfg.tracking, tracking_uri, tracker_for(cfg).experiment_id, mlflow_run_id)
+    counts_table = "\n".join(f"| {k} | {counts.get(k, 0)} |" for k in COUNTED if counts.get(k))
+    curve_table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
+    image = base64.b64encode(plot.read_bytes()).decode()
+    create_markdown_artifact(
+        key=artifact_key("summary", run.run_id),
+        description=f"Summary of {run.run_id}",
+        markdown=(f"# {run.run_id}\n\nMLflow run: [{mlflow_run_id}]({url}) (tracking URI `{tracking_uri}`)\n\n"
+                  f"| checkpoints | {summary['checkpoints']} |\n|---|---|\n{counts_table}\n\n"
+                  f"![evaluation curve](data:image/png;base64,{image})\n\n"
+                  f"| step | {cfg.scheduler.metric} |\n|---|---|\n{curve_table}\n"),
+    )
+    return summary
