@@ -40,13 +40,15 @@ class CoalescingQueue(Generic[T]):
             superseded.append(self._items.pop(0))
         return superseded
 
-    def pop(self) -> tuple[T, list[T]]:
-        """The next item and the older ones it supersedes: a pinned item (none superseded),
-        else the newest."""
+    def pop(self, free_slots: int = 1) -> tuple[T, list[T]]:
+        """The next item and the older ones it supersedes: a pinned item (none superseded), else
+        the newest. With ``free_slots`` workers free, the newest that many waiting items are all
+        served (this one first) and only older ones are superseded: coalescing starts only when
+        every slot is busy."""
         if self._pinned:
             return self._pinned.pop(0), []
         if not self._items:
             raise IndexError("pop from an empty queue")
-        newest = self._items.pop()
-        superseded, self._items = self._items, []
-        return newest, superseded
+        cut = max(0, len(self._items) - max(1, free_slots))
+        superseded, self._items = self._items[:cut], self._items[cut:]
+        return self._items.pop(), superseded

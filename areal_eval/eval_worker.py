@@ -188,33 +188,54 @@ def next_job(inbox: Path, done: set[str], poll_s: float = 0.01) -> Path:
 
 
 def serve(parser: argparse.ArgumentParser, inbox: Path) -> None:
-    """Warm workers: evaluate job after job from ``inbox`` until a stop job (see worker_pool)."""
+    """Warm workers: evaluate job after job from ``inbox`` until a stop job (see worker_pool).
+
+    Whatever fails while a job is handled (its file, its arguments, the evaluation, the barrier
+    after it) is reported against that job: in its result file and this rank's log.
+    """
     done: set[str] = set()
     while True:
         path = next_job(inbox, done)
-        argv = json.loads(path.read_text())["argv"]
-        if argv is None:
-            return
-        args = parser.parse_args(argv)
+        args = None
         try:
+            argv = json.loads(path.read_text())["argv"]
+            if argv is None:
+                return
+            args = parse_job(parser, argv)
             run_job(args, started_at=time.time())
+            done.add(path.name)
+            if distributed.world_size() > 1:
+                torch.distributed.barrier()  # every rank has read the job before it is removed
+            if distributed.rank() == 0:
+                path.unlink()
         except Exception as exc:
-            _fail(args, exc)
+            _fail(args or job_outline(argv if "argv" in locals() else None), exc, job=path.name)
             exc.reported = True  # against the job that failed: main() need not report it again
             raise
-        done.add(path.name)
-        if distributed.world_size() > 1:
-            torch.distributed.barrier()  # every rank has read the job before it is removed
-        if distributed.rank() == 0:
-            path.unlink()
 
 
-def _fail(args: argparse.Namespace, exc: Exception) -> None:
+def job_outline(argv: list[str] | None) -> argparse.Namespace:
+    """Where a job that could not be parsed wanted its result, so its failure lands there."""
+    argv = argv if isinstance(argv, list) else []
+    value = lambda flag: argv[argv.index(flag) + 1] if flag in argv[:-1] else None  # noqa: E731
+    return argparse.Namespace(out=value("--out"), checkpoint=value("--checkpoint"))
+
+
+def parse_job(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """A job's arguments; a bad one raises (argparse would exit the rank with only a usage line)."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:
+        raise ValueError(f"bad job arguments {argv!r} (argparse exit {exc.code})") from None
+
+
+def _fail(args: argparse.Namespace, exc: Exception, job: str | None = None) -> None:
     """Log the failure and record it in the job's result file, whichever rank it hit: the first
     rank to fail writes the file (its cause), and peers that fail after it, often only because
     it is gone, leave it alone."""
     cause = f"{type(exc).__name__}: {exc}"
-    print(f"[rank {distributed.rank()}] evaluation failed: {cause}", file=sys.stderr, flush=True)
+    where = f" (job {job})" if job else ""
+    print(f"[rank {distributed.rank()}] evaluation failed{where}: {cause}", file=sys.stderr, flush=True)
     if getattr(args, "out", None):
         error = cause if distributed.rank() == 0 else f"rank {distributed.rank()}: {cause}"
         _create_json(Path(args.out), {"checkpoint": args.checkpoint, "error": error})

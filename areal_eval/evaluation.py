@@ -64,9 +64,13 @@ class EvalConfig:
     warm_workers: bool = True
     """Keep the evaluation ranks alive between evaluations of a flow run (one torchrun job
     serves them all), saving interpreter and library start-up each time. Single node only."""
+    slots: int = 1
+    """Evaluations in flight at once: the flow keeps a group of ``nproc`` ranks for each, and
+    waiting checkpoints are coalesced only when every slot is busy. On a server, dispatched
+    evaluations are bounded by the ``gpu_slot`` concurrency limit as well."""
 
     def __post_init__(self):
-        check_ranges(self, nproc=AT_LEAST_1, mp_size=AT_LEAST_1, batch_size=AT_LEAST_1, collective_timeout_s=POSITIVE,
+        check_ranges(self, nproc=AT_LEAST_1, slots=AT_LEAST_1, mp_size=AT_LEAST_1, batch_size=AT_LEAST_1, collective_timeout_s=POSITIVE,
                      job_timeout_s=POSITIVE, retries=NON_NEGATIVE, nice=(0, 19))
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")

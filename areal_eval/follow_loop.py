@@ -219,7 +219,7 @@ class FollowLoop:
                 self.io.warn(f"alert {alert.rule} at step {alert.step} could not be sent: {exc!r}")
 
     def _start_evaluations(self) -> None:
-        while len(self.in_flight) < self.cfg.slots and (event := self.planner.next()):
+        while len(self.in_flight) < self.cfg.slots and (event := self.planner.next(self.cfg.slots - len(self.in_flight))):
             reason = self.planner.ledger.latest(event.global_step).reason
             self.in_flight.append(_InFlight(event, self.io.submit(event, reason), reason))
 

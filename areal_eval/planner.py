@@ -163,11 +163,12 @@ class EvaluationPlanner:
         return queued
 
     @_locked
-    def next(self) -> CheckpointEvent | None:
-        """The checkpoint to evaluate now (newest waiting); older waiting ones are superseded."""
+    def next(self, free_slots: int = 1) -> CheckpointEvent | None:
+        """The checkpoint to evaluate now (newest waiting); waiting ones older than the newest
+        ``free_slots`` are superseded."""
         if not len(self.queue):
             return None
-        event, older = self.queue.pop()
+        event, older = self.queue.pop(free_slots)
         for old in older:
             self._supersede(old, event)
         return event

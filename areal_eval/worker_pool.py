@@ -11,10 +11,13 @@ evaluation starts a new one, so failures behave exactly as without the pool.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from areal_eval.launcher import TorchrunJob, WorkerError, log_tail
 
@@ -84,6 +87,42 @@ class WarmEvalWorkers:
         self.job = None
 
     def __enter__(self) -> "WarmEvalWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WarmWorkerGroups:
+    """One warm worker group per evaluation slot (``eval.slots``): an evaluation leases a free
+    group for its duration, so N evaluations run at once on N groups of ranks. Group 0 works in
+    ``work_dir`` itself, group i in ``work_dir/slot-i``."""
+
+    def __init__(self, slots: int, nproc: int, work_dir: str | Path, nice: int = 0, collective_timeout_s: float = 120.0):
+        work_dir = Path(work_dir)
+        self.groups = [WarmEvalWorkers(nproc, work_dir / f"slot-{i}" if i else work_dir, nice, collective_timeout_s)
+                       for i in range(slots)]
+        self._free: queue.Queue[WarmEvalWorkers] = queue.Queue()
+        for group in self.groups:
+            self._free.put(group)
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[WarmEvalWorkers]:
+        group = self._free.get()
+        try:
+            yield group
+        finally:
+            self._free.put(group)
+
+    @property
+    def started_jobs(self) -> int:
+        return sum(g.started_jobs for g in self.groups)
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.close()
+
+    def __enter__(self) -> "WarmWorkerGroups":
         return self
 
     def __exit__(self, *exc) -> None:

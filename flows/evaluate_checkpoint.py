@@ -109,7 +109,7 @@ def evaluate_checkpoint(
     if (ledger := record.finish()) is not None:  # this flow run found the run over: end it
         plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", event.run_id)
         finish_tracking(cfg, mlflow_run_id, ledger, plot, "FINISHED")
-        summary["run"] = summarize(cfg, run, mlflow_run_id, ledger, plot)
+        summary["run"] = summarize(cfg, event.run_id, run, mlflow_run_id, ledger, plot)
         logger.info("run %s is over: MLflow run %s finished", event.run_id, mlflow_run_id)
     return summary
 

@@ -4,8 +4,8 @@
 
 The flow body is the pipeline diagram: training runs in its own torchrun job; the library's
 follow loop announces each durable checkpoint and puts it to the scheduler; chosen ones are
-evaluated on separate torchrun workers (one evaluation in flight, the queue coalescing when
-training is faster); results go to MLflow and through the alert rules, a firing rule starting
+evaluated on separate torchrun workers (``eval.slots`` evaluations in flight, the queue
+coalescing when every slot is busy); results go to MLflow and through the alert rules, a firing rule starting
 the alert branch.
 """
 
@@ -73,10 +73,10 @@ def train_and_evaluate(params: dict | None = None, config_path: str | None = Non
             finish_tracking(cfg, mlflow_run_id, ledger, plot, status)
             mark_over(run)
             share_run_record(cfg, run)
-            return summarize(cfg, run, mlflow_run_id, ledger, plot)
+            return summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
         try:  # best effort: the run's own failure is what gets raised
             finish_tracking(cfg, mlflow_run_id, ledger, plot, status, repr(failure))
-            summarize(cfg, run, mlflow_run_id, ledger, plot)
+            summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
         except Exception as exc:  # noqa: BLE001 - e.g. MLflow down as well
             print(f"could not record the failure in MLflow: {exc!r}", file=sys.stderr)
         raise failure
@@ -89,8 +89,8 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     a run whose training is already over (or happens elsewhere).
     """
     planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger))
-    loop_cfg = LoopConfig(poll_interval_s=cfg.poll_interval_s, results_logged_by_evaluator=bool(cfg.eval.deployment),
-                          retention=cfg.storage.retention)
+    loop_cfg = LoopConfig(poll_interval_s=cfg.poll_interval_s, slots=cfg.eval.slots,
+                          results_logged_by_evaluator=bool(cfg.eval.deployment), retention=cfg.storage.retention)
     with warm_workers(cfg, run.evals) as workers:
         io = PrefectLoopIO(cfg, run, mlflow_run_id, planner.ledger, total_train_steps(run, cfg), workers)
         ledger = FollowLoop(planner, Manifest(run.manifest), run.train_log, AlertEngine(cfg.alerts), io, loop_cfg,

@@ -13,7 +13,7 @@ from prefect.deployments import run_deployment
 from areal_eval.evaluation import CorruptCheckpoint, EvalResult, EvaluationFailed, evaluate_checkpoint
 from areal_eval.manifest import CheckpointError, CheckpointEvent
 from areal_eval.pipeline_config import PipelineConfig
-from areal_eval.worker_pool import WarmEvalWorkers
+from areal_eval.worker_pool import WarmWorkerGroups
 from tasks.tracking import tracker_for
 
 
@@ -26,10 +26,12 @@ def worth_retrying(task, task_run, state) -> bool:
 @task(cache_policy=NO_CACHE, name="evaluate-checkpoint", task_run_name="evaluate-step-{event.global_step}",
       retry_condition_fn=worth_retrying, retry_delay_seconds=1)
 def evaluate_task(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path,
-                  workers: WarmEvalWorkers | None = None) -> EvalResult:
-    """Fetch the checkpoint, load it on ``cfg.eval.nproc`` ranks and reduce its metrics; raises on failure."""
-    return evaluate_checkpoint(event, data_path, cfg.eval, work_dir, cfg.model.max_length, cfg.storage.s3,
-                               cfg.checkpoint_cache, workers)
+                  workers: WarmWorkerGroups | None = None) -> EvalResult:
+    """Fetch the checkpoint, load it on ``cfg.eval.nproc`` ranks (a free group of ``workers``)
+    and reduce its metrics; raises on failure."""
+    with workers.lease() if workers is not None else contextlib.nullcontext() as group:
+        return evaluate_checkpoint(event, data_path, cfg.eval, work_dir, cfg.model.max_length, cfg.storage.s3,
+                                   cfg.checkpoint_cache, group)
 
 
 def evaluate(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path) -> EvalResult:
@@ -37,14 +39,14 @@ def evaluate(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_
 
 
 def submit_evaluation(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path,
-                      workers: WarmEvalWorkers | None = None):
+                      workers: WarmWorkerGroups | None = None):
     return evaluate_task.with_options(retries=cfg.eval.retries).submit(event, data_path, cfg, work_dir, workers)
 
 
 def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractContextManager:
-    """Evaluation ranks kept for a whole flow run (``eval.warm_workers``), or nothing."""
+    """Evaluation ranks kept for a whole flow run (``eval.warm_workers``), a group per slot, or nothing."""
     if cfg.eval.warm_workers and not cfg.eval.deployment:
-        return WarmEvalWorkers(cfg.eval.nproc, work_dir, cfg.eval.nice, cfg.eval.collective_timeout_s)
+        return WarmWorkerGroups(cfg.eval.slots, cfg.eval.nproc, work_dir, cfg.eval.nice, cfg.eval.collective_timeout_s)
     return contextlib.nullcontext()
 
 

@@ -19,7 +19,7 @@ from areal_eval.ledger import Ledger
 from areal_eval.manifest import CheckpointEvent
 from areal_eval.pipeline_config import PipelineConfig
 from areal_eval.run_dir import RunDir
-from areal_eval.worker_pool import WarmEvalWorkers
+from areal_eval.worker_pool import WarmWorkerGroups
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
 from tasks.evaluate import dispatch_evaluation, submit_evaluation
@@ -42,7 +42,7 @@ class TaskHandle:
 
 class PrefectLoopIO:
     def __init__(self, cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, total_steps: int,
-                 workers: WarmEvalWorkers | None = None):
+                 workers: WarmWorkerGroups | None = None):
         self.cfg, self.run, self.mlflow_run_id, self.ledger = cfg, run, mlflow_run_id, ledger
         self.total_steps, self.workers = max(1, total_steps), workers
         self.logger = get_run_logger()

@@ -30,13 +30,13 @@ def update_evaluation_table(cfg: PipelineConfig, run_id: str, ledger: Ledger) ->
                           description=f"Evaluations of {run_id} ({cfg.scheduler.metric} and the rest, by step)")
 
 
-def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:
+def summarize(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:
     """The run's summary: returned, and shown as the run's ``summary-<run>`` artifact."""
     counts = ledger.counts()
     evaluated = [e for e in ledger.entries() if e.status == "evaluated"]
     tracking_uri = resolve_tracking_uri(cfg.tracking, cfg.work_dir)
     summary = {
-        "run_name": run.run_id,
+        "run_name": run_id,
         "mlflow_run_id": mlflow_run_id,
         "tracking_uri": tracking_uri,
         "run_dir": str(run.root),
@@ -49,9 +49,9 @@ def summarize(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledg
     curve_table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
     image = base64.b64encode(plot.read_bytes()).decode()
     create_markdown_artifact(
-        key=artifact_key("summary", run.run_id),
-        description=f"Summary of {run.run_id}",
-        markdown=(f"# {run.run_id}\n\nMLflow run: [{mlflow_run_id}]({url}) (tracking URI `{tracking_uri}`)\n\n"
+        key=artifact_key("summary", run_id),
+        description=f"Summary of {run_id}",
+        markdown=(f"# {run_id}\n\nMLflow run: [{mlflow_run_id}]({url}) (tracking URI `{tracking_uri}`)\n\n"
                   f"| checkpoints | {summary['checkpoints']} |\n|---|---|\n{counts_table}\n\n"
                   f"![evaluation curve](data:image/png;base64,{image})\n\n"
                   f"| step | {cfg.scheduler.metric} |\n|---|---|\n{curve_table}\n"),

@@ -21,6 +21,19 @@ def test_queue_coalesces_to_newest():
     assert len(q) == 0
 
 
+def test_coalescing_starts_only_when_every_slot_is_busy():
+    q = CoalescingQueue(capacity=3)
+    for step in (1, 2, 3):
+        q.push(ev(step))
+    newest, older = q.pop(free_slots=2)  # two free slots: 3 and 2 are both served, 1 superseded
+    assert newest.global_step == 3 and [e.global_step for e in older] == [1]
+    assert q.pop(free_slots=1) == (ev(2), [])
+    q.push(ev(4))
+    q.push(ev(5))
+    assert q.pop(free_slots=3) == (ev(5), [])  # more free slots than waiting: nothing superseded
+    assert q.pop(free_slots=2) == (ev(4), [])
+
+
 def test_pinned_items_are_never_superseded():
     q = CoalescingQueue(capacity=1)
     q.push(ev(0), pinned=True)

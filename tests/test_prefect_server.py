@@ -3,6 +3,7 @@ from infra/prefect.yaml, process workers, `prefect deployment run --watch`, an e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from areal_eval.ledger import Ledger
 from areal_eval.manifest import Manifest
+from areal_eval.pipeline_config import load_pipeline_config
+from areal_eval.planner import EvaluationPlanner
 from areal_eval.publisher import post_event
 from areal_eval.tracking import Tracker
 from tests.helpers import free_port
@@ -122,30 +126,36 @@ def test_kubernetes_eval_pool_is_created_from_the_template(server):
     assert manifest["spec"]["completionMode"] == "Indexed"
 
     # The README's deploy command for that pool; then evaluate-checkpoint goes back to the process pool.
-    deploy = ["--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "-n", "evaluate-checkpoint/default"]
+    deploy = ["--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "-n", "evaluate-checkpoint/on-checkpoint"]
     cli(server, *deploy, "--pool", "areal-eval-k8s", "--job-variable", "image=registry.local/areal-eval:1")
-    deployment = api_get(server, "/deployments/name/evaluate-checkpoint/default")
+    deployment = api_get(server, "/deployments/name/evaluate-checkpoint/on-checkpoint")
     assert deployment["work_pool_name"] == "areal-eval-k8s"
     assert deployment["job_variables"] == {"image": "registry.local/areal-eval:1"}
     cli(server, *deploy)
-    deployment = api_get(server, "/deployments/name/evaluate-checkpoint/default")
+    deployment = api_get(server, "/deployments/name/evaluate-checkpoint/on-checkpoint")
     assert deployment["work_pool_name"] == "areal-eval" and not deployment["job_variables"]
 
 
-def test_deployments_are_declared(server):
-    out = cli(server, "deployment", "ls")
-    for name in ("train-and-evaluate/default", "evaluate-checkpoint/default", "sweep-checkpoints/scheduled"):
-        assert name in out
+def test_deployments_and_the_automation_are_named(server):
+    for name in ("train-and-evaluate/pipeline", "evaluate-checkpoint/on-checkpoint", "sweep-checkpoints/every-30-minutes"):
+        assert api_get(server, f"/deployments/name/{name}")["tags"]
+    on_checkpoint = api_get(server, "/deployments/name/evaluate-checkpoint/on-checkpoint")
+    assert on_checkpoint["parameters"]["gpu_slot"] == "gpu:0" and "evaluation" in on_checkpoint["tags"]
+    automations = api(server, "/automations/filter", {})
+    assert [a["name"] for a in automations] == ["evaluate-published-checkpoint"]
 
 
 def test_deployment_run_evaluates_a_checkpoint(server, stored_run):
     manifest = stored_run / "manifest.jsonl"
     run_id = Manifest(manifest).events()[0].run_id
     started = time.monotonic()
-    cli(server, "deployment", "run", "evaluate-checkpoint/default", "--watch",
-        "--params", json.dumps({"global_step": 4, "manifest": str(manifest), "use_scheduler": False, "gpu_slot": "gpu:0"}))
+    cli(server, "deployment", "run", "evaluate-checkpoint/on-checkpoint", "--watch",
+        "--params", json.dumps({"global_step": 4, "manifest": str(manifest), "reason": "manual"}))
     print(f"deployment run to completion: {time.monotonic() - started:.1f}s")
     assert 4 in eval_steps(server, run_id)
+    assert Ledger(stored_run / "ledger.jsonl").latest(4).reason.startswith("manual; scheduler: ")
+    run = next(r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("global_step") == 4)
+    assert run["name"] == f"{stored_run.name}@4 (manual)" and f"run:{run_id}" in run["tags"]
 
 
 def api(env, path: str, body: dict | None = None):
@@ -190,14 +200,100 @@ def test_event_triggers_evaluate_checkpoint_with_its_parameters(server, stored_r
     assert [m.step for m in history].count(12) == 1
 
 
-def test_sweep_evaluates_the_rest_once(server, stored_run):
-    run_id = Manifest(stored_run / "manifest.jsonl").events()[0].run_id
-    cli(server, "deployment", "run", "sweep-checkpoints/scheduled", "--watch")
-    assert eval_steps(server, run_id) == [0, 4, 8, 12]
-    cli(server, "deployment", "run", "sweep-checkpoints/scheduled", "--watch")  # idempotent
+def wait_for_runs(env, matches, count: int, timeout_s: float = 420) -> list[dict]:
+    """Flow runs for which ``matches(run)``, once ``count`` of them reached a final state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [r for r in api(env, "/flow_runs/filter", {"limit": 200}) if matches(r)]
+        if len(runs) >= count and all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for r in runs):
+            return runs
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(runs)} of {count} runs, states {[r['state_type'] for r in runs]}")
+        time.sleep(1)
+
+
+def republish(original: Path, run_dir: Path, run_id: str, steps: list[int]) -> Path:
+    """A run published by a trainer outside the flow: ``steps`` reuse the trained checkpoints."""
+    run_dir.mkdir(parents=True)
+    shutil.copytree(original / "data", run_dir / "data")
+    trained = Manifest(original / "manifest.jsonl").events()
+    manifest = Manifest(run_dir / "manifest.jsonl")
+    for i, step in enumerate(steps):
+        event = trained[i % len(trained)]
+        manifest.append(dataclasses.replace(event, run_id=run_id, global_step=step, final=step == steps[-1],
+                                            train_metrics={"loss": 1.0 / (step + 1)}))
+    return run_dir / "manifest.jsonl"
+
+
+def test_a_burst_of_events_decides_as_the_in_flow_planner_and_the_run_ends(server, trained_run, tmp_path):
+    _, original = trained_run
+    steps = [0, 2, 4, 6, 8]
+    manifest = republish(original.root, tmp_path / "burst", "burst", steps)
+    events = Manifest(manifest).events()
+    reference = EvaluationPlanner(load_pipeline_config().scheduler, Ledger(tmp_path / "reference.jsonl"))
+    expected = {e.global_step: reference.offer(e) for e in events}
+    for event in events:  # five events at once, as fast as a trainer can post them
+        post_event(server["PREFECT_API_URL"], event, manifest)
+    runs = wait_for_runs(server, lambda r: r["parameters"].get("run_id") == "burst", len(steps))
+    assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
+    assert sorted(r["name"] for r in runs) == sorted(f"burst@{s}" for s in steps)
+
+    # Each checkpoint was decided once, as the in-flow planner decides it, then claimed once.
+    lines = [json.loads(line) for line in (tmp_path / "burst" / "ledger.jsonl").read_text().splitlines()]
+    first = {}
+    for line in lines:
+        first.setdefault(line["step"], line)
+    assert {s: (first[s]["status"] == "scheduled", first[s]["reason"]) for s in steps} == \
+        {s: (d.evaluate, d.reason) for s, d in expected.items()}
+    ledger = Ledger(tmp_path / "burst" / "ledger.jsonl")
+    assert all(e.status in ("evaluated", "skipped") for e in ledger.entries())
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    assert eval_steps(server, "burst") == evaluated  # each once
+
+    # gpu:0 held every evaluation: no two evaluation task runs overlapped.
+    tasks = sorted((r["start_time"], r["end_time"]) for r in api(server, "/task_runs/filter", {"limit": 200})
+                   if r["name"].startswith("evaluate-step-") and r["flow_run_id"] in {f["id"] for f in runs})
+    assert len(tasks) >= len([e for e in expected.values() if e.evaluate])
+    assert all(later[0] >= earlier[1] for earlier, later in zip(tasks, tasks[1:])), tasks
+
+    # The run is over: its MLflow run ended with the curve, the decisions and the publisher's train metrics.
     tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    mlflow_run = tracker.client.get_run(tracker.find_run("burst"))
+    assert mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.tags["checkpoints.evaluated"] == str(len(evaluated))
+    assert all(f"decision.{s}" in mlflow_run.data.tags for s in steps)
+    assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "train/loss")) == steps
+    artifacts = {a.path for a in tracker.client.list_artifacts(mlflow_run.info.run_id)}
+    assert {"evaluation_curve.png", "scheduler_decisions.json"} <= artifacts
+
+
+def test_missing_validation_data_fails_before_any_worker_and_alerts(server, trained_run, tmp_path):
+    _, original = trained_run
+    manifest = republish(original.root, tmp_path / "nodata", "nodata", [0])
+    shutil.rmtree(tmp_path / "nodata" / "data")
+    post_event(server["PREFECT_API_URL"], Manifest(manifest).find(0), manifest)
+    [run] = wait_for_runs(server, lambda r: r["parameters"].get("run_id") == "nodata", 1)
+    assert run["state_type"] == "FAILED"
+    entry = Ledger(tmp_path / "nodata" / "ledger.jsonl").latest(0)
+    assert entry.status == "failed" and "no such validation data file" in entry.reason and "valid_data" in entry.reason
+    assert not list((tmp_path / "nodata").glob("evals/*.log"))  # no torchrun started, none retried
+    tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    tags = tracker.client.get_run(tracker.find_run("nodata")).data.tags
+    assert "no such validation data file" in tags["alert.eval-failed"]
+
+
+def test_the_sweep_evaluates_only_what_no_flow_run_handles(server, stored_run):
+    run_id = Manifest(stored_run / "manifest.jsonl").events()[0].run_id
+    cli(server, "deployment", "run", "sweep-checkpoints/every-30-minutes", "--watch")
+    ledger = Ledger(stored_run / "ledger.jsonl")
+    assert all(e.status in ("evaluated", "skipped", "superseded") for e in ledger.entries())
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    assert eval_steps(server, run_id) == evaluated  # skipped checkpoints stay skipped
+    tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    assert tracker.client.get_run(tracker.find_run(run_id)).info.status == "FINISHED"
+    cli(server, "deployment", "run", "sweep-checkpoints/every-30-minutes", "--watch")  # idempotent
     history = tracker.client.get_metric_history(tracker.find_run(run_id), "eval/accuracy")
-    assert sorted(m.step for m in history) == [0, 4, 8, 12]
+    assert sorted(m.step for m in history) == evaluated
 
 
 def test_deployment_run_train_and_evaluate(server, tmp_path):
@@ -205,7 +301,7 @@ def test_deployment_run_train_and_evaluate(server, tmp_path):
 
     params = {**TINY, "work_dir": str(tmp_path), "run_name": "served"}
     started = time.monotonic()
-    cli(server, "deployment", "run", "train-and-evaluate/default", "--watch", "--params", json.dumps({"params": params}))
+    cli(server, "deployment", "run", "train-and-evaluate/pipeline", "--watch", "--params", json.dumps({"params": params}))
     print(f"train-and-evaluate deployment run to completion: {time.monotonic() - started:.1f}s")
     run_id = (tmp_path / "served" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
@@ -216,14 +312,14 @@ def test_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_
     from tests.conftest import TINY
 
     params = {**TINY, "work_dir": str(tmp_path), "run_name": "dispatched",
-              "eval": {**TINY["eval"], "deployment": "evaluate-checkpoint/default"}}
-    cli(server, "deployment", "run", "train-and-evaluate/default", "--watch", "--params", json.dumps({"params": params}))
+              "eval": {**TINY["eval"], "deployment": "evaluate-checkpoint/on-checkpoint"}}
+    cli(server, "deployment", "run", "train-and-evaluate/pipeline", "--watch", "--params", json.dumps({"params": params}))
     run_id = (tmp_path / "dispatched" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
     # Dispatched evaluate-checkpoint runs, and no trigger-started ones: the flow's own events
     # (areal.source=flow) do not match the trigger.
     children = [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("run_id") == run_id]
-    assert children and all(r["parameters"].get("use_scheduler") is False for r in children)
+    assert children and all(r["parameters"].get("dispatched") is True for r in children)
     ledger = (tmp_path / "dispatched" / "ledger.jsonl").read_text()
     assert all(r["state_type"] == "COMPLETED" for r in children), ([r["state"] for r in children], ledger[-3000:])
     assert steps[0] == 0 and steps[-1] == 12

@@ -1,5 +1,7 @@
 """Warm evaluation workers: one torchrun job (gloo) serving several evaluations."""
 
+import json
+
 import pytest
 
 from areal_eval.evaluation import EvalConfig, EvaluationFailed, evaluate_checkpoint
@@ -34,3 +36,37 @@ def test_a_dead_rank_fails_that_evaluation_and_the_next_starts_fresh_ranks(train
         result = evaluate_checkpoint(event, run.valid_data, eval_cfg, tmp_path / "out", workers=workers)
         assert result.metrics["n_pairs"] == 101 and workers.started_jobs == 2
     assert live_processes(str(tmp_path / "pool")) == []
+
+
+def test_a_job_that_cannot_even_be_parsed_is_recorded_with_its_cause(tmp_path):
+    out = tmp_path / "result.json"
+    with WarmEvalWorkers(2, tmp_path / "pool", collective_timeout_s=20) as workers:
+        code, log = workers.run(["--out", str(out), "--no-such-flag"], out, 120)
+    assert code != 0
+    error = json.loads(out.read_text())["error"]
+    assert "bad job arguments" in error and "--no-such-flag" in error
+    assert "evaluation failed (job " in log.read_text()
+    assert live_processes(str(tmp_path / "pool")) == []
+
+
+def test_two_slots_evaluate_two_checkpoints_at_once_on_their_own_ranks(trained_run, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from areal_eval.worker_pool import WarmWorkerGroups
+
+    cfg, run = trained_run
+    events = Manifest(run.manifest).events()[-2:]
+    eval_cfg = EvalConfig(nproc=2, batch_size=16)
+
+    def evaluate(event):
+        with groups.lease() as group:
+            return evaluate_checkpoint(event, run.valid_data, eval_cfg, tmp_path / "out", workers=group), group
+
+    with WarmWorkerGroups(2, 2, tmp_path / "pool") as groups, ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(evaluate, events))
+        assert groups.started_jobs == 2 and results[0][1] is not results[1][1]
+    assert live_processes(str(tmp_path / "pool")) == []
+    for event, (result, _) in zip(events, results):
+        fresh = evaluate_checkpoint(event, run.valid_data, eval_cfg, tmp_path / "fresh")
+        assert result.global_step == event.global_step
+        assert result.metrics == pytest.approx(fresh.metrics, abs=1e-9)
