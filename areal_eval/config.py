@@ -111,6 +111,11 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
         raise ConfigError(f"unknown config field {path} (known: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, value in data.items():
+        factory = fields[name].default_factory
+        if isinstance(value, dict) and factory is not dataclasses.MISSING:
+            default = factory()  # a section given in part keeps its owner's defaults for the rest
+            if dataclasses.is_dataclass(default):
+                value = merge(to_dict(default), value)
         kwargs[name] = _convert(hints[name], value, f"{where}.{name}" if where else name)
     try:
         obj = cls(**kwargs)

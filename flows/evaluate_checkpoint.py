@@ -22,6 +22,7 @@ from areal_eval.checkpoint_store import is_s3, localize_manifest
 from areal_eval.evaluation import EvalResult, check_validation_data
 from areal_eval.ledger import Ledger
 from areal_eval.manifest import CheckpointEvent, Manifest
+from areal_eval.config_schema import PipelineParams, set_fields
 from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
 from areal_eval.plot import plot_curve
 from areal_eval.run_dir import RunBusy, RunDir, RunLock
@@ -53,7 +54,7 @@ def evaluate_checkpoint(
     run_id: str | None = None,
     checkpoint_uri: str | None = None,
     data_path: str | None = None,
-    params: dict | None = None,
+    params: PipelineParams | None = None,
     reason: str | None = None,
     gpu_slot: str | None = None,
     dispatched: bool = False,
@@ -76,7 +77,7 @@ def evaluate_checkpoint(
             evaluate and log the metrics.
     """
     logger = get_run_logger()
-    cfg = load_pipeline_config(params=params)
+    cfg = load_pipeline_config(params=set_fields(params))
     local_manifest = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
     run = RunDir(local_manifest.resolve().parent)
     published = Manifest(local_manifest)

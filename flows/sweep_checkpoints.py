@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 
 from areal_eval.checkpoint_store import S3Config, S3Store, is_s3, localize_manifest
 from areal_eval.manifest import Manifest
+from areal_eval.config_schema import PipelineParams, set_fields
 from areal_eval.pipeline_config import load_pipeline_config
 from areal_eval.run_dir import RunBusy, RunDir, RunLock
 from areal_eval.run_record import RunRecord
@@ -52,7 +53,7 @@ def sweep_run_name() -> str:
 
 
 @flow(name="sweep-checkpoints", flow_run_name=sweep_run_name, log_prints=True)
-def sweep_checkpoints(store: str, params: dict | None = None, reevaluate_skipped: bool = False) -> dict:
+def sweep_checkpoints(store: str, params: PipelineParams | None = None, reevaluate_skipped: bool = False) -> dict:
     """Evaluate what no flow run is evaluating, in every run under ``store``.
 
     That is: checkpoints with no decision yet (their events were lost; they are decided now, by
@@ -67,7 +68,7 @@ def sweep_checkpoints(store: str, params: dict | None = None, reevaluate_skipped
         reevaluate_skipped: also evaluate the checkpoints the scheduler skipped or superseded.
     """
     logger = get_run_logger()
-    cfg = load_pipeline_config(params=params)
+    cfg = load_pipeline_config(params=set_fields(params))
     tracker = tracker_for(cfg)
     evaluated, failed = [], []
     for manifest in find_manifests(store, cfg.storage.s3):

@@ -24,6 +24,7 @@ from areal_eval.follow_loop import FollowLoop, LoopConfig
 from areal_eval.launcher import TorchrunJob
 from areal_eval.ledger import Ledger
 from areal_eval.manifest import Manifest
+from areal_eval.config_schema import PipelineParams, set_fields
 from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
 from areal_eval.planner import EvaluationPlanner
 from areal_eval.plot import plot_curve
@@ -41,15 +42,23 @@ from tasks.reports import summarize
 from tasks.tracking import finish_tracking, start_tracking
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
+
 @flow(name="train-and-evaluate", log_prints=True)
-def train_and_evaluate(params: dict | None = None, config_path: str | None = None, overrides: list[str] | None = None) -> dict:
+def train_and_evaluate(params: PipelineParams | None = None, config_path: str | None = None,
+                       overrides: list[str] | None = None) -> dict:
     """Run the whole pipeline for one training run, or resume it (same ``run_name``); returns a summary.
 
     The flow owns the run directory while it runs (a second flow on it is refused, naming this
     one). Every exit ends the MLflow run: FINISHED, FAILED (with the reason as the tag
     ``areal.failure``) or KILLED; the evaluation curve and the summary are written in every case.
+
+    Args:
+        params: pipeline config sections (run_name, data, model, train, eval, scheduler, storage,
+            tracking, alerts); only the fields set override the config file and the defaults.
+        config_path: a JSON or YAML pipeline config file on the worker.
+        overrides: ``section.field=value`` strings, applied last.
     """
-    cfg = load_pipeline_config(config_path, params, overrides)
+    cfg = load_pipeline_config(config_path, set_fields(params), overrides)
     webhook_url(cfg.alerts)  # a webhook named but not set fails now, not at the first alert
     watch_over_children()  # training and evaluation workers end with this process, however it ends
     with RunLock(RunDir(cfg.run_root)):
