@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,76 +18,23 @@ from areal_eval.pipeline_config import load_pipeline_config
 from areal_eval.planner import EvaluationPlanner
 from areal_eval.publisher import post_event
 from areal_eval.tracking import Tracker
-from tests.helpers import free_port
+from tests.prefect_services import REPO, prefect_server
+from tests.prefect_services import cli as run_cli
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[1]
-PREFECT = str(Path(sys.executable).with_name("prefect"))
-
-
-def stop(proc: subprocess.Popen) -> None:
-    # A Prefect worker needs a second SIGTERM to stop.
-    for _ in range(2):
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect")
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "AREAL_EVAL_HOME": str(REPO),
-        "AREAL_EVAL_STORE": str(home / "store"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-        "PYTHONPATH": str(REPO),
-    }
-    log = (home / "server.log").open("w")
-    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                stop(proc)
-                pytest.fail(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-    workers = []
-    try:
-        for pool in ("areal-train", "areal-eval"):
-            cli(env, "work-pool", "create", pool, "--type", "process")
-        cli(env, "gcl", "create", "gpu:0", "--limit", "1")
-        cli(env, "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all")
-        for pool in ("areal-train", "areal-eval"):
-            workers.append(subprocess.Popen(
-                [PREFECT, "worker", "start", "--pool", pool], cwd=REPO, env=env, start_new_session=True,
-                stdout=(home / f"worker-{pool}.log").open("w"), stderr=subprocess.STDOUT,
-            ))
+    with prefect_server(tmp_path_factory.mktemp("prefect")) as env:
         yield env
-    finally:
-        for p in workers + [proc]:
-            stop(p)
 
 
 def cli(env, *args, timeout=300) -> str:
-    done = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
+    try:
+        return run_cli(env, *args, timeout=timeout)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
 
 
 def api_get(env, path: str) -> dict:

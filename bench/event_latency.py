@@ -1,0 +1,109 @@
+"""Event -> MLflow on a real Prefect server: how long a trainer outside the flow waits for feedback.
+
+    .venv/bin/python bench/event_latency.py [--events 6] [--every-s 25] [--query-s 10 --query-s 1]
+
+Trains the demo's reward model once (tiny size), then for each worker polling interval
+(``PREFECT_WORKER_QUERY_SECONDS``; Prefect's default is 10 s) starts the README's server set-up
+(``tests/prefect_services.py``: server on loopback, pools, ``gpu:0``, ``infra/prefect.yaml``'s
+deployments, a worker per pool), and a trainer publishes ``--events`` checkpoints with
+``publish_checkpoint`` (which posts ``areal.checkpoint.saved``), far enough apart that no two
+evaluations wait on each other. For each evaluated checkpoint it reads, from the Prefect API and
+MLflow: event posted -> flow run created (the automation) -> flow run started (worker poll,
+subprocess) -> evaluation task started (flow import, decision, MLflow run) -> metric in MLflow.
+Prints p50/p99 of each and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from common import emit, percentile, trained_tiny_run
+
+STAGES = ("created", "started", "evaluating", "in_mlflow")
+
+
+def api(env: dict, path: str, body: dict) -> list | dict:
+    request = urllib.request.Request(env["PREFECT_API_URL"] + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def seconds(iso: str | None) -> float | None:
+    return datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() if iso else None
+
+
+def measure(work: Path, trained, events: int, every_s: float, query_s: float) -> dict:
+    from areal_eval.manifest import Manifest
+    from areal_eval.publisher import publish_checkpoint
+    from areal_eval.tracking import Tracker
+    from tests.prefect_services import prefect_server
+
+    _, run = trained
+    checkpoints = [e.uri for e in Manifest(run.manifest).events()]
+    home = work / f"prefect-query-{query_s:g}"
+    home.mkdir(parents=True)
+    run_id = f"latency-{query_s:g}"
+    manifest = home / run_id / "manifest.jsonl"
+    with prefect_server(home, worker_query_s=query_s) as env:
+        posted = {}
+        for i in range(events):  # step gaps of 100: the default scheduler evaluates each one
+            started = time.monotonic()
+            publish_checkpoint(checkpoints[i % len(checkpoints)], manifest, run_id, global_step=100 * i,
+                               final=i == events - 1, valid_data=run.valid_data, api_url=env["PREFECT_API_URL"],
+                               train_metrics={"loss": 1.0 / (i + 1)})
+            posted[100 * i] = time.time()
+            time.sleep(max(0.0, every_s - (time.monotonic() - started)))
+        deadline = time.monotonic() + 600
+        while True:
+            flow_runs = [r for r in api(env, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("run_id") == run_id]
+            if len(flow_runs) >= events and all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") for r in flow_runs):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"flow runs not finished: {[r['state_type'] for r in flow_runs]}")
+            time.sleep(2)
+        task_runs = api(env, "/task_runs/filter", {"limit": 200})
+        tracker = Tracker(env["MLFLOW_TRACKING_URI"], "areal-eval")
+        history = tracker.client.get_metric_history(tracker.find_run(run_id), "eval/accuracy")
+    landed = {m.step: m.timestamp / 1000 for m in history}
+    rows = []
+    for step, sent in sorted(posted.items()):
+        flow_run = next((r for r in flow_runs if r["parameters"].get("global_step") == step), None)
+        if flow_run is None or step not in landed:
+            continue
+        task = min((t for t in task_runs if t["flow_run_id"] == flow_run["id"] and t["name"] == f"evaluate-step-{step}"),
+                   key=lambda t: t["start_time"] or "", default=None)
+        rows.append({"step": step, "created": seconds(flow_run["created"]) - sent,
+                     "started": seconds(flow_run["start_time"]) - sent,
+                     "evaluating": seconds(task["start_time"]) - sent if task and task["start_time"] else None,
+                     "in_mlflow": landed[step] - sent})
+    summary = {stage: {"p50_s": round(percentile([r[stage] for r in rows if r[stage] is not None], 0.5), 1),
+                       "p99_s": round(percentile([r[stage] for r in rows if r[stage] is not None], 0.99), 1)}
+               for stage in STAGES}
+    return {"worker_query_s": query_s, "events": events, "evaluated": len(rows),
+            "failed_flow_runs": sum(r["state_type"] != "COMPLETED" for r in flow_runs), "from_event": summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=6)
+    parser.add_argument("--every-s", type=float, default=25.0, help="seconds between published checkpoints")
+    parser.add_argument("--query-s", type=float, action="append", help="worker polling intervals to compare")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-event-latency-"))
+    trained = trained_tiny_run(work)
+    results = [measure(work, trained, args.events, args.every_s, q) for q in (args.query_s or [10.0, 1.0])]
+    for r in results:
+        print(f"worker query {r['worker_query_s']:g}s: " + ", ".join(
+            f"{stage} p50 {v['p50_s']}s p99 {v['p99_s']}s" for stage, v in r["from_event"].items()))
+    emit({"benchmark": "event_latency", "results": results})
+
+
+if __name__ == "__main__":
+    main()

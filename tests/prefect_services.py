@@ -1,0 +1,86 @@
+"""A real Prefect server on loopback with the project's work pools, deployments and workers, as
+the README's "Run on a Prefect server" sets them up. Used by the server tests and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+from tests.helpers import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    # A Prefect worker needs a second SIGTERM to stop.
+    for _ in range(2):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def cli(env: dict, *args: str, timeout: float = 300) -> str:
+    done = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path, worker_query_s: float | None = None) -> Iterator[dict]:
+    """Server, pools ``areal-train`` and ``areal-eval``, the ``gpu:0`` limit, every deployment of
+    ``infra/prefect.yaml`` and a worker per pool; yields the environment to talk to them."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "AREAL_EVAL_HOME": str(REPO),
+        "AREAL_EVAL_STORE": str(home / "store"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "PYTHONPATH": str(REPO),
+        **({"PREFECT_WORKER_QUERY_SECONDS": str(worker_query_s)} if worker_query_s else {}),
+    }
+    log = (home / "server.log").open("w")
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    workers: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+        for pool in ("areal-train", "areal-eval"):  # pools first: a worker started first makes its own
+            cli(env, "work-pool", "create", pool, "--type", "process")
+        cli(env, "gcl", "create", "gpu:0", "--limit", "1")
+        cli(env, "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all")
+        for pool in ("areal-train", "areal-eval"):
+            workers.append(subprocess.Popen(
+                [PREFECT, "worker", "start", "--pool", pool], cwd=REPO, env=env, start_new_session=True,
+                stdout=(home / f"worker-{pool}.log").open("w"), stderr=subprocess.STDOUT,
+            ))
+        yield env
+    finally:
+        for p in workers + [proc]:
+            stop(p)
