@@ -1,11 +1,12 @@
 """Event -> MLflow on a real Prefect server: how long a trainer outside the flow waits for feedback.
 
-    .venv/bin/python bench/event_latency.py [--events 6] [--every-s 25] [--query-s 10 --query-s 1]
+    .venv/bin/python bench/event_latency.py [--events 6] [--every-s 25] [--path trigger:10 --path trigger:1 --path service]
 
-Trains the demo's reward model once (tiny size), then for each worker polling interval
-(``PREFECT_WORKER_QUERY_SECONDS``; Prefect's default is 10 s) starts the README's server set-up
-(``tests/prefect_services.py``: server on loopback, pools, ``gpu:0``, ``infra/prefect.yaml``'s
-deployments, a worker per pool), and a trainer publishes ``--events`` checkpoints with
+Trains the demo's reward model once (tiny size), then for each path starts the README's server
+set-up (``tests/prefect_services.py``: server on loopback, pools, ``gpu:0``,
+``infra/prefect.yaml``'s deployments, a worker per pool). ``trigger:Q``: the deployment trigger,
+its worker polling every Q seconds (``PREFECT_WORKER_QUERY_SECONDS``; Prefect's default is 10);
+``service``: ``flows/serve_evaluations.py`` with the trigger paused. A trainer publishes ``--events`` checkpoints with
 ``publish_checkpoint`` (which posts ``areal.checkpoint.saved``), far enough apart that no two
 evaluations wait on each other. For each evaluated checkpoint it reads, from the Prefect API and
 MLflow: event posted -> flow run created (the automation) -> flow run started (worker poll,
@@ -39,7 +40,26 @@ def seconds(iso: str | None) -> float | None:
     return datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() if iso else None
 
 
-def measure(work: Path, trained, events: int, every_s: float, query_s: float) -> dict:
+def start_service(env: dict, home: Path):
+    """``serve-evaluations`` in place of the automation; returns it once it listens."""
+    import subprocess
+    import sys
+
+    from tests.prefect_services import REPO, cli
+
+    cli(env, "automation", "pause", "evaluate-published-checkpoint")
+    log = home / "service.log"
+    service = subprocess.Popen([sys.executable, "-m", "flows.serve_evaluations", "--set", f"work_dir={home / 'work'}"],
+                               cwd=REPO, env=env, start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while "listening" not in log.read_text():
+        if service.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"serve-evaluations did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    return service
+
+
+def measure(work: Path, trained, events: int, every_s: float, path: str) -> dict:
     from areal_eval.manifest import Manifest
     from areal_eval.publisher import publish_checkpoint
     from areal_eval.tracking import Tracker
@@ -47,11 +67,14 @@ def measure(work: Path, trained, events: int, every_s: float, query_s: float) ->
 
     _, run = trained
     checkpoints = [e.uri for e in Manifest(run.manifest).events()]
-    home = work / f"prefect-query-{query_s:g}"
+    query_s = float(path.split(":")[1]) if path.startswith("trigger:") else 10.0
+    name = path.replace(":", "-")
+    home = work / name
     home.mkdir(parents=True)
-    run_id = f"latency-{query_s:g}"
+    run_id = f"latency-{name}"
     manifest = home / run_id / "manifest.jsonl"
     with prefect_server(home, worker_query_s=query_s) as env:
+        service = start_service(env, home) if path == "service" else None
         posted = {}
         for i in range(events):  # step gaps of 100: the default scheduler evaluates each one
             started = time.monotonic()
@@ -71,6 +94,10 @@ def measure(work: Path, trained, events: int, every_s: float, query_s: float) ->
         task_runs = api(env, "/task_runs/filter", {"limit": 200})
         tracker = Tracker(env["MLFLOW_TRACKING_URI"], "areal-eval")
         history = tracker.client.get_metric_history(tracker.find_run(run_id), "eval/accuracy")
+        if service is not None:
+            from tests.prefect_services import stop
+
+            stop(service)
     landed = {m.step: m.timestamp / 1000 for m in history}
     rows = []
     for step, sent in sorted(posted.items()):
@@ -86,7 +113,7 @@ def measure(work: Path, trained, events: int, every_s: float, query_s: float) ->
     summary = {stage: {"p50_s": round(percentile([r[stage] for r in rows if r[stage] is not None], 0.5), 1),
                        "p99_s": round(percentile([r[stage] for r in rows if r[stage] is not None], 0.99), 1)}
                for stage in STAGES}
-    return {"worker_query_s": query_s, "events": events, "evaluated": len(rows),
+    return {"path": path, "events": events, "evaluated": len(rows),
             "failed_flow_runs": sum(r["state_type"] != "COMPLETED" for r in flow_runs), "from_event": summary}
 
 
@@ -94,13 +121,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=6)
     parser.add_argument("--every-s", type=float, default=25.0, help="seconds between published checkpoints")
-    parser.add_argument("--query-s", type=float, action="append", help="worker polling intervals to compare")
+    parser.add_argument("--path", action="append", help="trigger:QUERY_SECONDS or service (repeatable)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-event-latency-"))
     trained = trained_tiny_run(work)
-    results = [measure(work, trained, args.events, args.every_s, q) for q in (args.query_s or [10.0, 1.0])]
+    results = [measure(work, trained, args.events, args.every_s, p) for p in (args.path or ["trigger:10", "trigger:1", "service"])]
     for r in results:
-        print(f"worker query {r['worker_query_s']:g}s: " + ", ".join(
+        print(f"{r['path']}: " + ", ".join(
             f"{stage} p50 {v['p50_s']}s p99 {v['p99_s']}s" for stage, v in r["from_event"].items()))
     emit({"benchmark": "event_latency", "results": results})
 

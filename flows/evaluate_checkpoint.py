@@ -88,12 +88,13 @@ def evaluate_checkpoint(
         log_evaluation(cfg, mlflow_run_id, result, reason or "dispatched")
         return {"global_step": global_step, "evaluated": True, "metrics": result.metrics}
     refuse_if_owned(run)
-    record = RunRecord(run, published, cfg.scheduler, cfg.alerts, run_id)
+    event = published.find(global_step)  # a missing manifest or step is named before anything is recorded
+    if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
+        raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
+    record = RunRecord(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id)
     me = str(flow_run.id or "local")
     claim, decided = record.claim(global_step, me, reason, flow_run_alive)
     event = claim.event
-    if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
-        raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
     tag_flow_run(f"run:{event.run_id}", f"evaluator:{cfg.eval.evaluator}")
     mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
     log_decisions(cfg, mlflow_run_id, decided, record)
@@ -103,7 +104,7 @@ def evaluate_checkpoint(
         summary["metrics"] = evaluate_and_record(cfg, record, event, claim.reason, data_path, run, mlflow_run_id,
                                                  gpu_slot).metrics
     for refined in record.refinements(me, tracker_for(cfg).deleted_steps(mlflow_run_id)):
-        reason_now = record.claim(refined.global_step, me)[0].reason
+        reason_now = Ledger(run.ledger).latest(refined.global_step).reason
         logger.info("step %d: %s", refined.global_step, reason_now)
         evaluate_and_record(cfg, record, refined, reason_now, data_path, run, mlflow_run_id, gpu_slot)
         summary["refined"].append(refined.global_step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
+from typing import Iterator
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -34,8 +35,26 @@ def evaluate_task(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, 
                                    cfg.checkpoint_cache, group)
 
 
+_process_workers: WarmWorkerGroups | None = None
+"""Warm worker groups every evaluation of this process runs on (the evaluation service's)."""
+
+
+@contextlib.contextmanager
+def serve_warm_workers(cfg: PipelineConfig, work_dir: Path) -> Iterator[WarmWorkerGroups]:
+    """Warm worker groups (``eval.slots`` of ``eval.nproc`` ranks) for every ``evaluate`` call
+    this process makes while inside: a long-lived service pays worker start-up once."""
+    global _process_workers
+    with WarmWorkerGroups(cfg.eval.slots, cfg.eval.nproc, work_dir, cfg.eval.nice, cfg.eval.collective_timeout_s) as groups:
+        _process_workers = groups
+        try:
+            yield groups
+        finally:
+            _process_workers = None
+
+
 def evaluate(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path) -> EvalResult:
-    return evaluate_task.with_options(retries=cfg.eval.retries)(event, data_path, cfg, work_dir)
+    """Evaluate now (a task run), on the process's warm workers if it keeps some."""
+    return evaluate_task.with_options(retries=cfg.eval.retries)(event, data_path, cfg, work_dir, _process_workers)
 
 
 def submit_evaluation(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path,

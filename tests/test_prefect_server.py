@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -18,7 +20,7 @@ from areal_eval.pipeline_config import load_pipeline_config
 from areal_eval.planner import EvaluationPlanner
 from areal_eval.publisher import post_event
 from areal_eval.tracking import Tracker
-from tests.prefect_services import REPO, prefect_server
+from tests.prefect_services import PREFECT, REPO, prefect_server, stop
 from tests.prefect_services import cli as run_cli
 
 pytestmark = pytest.mark.integration
@@ -86,6 +88,15 @@ def test_deployments_and_the_automation_are_named(server):
     assert on_checkpoint["parameters"]["gpu_slot"] == "gpu:0" and "evaluation" in on_checkpoint["tags"]
     automations = api(server, "/automations/filter", {})
     assert [a["name"] for a in automations] == ["evaluate-published-checkpoint"]
+
+
+def test_bad_parameters_are_refused_before_a_run_starts(server):
+    bad = {"params": {"eval": {"nprocs": 2, "nproc": True}}}
+    done = subprocess.run([PREFECT, "deployment", "run", "train-and-evaluate/pipeline", "--params", json.dumps(bad)],
+                          cwd=REPO, env=server, capture_output=True, text=True, timeout=120)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0 and "nprocs" in said and "nproc" in said, said[-2000:]
+    assert not [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("params") == bad["params"]]
 
 
 def test_deployment_run_evaluates_a_checkpoint(server, stored_run):
@@ -223,6 +234,33 @@ def test_missing_validation_data_fails_before_any_worker_and_alerts(server, trai
     tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
     tags = tracker.client.get_run(tracker.find_run("nodata")).data.tags
     assert "no such validation data file" in tags["alert.eval-failed"]
+
+
+def test_the_evaluation_service_evaluates_published_checkpoints_on_warm_workers(server, trained_run, tmp_path):
+    _, original = trained_run
+    cli(server, "automation", "pause", "evaluate-published-checkpoint")  # the service instead of the trigger
+    log = tmp_path / "service.log"
+    service = subprocess.Popen([sys.executable, "-m", "flows.serve_evaluations", "--set", f"work_dir={tmp_path / 'work'}",
+                                "--set", "eval.nproc=1"], cwd=REPO, env=server, start_new_session=True,
+                               stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "listening" not in log.read_text():
+            assert service.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        manifest = republish(original.root, tmp_path / "served", "served", [0, 100, 200])
+        for event in Manifest(manifest).events():
+            post_event(server["PREFECT_API_URL"], event, manifest)
+        runs = wait_for_runs(server, lambda r: r["parameters"].get("run_id") == "served", 3)
+    finally:
+        stop(service)
+        cli(server, "automation", "resume", "evaluate-published-checkpoint")
+    assert all(r["state_type"] == "COMPLETED" for r in runs) and all(r["deployment_id"] is None for r in runs)
+    assert sorted(r["name"] for r in runs) == ["served@0", "served@100", "served@200"]
+    ledger = Ledger(tmp_path / "served" / "ledger.jsonl")
+    assert eval_steps(server, "served") == [e.step for e in ledger.entries() if e.status == "evaluated"] == [0, 100, 200]
+    # One torchrun job served every evaluation: start-up was paid once.
+    assert [p.name for p in (tmp_path / "work" / "serve-evaluations").glob("warm-workers-*.log")] == ["warm-workers-1.log"]
 
 
 def test_the_sweep_evaluates_only_what_no_flow_run_handles(server, stored_run):

@@ -1,0 +1,88 @@
+"""``serve-evaluations``: a long-lived evaluation service for trainers that publish on their own.
+
+    PREFECT_API_URL=... python -m flows.serve_evaluations [--config FILE] [--set section.field=value ...]
+
+The deployment trigger pays for every checkpoint a worker poll, a subprocess, importing the
+flow (Prefect, MLflow, torch) and a fresh torchrun job. This process pays them once: it
+subscribes to the server's ``areal.checkpoint.saved`` events from publishers and runs
+``evaluate-checkpoint`` in-process for each one (a flow run per checkpoint, in the UI as any
+other), ``eval.slots`` at a time, on warm worker groups kept for its whole life. Decisions go
+through the run's shared record, so the deployment trigger, the sweep and manual runs agree with
+it. Use it instead of the ``evaluate-published-checkpoint`` automation (pause that one), or beside
+it: then each checkpoint is evaluated once, by whichever flow run claims it first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from prefect.events.clients import get_events_subscriber
+from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+from prefect.events.schemas.events import ResourceSpecification
+from prefect.settings import PREFECT_API_URL
+
+from areal_eval.config import ConfigError, to_dict
+from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
+from areal_eval.publisher import CHECKPOINT_SAVED
+from areal_eval.reaper import watch_over_children
+from flows.evaluate_checkpoint import evaluate_checkpoint
+from tasks.evaluate import serve_warm_workers
+
+PUBLISHED = EventFilter(
+    event=EventNameFilter(name=[CHECKPOINT_SAVED]),
+    resource=EventResourceFilter(labels=ResourceSpecification({"areal.source": "publisher"})),
+)
+"""Checkpoints announced by trainers outside the flow (the flow evaluates its own)."""
+
+
+def evaluate_published(cfg: PipelineConfig, payload: dict, gpu_slot: str | None) -> None:
+    """One checkpoint, as the deployment trigger would start it; a failure is the flow run's."""
+    state = evaluate_checkpoint(
+        global_step=int(payload["global_step"]), manifest=payload["manifest"], run_id=payload.get("run_id"),
+        checkpoint_uri=payload.get("uri"), params=to_dict(cfg), gpu_slot=gpu_slot, return_state=True,
+    )
+    print(f"{payload.get('run_id')}@{payload['global_step']}: {state.name}", flush=True)
+
+
+async def serve(cfg: PipelineConfig, gpu_slot: str | None, ready: asyncio.Event | None = None) -> None:
+    """Evaluate each published checkpoint until cancelled."""
+    loop = asyncio.get_running_loop()
+    with serve_warm_workers(cfg, Path(cfg.work_dir) / "serve-evaluations"), \
+            ThreadPoolExecutor(cfg.eval.slots, thread_name_prefix="evaluate") as pool:
+        async with get_events_subscriber(filter=PUBLISHED, reconnect_on_clean_close=True) as events:
+            print(f"serve-evaluations: listening to {PREFECT_API_URL.value()} for {CHECKPOINT_SAVED} "
+                  f"({cfg.eval.slots} slot(s))", flush=True)
+            if ready is not None:
+                ready.set()
+            async for event in events:
+                loop.run_in_executor(pool, evaluate_published, cfg, dict(event.payload), gpu_slot)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Evaluate checkpoints published to a Prefect server, warm.")
+    parser.add_argument("--config", help="JSON or YAML pipeline config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument("--gpu-slot", default="gpu:0", help="global concurrency limit held while evaluating ('' for none)")
+    args = parser.parse_args(argv)
+    if not PREFECT_API_URL.value():
+        print("error: set PREFECT_API_URL to the server the trainers publish to", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_pipeline_config(args.config, None, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    watch_over_children()  # the warm workers end with this process, however it ends
+    try:
+        asyncio.run(serve(cfg, args.gpu_slot or None))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
