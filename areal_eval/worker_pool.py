@@ -38,6 +38,10 @@ class WarmEvalWorkers:
         self.started_jobs = 0
         """torchrun jobs started so far: 1 while the same ranks serve every evaluation."""
 
+    def start(self) -> None:
+        """Start the ranks now, so the first evaluation does not wait for them."""
+        self._ensure_running()
+
     def _ensure_running(self) -> TorchrunJob:
         if self.job is None or self.job.poll() is not None:
             if self.job is not None:
@@ -117,6 +121,10 @@ class WarmWorkerGroups:
     @property
     def started_jobs(self) -> int:
         return sum(g.started_jobs for g in self.groups)
+
+    def start(self) -> None:
+        for group in self.groups:
+            group.start()
 
     def close(self) -> None:
         for group in self.groups:

@@ -51,8 +51,9 @@ def evaluate_published(cfg: PipelineConfig, payload: dict, gpu_slot: str | None)
 async def serve(cfg: PipelineConfig, gpu_slot: str | None, ready: asyncio.Event | None = None) -> None:
     """Evaluate each published checkpoint until cancelled."""
     loop = asyncio.get_running_loop()
-    with serve_warm_workers(cfg, Path(cfg.work_dir) / "serve-evaluations"), \
+    with serve_warm_workers(cfg, Path(cfg.work_dir) / "serve-evaluations") as workers, \
             ThreadPoolExecutor(cfg.eval.slots, thread_name_prefix="evaluate") as pool:
+        workers.start()  # up before the first checkpoint arrives
         async with get_events_subscriber(filter=PUBLISHED, reconnect_on_clean_close=True) as events:
             print(f"serve-evaluations: listening to {PREFECT_API_URL.value()} for {CHECKPOINT_SAVED} "
                   f"({cfg.eval.slots} slot(s))", flush=True)
