@@ -40,6 +40,24 @@ def trained_tiny_run(work_dir: Path, name: str = "trained"):
     return cfg, run
 
 
+class ProcessJob:
+    """A multiprocessing.Process (a synthetic trainer) as the loop's ``TrainingJob``."""
+
+    def __init__(self, process):
+        self.process = process
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout_s: float) -> int:
+        self.process.join(timeout_s)
+        return self.process.exitcode
+
+    def raise_for_status(self, what: str) -> None:
+        if self.process.exitcode:
+            raise RuntimeError(f"{what} failed: exit {self.process.exitcode}")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:

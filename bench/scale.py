@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import ROOT, emit, percentile  # noqa: F401 (sets up sys.path and env)
+from common import ROOT, ProcessJob, emit, percentile  # noqa: F401 (sets up sys.path and env)
 from scale_services import mlflow_server, run_in_flow
 
 MARKS = (0.1, 0.5, 1.0)
@@ -106,24 +106,6 @@ class SyntheticTraining:
                 self._published.value = i + 1
                 next_at += self.every_s
                 time.sleep(max(0.0, next_at - time.monotonic()))
-
-
-class ProcessJob:
-    """The synthetic training process as the loop's ``TrainingJob``."""
-
-    def __init__(self, process):
-        self.process = process
-
-    def poll(self) -> int | None:
-        return self.process.exitcode
-
-    def wait(self, timeout_s: float) -> int:
-        self.process.join(timeout_s)
-        return self.process.exitcode
-
-    def raise_for_status(self, what: str) -> None:
-        if self.process.exitcode:
-            raise RuntimeError(f"{what} failed: exit {self.process.exitcode}")
 
 
 class TinyEvaluator:

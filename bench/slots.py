@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import emit, percentile, trained_tiny_run
+from common import ProcessJob, emit, percentile, trained_tiny_run
 
 
 def publish(manifest: Path, checkpoints: list[str], count: int, every_s: float, durable: dict) -> None:
@@ -32,24 +32,6 @@ def publish(manifest: Path, checkpoints: list[str], count: int, every_s: float, 
         publish_checkpoint(checkpoints[i % len(checkpoints)], manifest, "slots", global_step=10 * i, final=i == count - 1)
         durable[10 * i] = time.time()
         time.sleep(max(0.0, every_s - (time.monotonic() - started)))
-
-
-class PublisherJob:
-    """The publisher process as the loop's training job."""
-
-    def __init__(self, process: multiprocessing.Process):
-        self.process = process
-
-    def poll(self):
-        return self.process.exitcode
-
-    def wait(self, timeout_s: float) -> int:
-        self.process.join(timeout_s)
-        return self.process.exitcode
-
-    def raise_for_status(self, what: str) -> None:
-        if self.process.exitcode:
-            raise RuntimeError(f"{what} failed: exit {self.process.exitcode}")
 
 
 class TimedIO:
@@ -132,7 +114,7 @@ def run_round(work: Path, trained, slots: int, args) -> dict:
         publisher.start()
         started = time.monotonic()
         ledger = FollowLoop(planner, Manifest(manifest), work / "train_log.jsonl", AlertEngine(AlertsConfig()), io,
-                            LoopConfig(poll_interval_s=0.05, slots=slots), PublisherJob(publisher)).run()
+                            LoopConfig(poll_interval_s=0.05, slots=slots), ProcessJob(publisher)).run()
         elapsed = time.monotonic() - started
         io.pool.shutdown()
     publisher.join()
