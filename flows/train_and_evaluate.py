@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from prefect import flow
+from prefect.runtime import flow_run
 
 from areal_eval.alerts import AlertEngine
 from areal_eval.config import ConfigError
@@ -35,15 +36,25 @@ from areal_eval.run_record import mark_over
 from areal_eval.run_setup import check_inputs, total_train_steps
 from areal_eval.train import training_finished
 from tasks.alerts import webhook_url
+from tasks.checkpoints import share_run_record
 from tasks.evaluate import warm_workers
 from tasks.loop_io import PrefectLoopIO
-from tasks.checkpoints import share_run_record
+from tasks.orchestration import tag_flow_run
 from tasks.reports import summarize
 from tasks.tracking import finish_tracking, start_tracking
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
 
-@flow(name="train-and-evaluate", log_prints=True)
+def training_run_name() -> str:
+    """The run's ``run_name`` (what its directory and MLflow run are called)."""
+    params = flow_run.parameters
+    try:
+        return load_pipeline_config(params.get("config_path"), set_fields(params.get("params")), params.get("overrides")).run_name
+    except Exception:  # noqa: BLE001 - a bad config fails the run itself, with its message
+        return "train-and-evaluate"
+
+
+@flow(name="train-and-evaluate", flow_run_name=training_run_name, log_prints=True)
 def train_and_evaluate(params: PipelineParams | None = None, config_path: str | None = None,
                        overrides: list[str] | None = None) -> dict:
     """Run the whole pipeline for one training run, or resume it (same ``run_name``); returns a summary.
@@ -63,6 +74,7 @@ def train_and_evaluate(params: PipelineParams | None = None, config_path: str | 
     watch_over_children()  # training and evaluation workers end with this process, however it ends
     with RunLock(RunDir(cfg.run_root)):
         run = prepare_run_dir(cfg)
+        tag_flow_run(f"run:{run.run_id}", f"evaluator:{cfg.eval.evaluator}")
         mlflow_run_id = start_tracking(cfg, run)
         training = None if training_finished(run, run.run_id) else start_training(cfg, run)
         failure: BaseException | None = None

@@ -98,7 +98,7 @@ def test_bad_parameters_are_refused_before_a_run_starts(server):
         said = done.stdout + done.stderr
         assert done.returncode != 0 and f"Validation failed for field '{field}'" in said, said[-2000:]
         assert "nprocs" in said or "True is not of type 'integer'" in said, said[-2000:]
-    assert not [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["deployment_id"]]
+    assert not [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if "params" in r["parameters"]]
 
 
 def test_deployment_run_evaluates_a_checkpoint(server, stored_run):
@@ -289,6 +289,8 @@ def test_deployment_run_train_and_evaluate(server, tmp_path):
     run_id = (tmp_path / "served" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
     assert steps[0] == 0 and steps[-1] == 12
+    [flow_run] = [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["name"] == "served"]
+    assert f"run:{run_id}" in flow_run["tags"] and "training" in flow_run["tags"]  # its own and the deployment's
 
 
 def test_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_path):
