@@ -158,6 +158,10 @@ class RunRecord:
             self._save_state({**state, "finished": True})
             return planner.ledger
 
+    def ended(self) -> bool:
+        """The run was ended (by this path, or by the flow that owned it)."""
+        return bool(self._state().get("finished"))
+
     @staticmethod
     def _settled(planner: EvaluationPlanner) -> bool:
         entries = planner.ledger.entries()

@@ -109,11 +109,20 @@ def evaluate_checkpoint(
         evaluate_and_record(cfg, record, refined, reason_now, data_path, run, mlflow_run_id, gpu_slot)
         summary["refined"].append(refined.global_step)
     if (ledger := record.finish()) is not None:  # this flow run found the run over: end it
-        plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", event.run_id)
-        finish_tracking(cfg, mlflow_run_id, ledger, plot, "FINISHED")
-        summary["run"] = summarize(cfg, event.run_id, run, mlflow_run_id, ledger, plot)
+        summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, ledger, "FINISHED")
         logger.info("run %s is over: MLflow run %s finished", event.run_id, mlflow_run_id)
+    elif claim.evaluate and record.ended():  # a late evaluation (manual, sweep): counts and curve stay true
+        summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, Ledger(run.ledger), None)
     return summary
+
+
+def report_run(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger,
+               status: str | None) -> dict:
+    """The curve, the decision log and the counts in MLflow (the run ended with ``status``, or
+    left as it is), and the run's summary artifact."""
+    plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run_id)
+    finish_tracking(cfg, mlflow_run_id, ledger, plot, status)
+    return summarize(cfg, run_id, run, mlflow_run_id, ledger, plot)
 
 
 def refuse_if_owned(run: RunDir) -> None:

@@ -52,13 +52,15 @@ def log_evaluation(cfg: PipelineConfig, run_id: str, result: EvalResult, reason:
 
 
 @task(cache_policy=NO_CACHE, name="finish-tracking")
-def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, plot: Path, status: str = "FINISHED",
+def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, plot: Path, status: str | None = "FINISHED",
                     failure: str | None = None) -> None:
     """Scheduler decisions and the curve plot as artifacts, counts as tags, the run ended with
-    ``status`` (and ``failure`` as the tag ``areal.failure``)."""
+    ``status`` (and ``failure`` as the tag ``areal.failure``); ``status`` None refreshes them on
+    a run that already ended."""
     tracker = tracker_for(cfg)
     tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
     tracker.log_artifact(run_id, plot)
     tags = {f"checkpoints.{k}": v for k, v in ledger.counts().items()}
     tracker.set_tags(run_id, tags | ({"areal.failure": failure[:5000]} if failure else {}))
-    tracker.finish(run_id, status)
+    if status is not None:
+        tracker.finish(run_id, status)

@@ -195,6 +195,12 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
     assert {m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")} == published_loss
     again = evaluate_checkpoint(12, str(run.manifest), params=params)
     assert again["reason"].startswith("already evaluated") and "run" not in again
+    # A manual evaluation after the end keeps the run's counts (and curve) true; the run stays ended.
+    [other] = {4, 8} - set(refined)
+    manual = evaluate_checkpoint(other, str(run.manifest), params=params, reason="manual")
+    assert manual["evaluated"] and manual["reason"].startswith("manual; scheduler: skipped")
+    tracker, runs = mlflow_run(cfg)
+    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "4"
 
 
 def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, trained_run, tmp_path):
