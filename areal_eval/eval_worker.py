@@ -217,7 +217,10 @@ def serve(parser: argparse.ArgumentParser, inbox: Path) -> None:
 def job_outline(argv: list[str] | None) -> argparse.Namespace:
     """Where a job that could not be parsed wanted its result, so its failure lands there."""
     argv = argv if isinstance(argv, list) else []
-    value = lambda flag: argv[argv.index(flag) + 1] if flag in argv[:-1] else None  # noqa: E731
+
+    def value(flag: str) -> str | None:
+        return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
     return argparse.Namespace(out=value("--out"), checkpoint=value("--checkpoint"))
 
 
