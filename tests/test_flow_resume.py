@@ -102,7 +102,8 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
 
 def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_handled(tmp_path):
     flow, params, config, run, log = start_flow(tmp_path, "rank", 400,
-                                                {"policy": "fixed", "fixed_interval_steps": 1, "coalesce": False})
+                                                {"policy": "fixed", "fixed_interval_steps": 1, "coalesce": False,
+                                                 "min_interval_steps": 0})
     try:
         wait_for(lambda: max([e.global_step for e in Manifest(run.manifest).events()], default=0) >= 12, 300,
                  f"training past step 12 (flow log {log.name})")
