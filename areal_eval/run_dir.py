@@ -93,3 +93,14 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def owned_by_live_process(run: RunDir) -> bool:
+    """A live process (a ``train-and-evaluate`` flow) holds the run's owner lock."""
+    if not run.lock_file.exists():
+        return False
+    try:
+        RunLock(run).acquire().release()
+    except RunBusy:
+        return True
+    return False

@@ -17,7 +17,7 @@ from areal_eval.checkpoint_store import S3Config, S3Store, is_s3, localize_manif
 from areal_eval.manifest import Manifest
 from areal_eval.config_schema import PipelineParams, set_fields
 from areal_eval.pipeline_config import load_pipeline_config
-from areal_eval.run_dir import RunBusy, RunDir, RunLock
+from areal_eval.run_dir import RunDir, owned_by_live_process
 from areal_eval.run_record import RunRecord
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from tasks.orchestration import flow_run_alive
@@ -39,9 +39,7 @@ def end_if_abandoned(tracker, mlflow_run_id: str, run: RunDir) -> bool:
     Runs of trainers outside the flow hold no lock file and are left alone."""
     if not run.lock_file.exists() or tracker.client.get_run(mlflow_run_id).info.status != "RUNNING":
         return False
-    try:
-        RunLock(run).acquire().release()
-    except RunBusy:
+    if owned_by_live_process(run):
         return False  # its flow is alive
     tracker.set_tags(mlflow_run_id, {"areal.failure": "its flow died: found RUNNING with no live owner by sweep-checkpoints"})
     tracker.finish(mlflow_run_id, "KILLED")
@@ -80,7 +78,7 @@ def sweep_checkpoints(store: str, params: PipelineParams | None = None, reevalua
         mlflow_run = tracker.find_run(events[0].run_id)
         if mlflow_run and not is_s3(manifest) and end_if_abandoned(tracker, mlflow_run, run):
             logger.warning("run %s was RUNNING with no live owner: marked KILLED", events[0].run_id)
-        if owned_by_live_flow(run):
+        if owned_by_live_process(run):
             logger.info("run %s: its train-and-evaluate flow is live and evaluates it", events[0].run_id)
             continue
         record = RunRecord(run, Manifest(local), cfg.scheduler, cfg.alerts, events[0].run_id)
@@ -96,12 +94,3 @@ def sweep_checkpoints(store: str, params: PipelineParams | None = None, reevalua
     logger.info("sweep: evaluated %d, failed %d", len(evaluated), len(failed))
     return {"evaluated": evaluated, "failed": failed}
 
-
-def owned_by_live_flow(run: RunDir) -> bool:
-    if not run.lock_file.exists():
-        return False
-    try:
-        RunLock(run).acquire().release()
-    except RunBusy:
-        return True
-    return False
