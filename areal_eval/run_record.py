@@ -57,11 +57,10 @@ class RunRecord:
             yield EvaluationPlanner(self.scheduler, Ledger(self.run.ledger))
 
     def _state(self) -> dict:
-        path = self.run.record_state
-        return json.loads(path.read_text()) if path.exists() else {}
+        return read_state(self.run)
 
     def _save_state(self, state: dict) -> None:
-        atomic_write_text(self.run.record_state, json.dumps(state, indent=1, sort_keys=True))
+        write_state(self.run, state)
 
     def _decide_all(self, planner: EvaluationPlanner) -> list[CheckpointEvent]:
         """Decide every checkpoint of the manifest not decided yet, in step order; returns those."""
@@ -72,11 +71,6 @@ class RunRecord:
         for event in events:
             planner.decide(event)
         return new
-
-    def decide(self) -> list[CheckpointEvent]:
-        """Decide what is undecided; returns the checkpoints decided now."""
-        with self._locked() as planner:
-            return self._decide_all(planner)
 
     def claim(self, step: int, owner: str, forced: str | None = None,
               alive: Callable[[str], bool] = lambda owner: False) -> tuple[Claim, list[CheckpointEvent]]:
@@ -173,6 +167,14 @@ class RunRecord:
 def mark_over(run: RunDir) -> None:
     """The run's owner (``train-and-evaluate``) refined and ended it: flow runs that evaluate
     it later (manual, sweep) do neither again."""
+    write_state(run, {**read_state(run), "refined": True, "finished": True})
+
+
+def read_state(run: RunDir) -> dict:
+    """The run's record state (alert throttling, refined, finished); empty before any."""
     path = run.record_state
-    state = json.loads(path.read_text()) if path.exists() else {}
-    atomic_write_text(path, json.dumps({**state, "refined": True, "finished": True}, indent=1, sort_keys=True))
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_state(run: RunDir, state: dict) -> None:
+    atomic_write_text(run.record_state, json.dumps(state, indent=1, sort_keys=True))
