@@ -11,9 +11,10 @@ import dataclasses
 import math
 import time
 import urllib.parse
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
-from areal_eval.config import NON_NEGATIVE, FieldError, check_ranges
+from areal_eval.config.parsing import NON_NEGATIVE, FieldError, check_ranges
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from areal_eval import replay as replay_mod
+from areal_eval.scheduling import replay as replay_mod
 
 
 def _replay(args) -> int:
@@ -41,7 +41,7 @@ def _follow_node(args) -> int:
         raise ValueError("follow-node runs on nodes 1..N-1 of a multi-node pool "
                          "(AREAL_EVAL_NNODES >= 2, AREAL_EVAL_NODE_RANK >= 1)")
     worker_args = ["--follow", "--cache-dir", args.cache_dir]
-    command = torchrun_command("areal_eval.eval_worker", worker_args, nodes.nproc_per_node or 1, nodes)
+    command = torchrun_command("areal_eval.evaluation.worker", worker_args, nodes.nproc_per_node or 1, nodes)
     while True:
         code = subprocess.run(command).returncode
         print(f"areal-eval follow-node: evaluation job ended with exit {code}", file=sys.stderr, flush=True)

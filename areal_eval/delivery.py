@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from areal_eval.evaluation import EvalResult
+from areal_eval.evaluation.jobs import EvalResult
 
 
 class Deliverer:

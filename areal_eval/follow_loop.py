@@ -19,17 +19,18 @@ import dataclasses
 import gc
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from areal_eval.alerts import Alert, AlertEngine
+from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
+from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_delete
 from areal_eval.delivery import Deliverer
-from areal_eval.evaluation import EvalResult
-from areal_eval.ledger import Ledger
-from areal_eval.manifest import CheckpointEvent, Manifest
-from areal_eval.planner import DecisionThread, EvaluationPlanner, JsonlFollower, ManifestFollower
-from areal_eval.retention import RetentionConfig, checkpoints_to_delete
-from areal_eval.scheduler import Decision
+from areal_eval.evaluation.jobs import EvalResult
+from areal_eval.runs.ledger import Ledger
+from areal_eval.scheduling.planner import DecisionThread, EvaluationPlanner, JsonlFollower, ManifestFollower
+from areal_eval.scheduling.policy import Decision
 
 
 class EvaluationHandle(Protocol):

@@ -37,7 +37,7 @@ class NodeLayout:
     """Ranks per node the pool's hardware calls for (its GPUs); None: the evaluation config's."""
 
     @classmethod
-    def from_env(cls, prefix: str = "AREAL_EVAL_") -> "NodeLayout":
+    def from_env(cls, prefix: str = "AREAL_EVAL_") -> NodeLayout:
         """Set by the work pool's job template (``infra/k8s``); unset means one node."""
         env = os.environ
         nproc = env.get(prefix + "NPROC_PER_NODE")

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from areal_eval.config import AT_LEAST_1, FieldError, check_ranges
-from areal_eval.manifest import CheckpointError
+from areal_eval.checkpoints.manifest import CheckpointError
+from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
 from areal_eval.preference_data import DataError, line_of_pair
 
 

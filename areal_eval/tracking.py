@@ -16,7 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from areal_eval.config import flatten
+from areal_eval.config.parsing import flatten
+from areal_eval.runs.ledger import LedgerEntry
 
 RUN_ID_TAG = "areal.run_id"
 TRAIN_WATERMARK_TAG = "areal.train_logged_through"
@@ -169,7 +170,7 @@ class Tracker:
 
     def scheduler_history(self, run_id: str, metric: str, stderr_metric: str | None):
         """Past evaluations as the scheduler's history: triggered runs share state through MLflow."""
-        from areal_eval.scheduler import HistoryEntry
+        from areal_eval.scheduling.policy import HistoryEntry
 
         values = {m.step: m for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}
         stderrs = self.eval_history(run_id, stderr_metric) if stderr_metric else {}
@@ -188,3 +189,32 @@ class Tracker:
 
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
+
+
+def plot_curve(entries: list[LedgerEntry], metric: str, out: str | Path, title: str = "") -> Path:
+    """The evaluation curve as a PNG: metric against step, evaluated and skipped checkpoints marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on workers
+    import matplotlib.pyplot as plt
+
+    evaluated = [(e.step, e.metrics[metric]) for e in entries if e.status == "evaluated" and metric in e.metrics]
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    if evaluated:
+        ax.plot(*zip(*evaluated), "o-", color="tab:blue", label=f"evaluated ({len(evaluated)})")
+    markers = {"skipped": ("|", "tab:gray"), "superseded": ("x", "tab:orange"), "failed": ("X", "tab:red")}
+    for status, (marker, color) in markers.items():
+        steps = [e.step for e in entries if e.status == status]
+        if steps:
+            ax.plot(steps, [0.0] * len(steps), marker, color=color, markersize=9, transform=ax.get_xaxis_transform(),
+                    clip_on=False, linestyle="none", label=f"{status} ({len(steps)})")
+    ax.set_xlabel("global step")
+    ax.set_ylabel(metric)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

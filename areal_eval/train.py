@@ -21,16 +21,15 @@ from pathlib import Path
 import torch
 
 from areal_eval import distributed, reward_model
-from areal_eval.checkpoint import CheckpointWriter, checkpoint_name, read_resume_state, resume_state_path
-from areal_eval.checkpoint_store import StorageConfig, open_store
-from areal_eval.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges, from_dict
-from areal_eval.control import StopSignal
-from areal_eval.freq_ctl import EpochStepTimeFreqCtl
+from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
+from areal_eval.checkpoints.saving import CheckpointWriter, checkpoint_name, read_resume_state, resume_state_path
+from areal_eval.checkpoints.store import StorageConfig, open_store
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges, from_dict
 from areal_eval.launcher import die_with_parent
-from areal_eval.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.preference_data import read_pairs
 from areal_eval.reward_model import RewardModelConfig
-from areal_eval.run_dir import RunDir
+from areal_eval.runs.directory import RunDir, StopSignal
+from areal_eval.scheduling.freq_ctl import EpochStepTimeFreqCtl
 
 
 @dataclasses.dataclass

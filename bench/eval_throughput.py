@@ -94,9 +94,9 @@ def trainer_worker(spec: str) -> None:
 
 def areal_run(event, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path) -> tuple[float, float]:
     """areal-eval's evaluation as the pipeline runs it: a torchrun job from its launcher."""
-    from areal_eval.evaluation import EvalConfig, evaluate_checkpoint
+    from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
 
-    result = evaluate_checkpoint(event, pairs_path, EvalConfig(nproc=nproc, batch_size=batch_size), work, max_length)
+    result = run_evaluation_job(event, pairs_path, EvalConfig(nproc=nproc, batch_size=batch_size), work, max_length)
     loop = json.loads((work / f"global_step_{event.global_step:08d}.json").read_text())["eval_loop_seconds"]
     return loop, result.metrics["accuracy"]
 
@@ -115,8 +115,8 @@ def main() -> None:
     import torch
 
     from areal_eval import reward_model
-    from areal_eval.checkpoint import CheckpointWriter
-    from areal_eval.manifest import Manifest
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.checkpoints.saving import CheckpointWriter
 
     work = Path(tempfile.mkdtemp(prefix="bench-eval-"))
     cfg, run = prepared_run(

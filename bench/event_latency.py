@@ -60,8 +60,8 @@ def start_service(env: dict, home: Path):
 
 
 def measure(work: Path, trained, events: int, every_s: float, path: str) -> dict:
-    from areal_eval.manifest import Manifest
-    from areal_eval.publisher import publish_checkpoint
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.checkpoints.publisher import publish_checkpoint
     from areal_eval.tracking import Tracker
     from tests.prefect_services import prefect_server
 

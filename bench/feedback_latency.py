@@ -37,10 +37,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=750)
     args = parser.parse_args()
 
-    from flows.train_and_evaluate import train_and_evaluate
-    from areal_eval.manifest import Manifest
-    from areal_eval.run_dir import RunDir
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.runs.directory import RunDir
     from areal_eval.tracking import Tracker
+    from flows.train_and_evaluate import train_and_evaluate
 
     work = Path(tempfile.mkdtemp(prefix="bench-latency-"))
     params = {"run_name": "latency", "work_dir": str(work), "train": {"max_steps": args.steps},

@@ -27,10 +27,10 @@ RUNS = [  # (seed, label noise, checkpoint every N steps): uneven spacing on pur
 
 
 def record_run(work: Path, seed: int, noise: float, every: int) -> list[dict]:
-    from areal_eval.evaluation import evaluate_checkpoint
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.evaluation.jobs import run_evaluation_job
+    from areal_eval.evaluation.worker_pool import WarmEvalWorkers
     from areal_eval.launcher import TorchrunJob
-    from areal_eval.manifest import Manifest
-    from areal_eval.worker_pool import WarmEvalWorkers
 
     name = f"seed{seed}-noise{noise}-every{every}"
     cfg, run = prepared_run(name, work, train={"seed": seed, "save": {"freq_steps": every}},
@@ -41,7 +41,7 @@ def record_run(work: Path, seed: int, noise: float, every: int) -> list[dict]:
     points: dict[str, list[dict]] = {"accuracy": [], "loss": []}
     with WarmEvalWorkers(cfg.eval.nproc, run.evals) as workers:
         for event in Manifest(run.manifest).events():
-            metrics = evaluate_checkpoint(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length, workers=workers).metrics
+            metrics = run_evaluation_job(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length, workers=workers).metrics
             for metric in points:
                 points[metric].append({"step": event.global_step, "value": metrics[metric], "stderr": metrics[f"{metric}_stderr"]})
     return [{"curve": f"areal-demo/{name}/{metric}", "higher_is_better": metric == "accuracy", "points": pts}
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "curves" / "areal-demo.jsonl"))
     parser.add_argument("--runs", type=int, default=len(RUNS))
     args = parser.parse_args()
-    from areal_eval import replay
+    from areal_eval.scheduling import replay
 
     work = Path(tempfile.mkdtemp(prefix="bench-curves-"))
     curves = [c for seed, noise, every in RUNS[: args.runs] for c in record_run(work, seed, noise, every)]

@@ -42,8 +42,8 @@ def timed(fn) -> float:
 def transfer_round(url: str, bucket: str, staged: Path, work: Path, n: int) -> dict:
     import boto3
 
-    from areal_eval.checkpoint_files import describe_files
-    from areal_eval.checkpoint_store import S3Config, S3Store
+    from areal_eval.checkpoints.manifest import describe_files
+    from areal_eval.checkpoints.store import S3Config, S3Store
 
     files = describe_files(staged)
     client = boto3.client("s3", endpoint_url=url)

@@ -89,7 +89,7 @@ class SyntheticTraining:
     def run(self) -> None:
         from safetensors.torch import save_file
 
-        from areal_eval.publisher import publish_checkpoint
+        from areal_eval.checkpoints.publisher import publish_checkpoint
 
         next_at = time.monotonic()
         with self.train_log.open("a") as log:
@@ -121,8 +121,8 @@ class TinyEvaluator:
     def __call__(self, event):
         from safetensors.torch import load_file
 
-        from areal_eval.checkpoint_files import verify_checkpoint
-        from areal_eval.evaluation import EvalResult
+        from areal_eval.checkpoints.manifest import verify_checkpoint
+        from areal_eval.evaluation.jobs import EvalResult
 
         start = time.monotonic()
         verify_checkpoint(event.uri, event.files)
@@ -203,11 +203,11 @@ def run_once(args, tracking: str, work: Path) -> dict:
     import psutil
 
     from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
+    from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.follow_loop import FollowLoop, LoopConfig
-    from areal_eval.ledger import Ledger
-    from areal_eval.manifest import Manifest
-    from areal_eval.planner import EvaluationPlanner
-    from areal_eval.scheduler import SchedulerConfig
+    from areal_eval.runs.ledger import Ledger
+    from areal_eval.scheduling.planner import EvaluationPlanner
+    from areal_eval.scheduling.policy import SchedulerConfig
     from areal_eval.tracking import Tracker
 
     work.mkdir(parents=True)

@@ -20,10 +20,10 @@ def run_in_flow(planner, training, job, rules, loop_cfg, tracker, mlflow_run_id,
     from prefect.context import get_run_context
 
     from areal_eval.alerts import AlertEngine
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.config.pipeline import load_pipeline_config
     from areal_eval.follow_loop import FollowLoop
-    from areal_eval.manifest import Manifest
-    from areal_eval.pipeline_config import load_pipeline_config
-    from areal_eval.run_dir import RunDir
+    from areal_eval.runs.directory import RunDir
     from tasks.loop_io import PrefectLoopIO, TaskHandle
 
     score_checkpoint = task(evaluator.__call__, name="score-checkpoint", cache_policy=NO_CACHE)

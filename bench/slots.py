@@ -25,7 +25,7 @@ from common import ProcessJob, emit, percentile, trained_tiny_run
 
 
 def publish(manifest: Path, checkpoints: list[str], count: int, every_s: float, durable: dict) -> None:
-    from areal_eval.publisher import publish_checkpoint
+    from areal_eval.checkpoints.publisher import publish_checkpoint
 
     for i in range(count):
         started = time.monotonic()
@@ -43,10 +43,10 @@ class TimedIO:
         self.landed: dict[int, float] = {}
 
     def _evaluate(self, event):
-        from areal_eval.evaluation import evaluate_checkpoint
+        from areal_eval.evaluation.jobs import run_evaluation_job
 
         with self.groups.lease() as group:
-            return evaluate_checkpoint(event, self.run.valid_data, self.cfg.eval, self.run.evals, self.cfg.model.max_length,
+            return run_evaluation_job(event, self.run.valid_data, self.cfg.eval, self.run.evals, self.cfg.model.max_length,
                                        workers=group)
 
     def submit(self, event, reason):
@@ -76,26 +76,26 @@ class TimedIO:
 
 
 def warm_up(groups, cfg, run, slots: int) -> None:
-    from areal_eval.evaluation import evaluate_checkpoint
-    from areal_eval.manifest import Manifest
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.evaluation.jobs import run_evaluation_job
 
     event = Manifest(run.manifest).events()[0]
     leases = [groups.lease() for _ in range(slots)]
     for i, lease in enumerate(leases):
         with lease as group:
-            evaluate_checkpoint(event, run.valid_data, cfg.eval, run.evals / f"warm-up-{i}", cfg.model.max_length,
+            run_evaluation_job(event, run.valid_data, cfg.eval, run.evals / f"warm-up-{i}", cfg.model.max_length,
                                 workers=group)
 
 
 def run_round(work: Path, trained, slots: int, args) -> dict:
     from areal_eval.alerts import AlertEngine, AlertsConfig
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.evaluation.worker_pool import WarmWorkerGroups
     from areal_eval.follow_loop import FollowLoop, LoopConfig
-    from areal_eval.ledger import Ledger
-    from areal_eval.manifest import Manifest
-    from areal_eval.planner import EvaluationPlanner
-    from areal_eval.scheduler import SchedulerConfig
+    from areal_eval.runs.ledger import Ledger
+    from areal_eval.scheduling.planner import EvaluationPlanner
+    from areal_eval.scheduling.policy import SchedulerConfig
     from areal_eval.tracking import Tracker
-    from areal_eval.worker_pool import WarmWorkerGroups
 
     cfg, run = trained
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, nproc=1, slots=slots))

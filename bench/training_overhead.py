@@ -25,11 +25,11 @@ from common import emit, median, prepared_run
 
 
 def run_training(cfg, run, with_pipeline: bool, nice: int = 0) -> dict:
-    from areal_eval.evaluation import evaluate_checkpoint
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.evaluation.jobs import run_evaluation_job
     from areal_eval.launcher import TorchrunJob
-    from areal_eval.ledger import Ledger
-    from areal_eval.manifest import Manifest
-    from areal_eval.planner import EvaluationPlanner, ManifestFollower
+    from areal_eval.runs.ledger import Ledger
+    from areal_eval.scheduling.planner import EvaluationPlanner, ManifestFollower
 
     for stale in (run.manifest, run.train_log, run.ledger):
         stale.unlink(missing_ok=True)
@@ -48,7 +48,7 @@ def run_training(cfg, run, with_pipeline: bool, nice: int = 0) -> dict:
                 busy, evaluated = None, evaluated + 1
             if busy is None and (event := planner.next()):
                 eval_cfg = dataclasses.replace(cfg.eval, nice=nice)
-                busy = threading.Thread(target=evaluate_checkpoint, args=(event, run.valid_data, eval_cfg, run.evals))
+                busy = threading.Thread(target=run_evaluation_job, args=(event, run.valid_data, eval_cfg, run.evals))
                 busy.start()
             follower.wait(0.2)
     job.wait(900)

@@ -3,7 +3,7 @@
 Started by the deployment trigger on ``areal.checkpoint.saved`` (parameters templated from the
 event payload), by ``prefect deployment run``, by ``sweep-checkpoints``, or by
 ``train-and-evaluate`` dispatching to the evaluation pool. Flow runs of the same training run
-share its record (:class:`~areal_eval.run_record.RunRecord`): the same planner as the in-flow
+share its record (:class:`~areal_eval.runs.record.RunRecord`): the same planner as the in-flow
 loop decides every checkpoint once, in step order, and one flow run evaluates each chosen one.
 The flow run that finds the run over (final checkpoint and refinement evaluated) ends its MLflow
 run with the curve and the decision log, as ``train-and-evaluate`` does.
@@ -18,20 +18,20 @@ from prefect import flow, get_run_logger
 from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 
-from areal_eval.checkpoint_store import is_s3, localize_manifest
-from areal_eval.evaluation import EvalResult, check_validation_data
-from areal_eval.ledger import Ledger
-from areal_eval.manifest import CheckpointEvent, Manifest
-from areal_eval.config_schema import PipelineParams, set_fields
-from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
-from areal_eval.plot import plot_curve
-from areal_eval.run_dir import RunBusy, RunDir, RunLock
-from areal_eval.run_record import RunRecord
+from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
+from areal_eval.checkpoints.store import is_s3, localize_manifest
+from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
+from areal_eval.config.schema import PipelineParams, set_fields
+from areal_eval.evaluation.jobs import EvalResult, check_validation_data
+from areal_eval.runs.directory import RunBusy, RunDir, RunLock
+from areal_eval.runs.ledger import Ledger
+from areal_eval.runs.record import RunRecord
+from areal_eval.tracking import plot_curve
 from tasks.alerts import send_alert
-from tasks.evaluate import evaluate
+from tasks.mlflow_logging import finish_tracking, log_evaluation, start_tracking_run, tracker_for
 from tasks.orchestration import flow_run_alive, tag_flow_run
 from tasks.reports import summarize, update_evaluation_table
-from tasks.tracking import finish_tracking, log_evaluation, start_tracking_run, tracker_for
+from tasks.scoring import score_now
 
 
 def same_location(a: str, b: str) -> bool:
@@ -158,7 +158,7 @@ def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[Checkpo
 
 def evaluate_one(cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None) -> EvalResult:
     with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
-        return evaluate(event, data, cfg, run.evals)
+        return score_now(event, data, cfg, run.evals)
 
 
 def evaluate_and_record(cfg: PipelineConfig, record: RunRecord, event: CheckpointEvent, reason: str,

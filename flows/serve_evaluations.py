@@ -25,12 +25,12 @@ from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFi
 from prefect.events.schemas.events import ResourceSpecification
 from prefect.settings import PREFECT_API_URL
 
-from areal_eval.config import ConfigError, to_dict
-from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
-from areal_eval.publisher import CHECKPOINT_SAVED
+from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED
+from areal_eval.config.parsing import ConfigError, to_dict
+from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.reaper import watch_over_children
 from flows.evaluate_checkpoint import evaluate_checkpoint
-from tasks.evaluate import serve_warm_workers
+from tasks.scoring import serve_warm_workers
 
 PUBLISHED = EventFilter(
     event=EventNameFilter(name=[CHECKPOINT_SAVED]),

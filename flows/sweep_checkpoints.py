@@ -13,15 +13,15 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from areal_eval.checkpoint_store import S3Config, S3Store, is_s3, localize_manifest
-from areal_eval.manifest import Manifest
-from areal_eval.config_schema import PipelineParams, set_fields
-from areal_eval.pipeline_config import load_pipeline_config
-from areal_eval.run_dir import RunDir, owned_by_live_process
-from areal_eval.run_record import RunRecord
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.checkpoints.store import S3Config, S3Store, is_s3, localize_manifest
+from areal_eval.config.pipeline import load_pipeline_config
+from areal_eval.config.schema import PipelineParams, set_fields
+from areal_eval.runs.directory import RunDir, owned_by_live_process
+from areal_eval.runs.record import RunRecord
 from flows.evaluate_checkpoint import evaluate_checkpoint
+from tasks.mlflow_logging import tracker_for
 from tasks.orchestration import flow_run_alive
-from tasks.tracking import tracker_for
 
 
 def find_manifests(store: str, s3: S3Config) -> list[str]:

@@ -14,34 +14,33 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
 
 from areal_eval.alerts import AlertEngine
-from areal_eval.config import ConfigError
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.config.parsing import ConfigError
+from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
+from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.follow_loop import FollowLoop, LoopConfig
 from areal_eval.launcher import TorchrunJob
-from areal_eval.ledger import Ledger
-from areal_eval.manifest import Manifest
-from areal_eval.config_schema import PipelineParams, set_fields
-from areal_eval.pipeline_config import PipelineConfig, load_pipeline_config
-from areal_eval.planner import EvaluationPlanner
-from areal_eval.plot import plot_curve
 from areal_eval.preference_data import DataError
 from areal_eval.reaper import watch_over_children
-from areal_eval.run_dir import RunBusy, RunDir, RunLock
-from areal_eval.run_record import mark_over
-from areal_eval.run_setup import check_inputs, total_train_steps
+from areal_eval.runs.directory import RunBusy, RunDir, RunLock
+from areal_eval.runs.ledger import Ledger
+from areal_eval.runs.record import mark_over
+from areal_eval.runs.setup import check_inputs, total_train_steps
+from areal_eval.scheduling.planner import EvaluationPlanner
+from areal_eval.tracking import plot_curve
 from areal_eval.train import training_finished
 from tasks.alerts import webhook_url
 from tasks.checkpoints import share_run_record
-from tasks.evaluate import warm_workers
 from tasks.loop_io import PrefectLoopIO
+from tasks.mlflow_logging import finish_tracking, start_tracking
 from tasks.orchestration import tag_flow_run
 from tasks.reports import summarize
-from tasks.tracking import finish_tracking, start_tracking
+from tasks.scoring import warm_workers
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
 

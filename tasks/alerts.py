@@ -6,17 +6,16 @@ import dataclasses
 import json
 import os
 
-from prefect.cache_policies import NO_CACHE
 from prefect import get_run_logger, task
-from prefect.tasks import exponential_backoff
-from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.blocks.core import Block
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
 
 from areal_eval.alerts import Alert, AlertsConfig, redact
-from areal_eval.config import ConfigError
-from areal_eval.control import StopSignal
-from areal_eval.run_dir import RunDir
-from tasks.tracking import tracker_for
+from areal_eval.config.parsing import ConfigError
+from areal_eval.runs.directory import RunDir, StopSignal
+from tasks.mlflow_logging import tracker_for
 
 
 class NotificationFailed(RuntimeError):

@@ -8,13 +8,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
-from areal_eval.checkpoint_store import RUN_RECORD_FILES, open_store
-from areal_eval.ledger import Ledger
-from areal_eval.manifest import CheckpointEvent
-from areal_eval.pipeline_config import PipelineConfig
-from areal_eval.publisher import CHECKPOINT_SAVED, checkpoint_resource, event_payload
-from areal_eval.run_dir import RunDir
-from tasks.tracking import tracker_for
+from areal_eval.checkpoints.manifest import CheckpointEvent
+from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, checkpoint_resource, event_payload
+from areal_eval.checkpoints.store import RUN_RECORD_FILES, open_store
+from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.ledger import Ledger
+from tasks.mlflow_logging import tracker_for
 
 
 def announce_checkpoint(event: CheckpointEvent, manifest: Path) -> None:

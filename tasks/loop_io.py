@@ -14,17 +14,17 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from areal_eval.alerts import Alert
-from areal_eval.evaluation import EvalResult
-from areal_eval.ledger import Ledger
-from areal_eval.manifest import CheckpointEvent
-from areal_eval.pipeline_config import PipelineConfig
-from areal_eval.run_dir import RunDir
-from areal_eval.worker_pool import WarmWorkerGroups
+from areal_eval.checkpoints.manifest import CheckpointEvent
+from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.evaluation.jobs import EvalResult
+from areal_eval.evaluation.worker_pool import WarmWorkerGroups
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.ledger import Ledger
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
-from tasks.evaluate import dispatch_evaluation, submit_evaluation
+from tasks.mlflow_logging import log_evaluation, tracker_for
 from tasks.reports import update_evaluation_table
-from tasks.tracking import log_evaluation, tracker_for
+from tasks.scoring import dispatch_evaluation, submit_scoring
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class PrefectLoopIO:
     def submit(self, event: CheckpointEvent, reason: str) -> TaskHandle:
         if self.cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
             return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg, reason))
-        return TaskHandle(submit_evaluation(event, self.run.valid_data, self.cfg, self.run.evals, self.workers))
+        return TaskHandle(submit_scoring(event, self.run.valid_data, self.cfg, self.run.evals, self.workers))
 
     def log_result(self, result: EvalResult, reason: str) -> None:
         log_evaluation(self.cfg, self.mlflow_run_id, result, reason)

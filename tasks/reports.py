@@ -8,11 +8,11 @@ from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from areal_eval.ledger import Ledger
-from areal_eval.pipeline_config import PipelineConfig
-from areal_eval.run_dir import RunDir
+from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import mlflow_run_url, resolve_tracking_uri
-from tasks.tracking import tracker_for
+from tasks.mlflow_logging import tracker_for
 
 COUNTED = ("evaluated", "skipped", "superseded", "failed", "scheduled")
 

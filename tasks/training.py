@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from prefect.cache_policies import NO_CACHE
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
+from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.launcher import TorchrunJob
-from areal_eval.pipeline_config import PipelineConfig
-from areal_eval.run_dir import RunDir
-from areal_eval.run_setup import prepare_run
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.setup import prepare_run
 
 
 @task(cache_policy=NO_CACHE, name="prepare-run")

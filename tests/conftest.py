@@ -25,8 +25,8 @@ TINY = {
 
 
 def tiny_config(tmp_path: Path, **sections):
-    from areal_eval.config import merge
-    from areal_eval.pipeline_config import load_pipeline_config
+    from areal_eval.config.parsing import merge
+    from areal_eval.config.pipeline import load_pipeline_config
 
     params = merge(TINY, {"work_dir": str(tmp_path), "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}})
     return load_pipeline_config(params=merge(params, sections))
@@ -36,7 +36,7 @@ def tiny_config(tmp_path: Path, **sections):
 def trained_run(tmp_path_factory):
     """A run directory trained for 12 steps on 2 ranks: checkpoints at 0, 4, 8 and final 12."""
     from areal_eval.launcher import TorchrunJob
-    from areal_eval.run_setup import prepare_run
+    from areal_eval.runs.setup import prepare_run
 
     cfg = tiny_config(tmp_path_factory.mktemp("trained"))
     run = prepare_run(cfg)

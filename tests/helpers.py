@@ -5,6 +5,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import psutil
+import torch
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -15,14 +18,35 @@ def free_port() -> int:
 def live_processes(needle: str) -> list[int]:
     """PIDs of live (non-zombie) processes whose command line contains ``needle``."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in cmd and state != "Z":
-            pids.append(int(entry.name))
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and needle in " ".join(proc.info["cmdline"] or ()):
+            pids.append(proc.pid)
     return pids
+
+
+HOLD_RUN_LOCK = """
+import sys, time
+from areal_eval.runs.directory import RunDir, RunLock
+lock = RunLock(RunDir(sys.argv[1])).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+"""A second process that owns a run until killed: ``python -c HOLD_RUN_LOCK RUN_DIR``."""
+
+
+class TinyModel(torch.nn.Module):
+    """Stands in for a transformers model: has save_pretrained with state_dict=."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def save_pretrained(self, path, state_dict, safe_serialization=True):
+        from safetensors.torch import save_file
+
+        save_file(state_dict, f"{path}/model.safetensors")
+
+
+class NoTokenizer:
+    def save_pretrained(self, path):
+        (Path(path) / "tokenizer.json").write_text("{}")

@@ -1,6 +1,6 @@
-from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
-
 import pytest
+
+from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 
 
 class Clock:

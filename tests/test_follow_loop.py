@@ -6,12 +6,12 @@ import time
 from concurrent.futures import Future
 
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
-from areal_eval.evaluation import EvalResult, EvaluationFailed
+from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
+from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed
 from areal_eval.follow_loop import FollowLoop, LoopConfig
-from areal_eval.ledger import FINAL_STATES, Ledger
-from areal_eval.manifest import CheckpointEvent, Manifest
-from areal_eval.planner import EvaluationPlanner
-from areal_eval.scheduler import SchedulerConfig
+from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from areal_eval.scheduling.planner import EvaluationPlanner
+from areal_eval.scheduling.policy import SchedulerConfig
 
 
 def accuracy_at(step):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.manifest import Manifest
+from areal_eval.checkpoints.manifest import Manifest
 from tests.helpers import free_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "k8s" / "eval-pool.json"
@@ -71,10 +71,10 @@ def test_pod_command_runs_torchrun_across_two_nodes(prefect_server, trained_run,
     flow_side = tmp_path / "flow_run.py"  # stands in for `prefect flow-run execute` on pod 0
     flow_side.write_text(textwrap.dedent(f"""
         import json
-        from areal_eval.evaluation import EvalConfig, evaluate_checkpoint
-        from areal_eval.manifest import Manifest
+        from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
+        from areal_eval.checkpoints.manifest import Manifest
         event = Manifest({str(run.manifest)!r}).find({event.global_step})
-        result = evaluate_checkpoint(event, {str(run.valid_data)!r}, EvalConfig(nproc=1, batch_size=16), {str(tmp_path / "evals")!r})
+        result = run_evaluation_job(event, {str(run.valid_data)!r}, EvalConfig(nproc=1, batch_size=16), {str(tmp_path / "evals")!r})
         print("RESULT", json.dumps(result.metrics))
     """))
     env = {**os.environ, "JOB_NAME": "eval-run-x7k2p", "AREAL_EVAL_MASTER_ADDR": "127.0.0.1",  # no cluster DNS here

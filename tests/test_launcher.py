@@ -34,7 +34,7 @@ def test_node_layout_from_the_pool_environment(monkeypatch):
     assert NodeLayout.from_env() == NodeLayout() and "--standalone" in torchrun_command("m", [], 2)
     for key, value in {"NNODES": "4", "NODE_RANK": "2", "MASTER_ADDR": "job-0.areal-eval-rdzv", "MASTER_PORT": "29400"}.items():
         monkeypatch.setenv(f"AREAL_EVAL_{key}", value)
-    command = torchrun_command("areal_eval.eval_worker", ["--follow"], 8, NodeLayout.from_env())
+    command = torchrun_command("areal_eval.evaluation.worker", ["--follow"], 8, NodeLayout.from_env())
     assert "--standalone" not in command
     assert {"--nnodes=4", "--node-rank=2", "--master-addr=job-0.areal-eval-rdzv", "--master-port=29400",
             "--nproc-per-node=8"} <= set(command)

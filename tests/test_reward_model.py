@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from areal_eval import reward_model
-from areal_eval.manifest import CheckpointError
+from areal_eval.checkpoints.manifest import CheckpointError
 from areal_eval.preference_data import SyntheticPreferences
 from areal_eval.reward_model import RewardModelConfig
 

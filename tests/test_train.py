@@ -5,12 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.checkpoint_files import verify_checkpoint
-from areal_eval.control import StopSignal
+from areal_eval.checkpoints.manifest import Manifest, verify_checkpoint
 from areal_eval.launcher import TorchrunJob
-from areal_eval.manifest import Manifest
 from areal_eval.reward_model import load_model
-from areal_eval.run_setup import prepare_run
+from areal_eval.runs.directory import StopSignal
+from areal_eval.runs.setup import prepare_run
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.integration

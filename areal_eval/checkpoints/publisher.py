@@ -1,0 +1,105 @@
+"""Publish checkpoints from any training loop: your own script, or AReaL's trainer.
+
+    from areal_eval.checkpoints.publisher import publish_checkpoint
+    publish_checkpoint("/ckpt/run-7/global_step_400", manifest="/ckpt/run-7/manifest.jsonl",
+                       run_id="run-7", global_step=400, epoch=1, epoch_step=150, train_metrics={"loss": 0.41})
+
+Call it after the checkpoint's files are written. It records sizes and sha256, uploads and
+verifies the files when ``store`` is an ``s3://`` prefix, appends the checkpoint to the manifest
+(the durable log; mirrored beside the checkpoints on S3), then posts an
+``areal.checkpoint.saved`` event to the Prefect API at ``$PREFECT_API_URL`` if one is set.
+Plain HTTP: the training process needs no Prefect client and starts no temporary server. A deployment trigger on that event starts
+``evaluate-checkpoint``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest, describe_files
+from areal_eval.checkpoints.store import S3Config, StorageConfig, is_s3, open_store
+
+CHECKPOINT_SAVED = "areal.checkpoint.saved"
+
+
+def checkpoint_resource(event: CheckpointEvent, source: str = "publisher") -> dict[str, str]:
+    """The event's resource. ``areal.source`` tells who announced it: the evaluate-checkpoint
+    trigger answers ``publisher`` (training outside the flow) and ignores ``flow``, whose
+    checkpoints the flow evaluates itself."""
+    return {
+        "prefect.resource.id": f"areal.checkpoint.{event.run_id}.{event.global_step}",
+        "prefect.resource.name": f"{event.run_id} step {event.global_step}",
+        "areal.run_id": event.run_id,
+        "areal.source": source,
+    }
+
+
+def event_payload(event: CheckpointEvent, manifest: str | Path) -> dict:
+    return {**event.payload(), "manifest": str(manifest) if is_s3(manifest) else str(Path(manifest).resolve())}
+
+
+def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float = 10.0) -> None:
+    """POST one ``areal.checkpoint.saved`` event to a Prefect API (``.../api``)."""
+    body = [{
+        "id": str(uuid.uuid4()),
+        "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "event": CHECKPOINT_SAVED,
+        "resource": checkpoint_resource(event),
+        "related": [],
+        "payload": event_payload(event, manifest),
+    }]
+    request = urllib.request.Request(
+        api_url.rstrip("/") + "/events", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        if response.status >= 300:
+            raise RuntimeError(f"Prefect API {api_url} refused the event: HTTP {response.status}")
+
+
+def publish_checkpoint(
+    checkpoint_dir: str | Path,
+    manifest: str | Path,
+    run_id: str,
+    global_step: int,
+    epoch: int = 0,
+    epoch_step: int = 0,
+    train_metrics: dict | None = None,
+    final: bool = False,
+    api_url: str | None = None,
+    store: str | None = None,
+    s3: S3Config | None = None,
+    valid_data: str | Path | None = None,
+) -> CheckpointEvent:
+    """Announce a written checkpoint: upload (with ``store``), manifest (durable), then the event.
+
+    With ``store="s3://bucket/prefix"`` the files go to ``prefix/<run_id>/<directory name>/``,
+    the event's manifest is the mirrored ``s3://.../<run_id>/manifest.jsonl``, and evaluation
+    workers on other machines need nothing but S3.
+
+    ``valid_data``: the validation data to evaluate this run on (a path the evaluation workers
+    can read); without it they look for ``data/valid.jsonl`` beside the manifest.
+    """
+    directory = Path(checkpoint_dir).resolve()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
+    files = describe_files(directory)
+    root = StorageConfig(checkpoint_uri=store).run_root(run_id)
+    checkpoint_store = open_store(root, s3)
+    event = CheckpointEvent(
+        run_id=run_id, uri=checkpoint_store.publish(directory, files), epoch=epoch, epoch_step=epoch_step,
+        global_step=global_step, wall_time=time.time(), train_metrics=dict(train_metrics or {}), files=files, final=final,
+        valid_data=str(Path(valid_data).resolve()) if valid_data else None,
+    )
+    Manifest(manifest).append(event)
+    checkpoint_store.mirror(Path(manifest), "manifest.jsonl")
+    api_url = api_url or os.environ.get("PREFECT_API_URL")
+    if api_url:
+        post_event(api_url, event, f"{root}/manifest.jsonl" if root else manifest)
+    return event

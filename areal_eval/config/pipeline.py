@@ -1,0 +1,101 @@
+"""The pipeline's config: one section per component, each the component's own ``Config``.
+
+Defaults run the demo on one machine. Load with :func:`load_pipeline_config` from a JSON/YAML
+file, a dict (Prefect parameters) and ``section.field=value`` overrides; unknown fields fail
+with their dotted name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from areal_eval.alerts import AlertRule, AlertsConfig
+from areal_eval.checkpoints.store import StorageConfig
+from areal_eval.config.parsing import POSITIVE, FieldError, check_ranges, from_dict, merge, parse_overrides, read_file
+from areal_eval.evaluation.evaluators import declared_metrics, evaluator_class
+from areal_eval.evaluation.jobs import EvalConfig
+from areal_eval.preference_data import SyntheticPreferences
+from areal_eval.reward_model import RewardModelConfig
+from areal_eval.scheduling.policy import SchedulerConfig
+from areal_eval.tracking import TrackingConfig
+from areal_eval.train import TrainConfig
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train_path: str | None = None
+    """Training pairs (HH-RLHF JSONL); None generates the synthetic set."""
+    valid_path: str | None = None
+    """Validation pairs (HH-RLHF JSONL); None generates the synthetic set."""
+    synthetic: SyntheticPreferences.Config = dataclasses.field(default_factory=SyntheticPreferences.Config)
+    """Generator settings, used when a path is None."""
+
+
+def _default_rules() -> list[AlertRule]:
+    return [
+        AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0),
+        AlertRule(name="nonfinite-metric", kind="nonfinite", stop_training=True, throttle_secs=0),
+        AlertRule(name="accuracy-regression", kind="regression", metric="accuracy", tolerance=0.08, min_step=1),
+    ]
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    run_name: str = "demo"
+    """Name of the training run (MLflow run name, run directory name)."""
+    work_dir: str = "runs"
+    """Root of run directories (and of the default SQLite MLflow store)."""
+    poll_interval_s: float = 0.5
+    """How often the flow looks for new checkpoints and finished evaluations."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    scheduler: SchedulerConfig = dataclasses.field(
+        default_factory=lambda: SchedulerConfig(min_interval_steps=25, max_interval_steps=100)
+    )
+    storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
+    tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
+    alerts: AlertsConfig = dataclasses.field(default_factory=lambda: AlertsConfig(rules=_default_rules()))
+
+    def __post_init__(self):
+        check_ranges(self, poll_interval_s=POSITIVE)
+        if not self.run_name or self.run_name in (".", "..") or "/" in self.run_name or "\\" in self.run_name:
+            raise FieldError("run_name", f"{self.run_name!r} must be a plain directory name")
+        self._check_metric_names()
+
+    def _check_metric_names(self) -> None:
+        """A rule or a schedule on a metric the evaluator never produces would silently never
+        fire: refuse it before anything starts."""
+        try:
+            produced = declared_metrics(evaluator_class(self.eval.evaluator))
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise FieldError("eval.evaluator", f"{self.eval.evaluator!r} cannot be loaded: {exc}") from exc
+        if produced is None:
+            return
+        watched = [("scheduler.metric", self.scheduler.metric), ("scheduler.stderr_metric", self.scheduler.stderr_metric)]
+        watched += [(f"alerts.rules[{i}].metric", r.metric) for i, r in enumerate(self.alerts.rules)
+                    if r.kind in ("threshold", "regression")]
+        for field, metric in watched:
+            if metric is not None and metric not in produced:
+                raise FieldError(field, f"{metric!r} is not a metric of evaluator {self.eval.evaluator!r} "
+                                        f"(it produces {', '.join(produced)})")
+
+    @property
+    def run_root(self) -> Path:
+        return Path(self.work_dir).resolve() / self.run_name
+
+    @property
+    def checkpoint_cache(self) -> Path:
+        """Node-local cache of checkpoints fetched from the store."""
+        return Path(self.storage.cache_dir or Path(self.work_dir) / "checkpoint-cache").resolve()
+
+
+def load_pipeline_config(
+    path: str | Path | None = None, params: dict | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
+    data: dict = read_file(path) if path else {}
+    data = merge(data, params or {})
+    data = merge(data, parse_overrides(overrides or []))
+    return from_dict(PipelineConfig, data)

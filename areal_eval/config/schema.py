@@ -1,0 +1,105 @@
+"""The pipeline config as a pydantic model, for orchestrators that render and validate forms.
+
+The config stays plain dataclasses, parsed by :func:`areal_eval.config.parsing.from_dict`. This module
+derives a strict pydantic model from them (a bool is not an int, an unknown field is refused by
+its dotted path), with each field's docstring as its description and the pipeline's defaults as
+defaults. A Prefect flow parameter typed with it gets a form in the UI and server-side validation;
+the flow then parses ``model_dump(exclude_unset=True)`` as it parses any config, so only what
+the user set overrides the config file and the defaults.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+import typing
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from areal_eval.config.pipeline import PipelineConfig
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls``, read from its source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _model_type(tp: typing.Any) -> typing.Any:
+    """``tp`` with every config dataclass in it replaced by its model."""
+    if dataclasses.is_dataclass(tp):
+        return config_model(tp)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(lambda a, b: a | b, (_model_type(a) for a in typing.get_args(tp)))
+    if origin is list:
+        return list[_model_type(typing.get_args(tp)[0])] if typing.get_args(tp) else list
+    if origin is tuple:
+        return list[_model_type(typing.get_args(tp)[0])] if typing.get_args(tp) else list
+    return tp
+
+
+def _plain(value: typing.Any) -> typing.Any:
+    """A default as JSON shows it (dataclasses as mappings)."""
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@functools.cache
+def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
+    """A strict pydantic model of config dataclass ``cls`` (``defaults``: an instance whose
+    values are the defaults; default: ``cls()``, falling back to the field defaults)."""
+    if defaults is None:
+        try:
+            defaults = cls()
+        except TypeError:  # required fields: no instance without them
+            defaults = None
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    fields = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if defaults is not None:
+            default = _plain(getattr(defaults, f.name))
+            spec = Field(default_factory=lambda d=default: d, description=docs.get(f.name),
+                         json_schema_extra={"default": default})
+        elif f.default is not dataclasses.MISSING:
+            spec = Field(default=_plain(f.default), description=docs.get(f.name))
+        elif f.default_factory is not dataclasses.MISSING:
+            spec = Field(default_factory=f.default_factory, description=docs.get(f.name))
+        else:
+            spec = Field(description=docs.get(f.name))
+        fields[f.name] = (_model_type(hints[f.name]), spec)
+    doc = inspect.getdoc(cls)
+    return create_model(cls.__name__, __config__=ConfigDict(extra="forbid", strict=True, protected_namespaces=()),
+                        __doc__=doc if doc and not doc.startswith(f"{cls.__name__}(") else None, **fields)
+
+
+PipelineParams = config_model(PipelineConfig)
+"""The type of the flows' ``params``: the Prefect UI renders it as a form with each field's
+description, and the server validates it (strict types; an unknown field is refused by its
+dotted path)."""
+
+
+def set_fields(params: BaseModel | dict | None) -> dict | None:
+    """What the user set in ``params``, as a mapping for :func:`load_pipeline_config`."""
+    if params is None or isinstance(params, dict):
+        return params
+    return params.model_dump(exclude_unset=True)

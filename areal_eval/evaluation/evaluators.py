@@ -1,0 +1,141 @@
+"""Evaluators: what to compute on a checkpoint, as sums and counts.
+
+An evaluator returns additive statistics per batch; the worker sums them over ranks and only
+then turns them into metrics. That is why a distributed evaluation equals a single-process one:
+means are taken once, over the exact global counts.
+
+Add your own by subclassing :class:`BaseEvaluator` and registering it in ``EVALUATORS``
+(or passing its dotted path as ``eval.evaluator``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from areal_eval import reward_model
+from areal_eval.distributed import shard_range
+from areal_eval.preference_data import read_pairs
+
+
+class BaseEvaluator:
+    """Subclass and implement ``load``, ``batches``, ``batch_sums`` and ``metrics``."""
+
+    name = "base"
+    metric_names: tuple[str, ...] | None = None
+    """What :meth:`metrics` returns, declared beside it so alert rules and the scheduler can be
+    checked against it before a run starts; None: not declared, not checked."""
+
+    def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
+        """Load the model and the evaluation data (called on every rank)."""
+        raise NotImplementedError
+
+    def num_samples(self) -> int:
+        raise NotImplementedError
+
+    def batches(self, shard: int, shards: int, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This data-parallel shard's batches (called on data-parallel heads only)."""
+        raise NotImplementedError
+
+    def batch_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Additive statistics of one batch (called on every rank of the model-parallel group)."""
+        raise NotImplementedError
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metrics from the global sums."""
+        raise NotImplementedError
+
+
+class RewardModelEvaluator(BaseEvaluator):
+    """Pairwise accuracy, Bradley-Terry loss, chosen/rejected scores and margin."""
+
+    name = "reward_model"
+    metric_names = ("accuracy", "accuracy_stderr", "loss", "loss_stderr", "chosen_score", "rejected_score", "margin",
+                    "n_pairs")
+
+    def __init__(self, max_length: int = 64):
+        self.max_length = max_length
+
+    def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
+        self.tokenizer = reward_model.load_tokenizer(checkpoint_dir)
+        self.model = reward_model.load_model(checkpoint_dir, allow_pickle=allow_pickle)
+        self.model.eval()
+        self.pairs = reward_model.tokenize_pairs(self.tokenizer, read_pairs(data_path), self.max_length, data_path)
+
+    def num_samples(self) -> int:
+        return len(self.pairs)
+
+    def batches(self, shard, shards, batch_size):
+        indices = shard_range(len(self.pairs), shard, shards)
+        # Length-grouped batches: less padding, and scores do not depend on the grouping.
+        ordered = sorted(indices, key=lambda i: max(len(self.pairs[i]["chosen_ids"]), len(self.pairs[i]["rejected_ids"])))
+        for start in range(0, len(ordered), batch_size):
+            items = [self.pairs[i] for i in ordered[start : start + batch_size]]
+            yield reward_model.collate_pairs(items, self.tokenizer.pad_token_id)
+
+    @torch.inference_mode()
+    def batch_sums(self, batch):
+        chosen, rejected = reward_model.pair_scores_trimmed(self.model, batch)
+        chosen, rejected = chosen.double(), rejected.double()
+        # A pair of identical texts is a tie, scored once: half correct at any world or batch size
+        # (its two rows may sit in forward passes of different shapes, whose last bits differ).
+        identical = batch["identical"].bool()
+        rejected = torch.where(identical, chosen, rejected)
+        losses = reward_model.bradley_terry_loss(chosen, rejected, reduction="none")
+        return {
+            "n_pairs": float(chosen.numel()),
+            "correct": float((chosen > rejected).sum()) + 0.5 * float(identical.sum()),
+            "loss": float(losses.sum()),
+            "loss_sq": float((losses * losses).sum()),
+            "chosen_score": float(chosen.sum()),
+            "rejected_score": float(rejected.sum()),
+        }
+
+    def metrics(self, sums):
+        n = sums["n_pairs"]
+        if n == 0:
+            raise ValueError("evaluation saw no pairs")
+        acc = sums["correct"] / n
+        loss = sums["loss"] / n
+        chosen, rejected = sums["chosen_score"] / n, sums["rejected_score"] / n
+        return {
+            "accuracy": acc,
+            # Binomial standard error: the scheduler's and alerts' notion of noise.
+            "accuracy_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / n),
+            "loss": loss,
+            "loss_stderr": math.sqrt(max(sums["loss_sq"] / n - loss * loss, 0.0) / n),
+            "chosen_score": chosen,
+            "rejected_score": rejected,
+            "margin": chosen - rejected,
+            "n_pairs": n,
+        }
+
+
+EVALUATORS: dict[str, type[BaseEvaluator]] = {"reward_model": RewardModelEvaluator}
+
+
+def evaluator_class(name: str) -> type[BaseEvaluator]:
+    """A registered evaluator by name, or any ``package.module:Class`` subclass of BaseEvaluator."""
+    if name in EVALUATORS:
+        return EVALUATORS[name]
+    if ":" in name:
+        module, attr = name.split(":", 1)
+        cls = getattr(importlib.import_module(module), attr)
+        if isinstance(cls, type) and issubclass(cls, BaseEvaluator):
+            return cls
+    raise ValueError(f"eval.evaluator: unknown evaluator {name!r} (known: {sorted(EVALUATORS)} or module:Class)")
+
+
+def make_evaluator(name: str, **kwargs) -> BaseEvaluator:
+    return evaluator_class(name)(**kwargs)
+
+
+def declared_metrics(cls: type[BaseEvaluator]) -> tuple[str, ...] | None:
+    """The metric names declared by the class that defines ``cls.metrics`` (a subclass that
+    overrides ``metrics`` without declaring its names is not checked)."""
+    owner = next(c for c in cls.__mro__ if "metrics" in c.__dict__)
+    return owner.__dict__.get("metric_names")

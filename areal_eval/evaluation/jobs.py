@@ -1,0 +1,147 @@
+"""Evaluating one checkpoint on separate torchrun workers, from the orchestrator's side."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+from areal_eval.checkpoints.manifest import CheckpointEvent
+from areal_eval.checkpoints.store import S3Config, s3_config_json
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
+from areal_eval.evaluation.worker_pool import WarmEvalWorkers
+from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary
+
+
+class EvaluationFailed(RuntimeError):
+    """The evaluation of a checkpoint failed; the message says why (and where the log is)."""
+
+
+class CorruptCheckpoint(EvaluationFailed):
+    """The checkpoint (or the validation data) is missing, fails verification or cannot be
+    read: retrying cannot help."""
+
+
+def check_validation_data(path: str | Path, given_by: str) -> Path:
+    """``path`` if it is a readable file; else a :class:`CorruptCheckpoint` (not retried) that
+    says where the path came from and how to give one, before any worker starts."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorruptCheckpoint(
+            f"{path}: no such validation data file (from {given_by}); pass data_path, or register "
+            "the run's data when publishing: publish_checkpoint(..., valid_data=PATH)")
+    return path
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    nproc: int = 2
+    """Evaluation ranks per node (torchrun --nproc-per-node); the node count comes from the
+    work pool (``AREAL_EVAL_NNODES``, see ``infra/k8s``)."""
+    mp_size: int = 1
+    """Ranks per model-parallel group; the data-parallel head broadcasts batches to it."""
+    batch_size: int = 32
+    """Pairs per batch."""
+    evaluator: str = "reward_model"
+    """Registered evaluator name or ``module:Class``."""
+    collective_timeout_s: float = 60.0
+    """Timeout of every collective: a dead or hung rank fails the evaluation."""
+    job_timeout_s: float = 600.0
+    """Wall-clock limit for one evaluation, start-up included."""
+    allow_pickle: bool = False
+    """Load checkpoints that need pickle (unsafe); safetensors only otherwise."""
+    deployment: str | None = None
+    """Dispatch each evaluation to this ``evaluate-checkpoint`` deployment (its work pool's
+    workers) when a Prefect server is in use; None runs torchrun workers from the flow's host."""
+    retries: int = 1
+    """Retries of a failed evaluation (a killed or hung worker); a corrupt checkpoint is not retried."""
+    nice: int = 0
+    """Lower the workers' CPU priority by this much (0-19) when they share CPUs with training,
+    so training keeps its throughput and evaluation takes what is left."""
+    warm_workers: bool = True
+    """Keep the evaluation ranks alive between evaluations of a flow run (one torchrun job
+    serves them all), saving interpreter and library start-up each time. Single node only."""
+    slots: int = 1
+    """Evaluations in flight at once: the flow keeps a group of ``nproc`` ranks for each, and
+    waiting checkpoints are coalesced only when every slot is busy. On a server, dispatched
+    evaluations are bounded by the ``gpu_slot`` concurrency limit as well."""
+
+    def __post_init__(self):
+        check_ranges(self, nproc=AT_LEAST_1, slots=AT_LEAST_1, mp_size=AT_LEAST_1, batch_size=AT_LEAST_1, collective_timeout_s=POSITIVE,
+                     job_timeout_s=POSITIVE, retries=NON_NEGATIVE, nice=(0, 19))
+        if self.nproc % self.mp_size:
+            raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    global_step: int
+    uri: str
+    metrics: dict
+    seconds: float
+    launched_at: float = 0.0
+    """Wall time the torchrun job was started."""
+    workers_started_at: float = 0.0
+    """Wall time rank 0 entered its main (after interpreter and torch start-up)."""
+
+    def nonfinite(self) -> list[str]:
+        return [k for k, v in self.metrics.items() if not math.isfinite(v)]
+
+
+def run_evaluation_job(
+    event: CheckpointEvent, data_path: str | Path, cfg: EvalConfig, work_dir: str | Path, max_length: int = 64,
+    s3: S3Config | None = None, cache_dir: str | Path | None = None, workers: WarmEvalWorkers | None = None,
+) -> EvalResult:
+    """Evaluate ``event``'s checkpoint on ``cfg.nproc`` torchrun ranks: the ``workers`` kept warm
+    between evaluations, or a fresh torchrun job.
+
+    An ``s3://`` checkpoint is downloaded once per node into ``cache_dir`` (default
+    ``work_dir/checkpoint-cache``) with the ``s3`` client settings.
+    """
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"global_step_{event.global_step:08d}"
+    out = work_dir / f"{stem}.json"
+    out.unlink(missing_ok=True)
+    files = work_dir / f"{stem}.files.json"
+    files.write_text(json.dumps([dataclasses.asdict(f) for f in event.files]))
+    args = [
+        "--checkpoint", event.uri, "--data", str(data_path), "--out", str(out), "--files", str(files),
+        "--evaluator", cfg.evaluator, "--batch-size", str(cfg.batch_size), "--max-length", str(max_length),
+        "--mp-size", str(cfg.mp_size), "--timeout", str(cfg.collective_timeout_s),
+        "--cache-dir", str(Path(cache_dir or work_dir / "checkpoint-cache").resolve()),
+    ] + (["--allow-pickle"] if cfg.allow_pickle else []) + (["--s3-config", s3_config_json(s3)] if s3 else [])
+    start, launched_at = time.monotonic(), time.time()
+    args += ["--launched-at", repr(launched_at)]
+    # On a multi-node pool (infra/k8s) the other nodes run ``eval_worker --follow`` and get this job from rank 0.
+    nodes = NodeLayout.from_env()
+    job = None
+    try:
+        if workers is not None and nodes.nnodes == 1:
+            code, log_path = workers.run(args, out, cfg.job_timeout_s)
+        else:
+            job = TorchrunJob("areal_eval.evaluation.worker", args, nodes.nproc_per_node or cfg.nproc, work_dir / f"{stem}.log",
+                              nice=cfg.nice, nodes=nodes)
+            code, log_path = job.wait(cfg.job_timeout_s), job.log_path
+        result = json.loads(out.read_text()) if out.exists() else {}
+        if code or "error" in result or "metrics" not in result:
+            summary = failure_summary(log_path)
+            reason = result.get("error") or (
+                "workers exited abnormally" if "metrics" in result else "worker wrote no result")
+            cause = re.sub(r"^rank \d+: ", "", reason)
+            failure = CorruptCheckpoint if cause.startswith(("CheckpointError", "DataError")) else EvaluationFailed
+            raise failure(
+                f"checkpoint step {event.global_step} ({event.uri}): {reason} [torchrun exit {code}; log {log_path}]"
+                + (f"\n{summary}" if summary else "")
+            )
+    except WorkerError as exc:
+        raise EvaluationFailed(f"checkpoint step {event.global_step} ({event.uri}): {exc}") from exc
+    finally:
+        if job is not None and job.poll() is None:
+            job.kill()
+    return EvalResult(
+        event.global_step, event.uri, result["metrics"], time.monotonic() - start, launched_at, result.get("started_at", 0.0)
+    )

@@ -1,0 +1,97 @@
+"""The evaluation ledger: what happened to every checkpoint, durably.
+
+One JSON line per state change (``scheduled``, ``evaluated``, ``skipped``, ``superseded``,
+``failed``); the last line for a step wins. The scheduler's history and a restarted flow's
+to-do list are both derived from it, so nothing is evaluated twice or lost on restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from areal_eval.scheduling.policy import HistoryEntry
+
+FINAL_STATES = ("evaluated", "skipped", "superseded", "failed")
+
+
+@dataclasses.dataclass
+class LedgerEntry:
+    step: int
+    uri: str
+    status: str
+    reason: str = ""
+    metrics: dict = dataclasses.field(default_factory=dict)
+    time: float = dataclasses.field(default_factory=time.time)
+    delivered: bool = False
+    """An evaluated checkpoint's result is in the tracker (the ledger is the tracker's outbox)."""
+    owner: str | None = None
+    """Who evaluates a scheduled checkpoint, where flow runs share the run (a Prefect flow run
+    id); None: the loop that owns the run."""
+
+    def history_entry(self, metric: str, stderr_metric: str | None) -> HistoryEntry | None:
+        """What the scheduler sees of this checkpoint: a result, a pending one, or nothing."""
+        if self.status == "evaluated":
+            return HistoryEntry(self.step, self.time, self.metrics.get(metric),
+                                self.metrics.get(stderr_metric) if stderr_metric else None)
+        if self.status == "scheduled":
+            return HistoryEntry(self.step, self.time, None, None)
+        return None
+
+
+class Ledger:
+    """Thread-safe: the flow's decision thread records while its main loop reads."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self._latest: dict[int, LedgerEntry] = {}
+        if self.path.exists():
+            for lineno, line in enumerate(self.path.read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    entry = LedgerEntry(**json.loads(line))
+                except (ValueError, TypeError) as exc:
+                    raise ValueError(f"{self.path}:{lineno}: bad ledger entry: {exc}") from exc
+                self._latest[entry.step] = entry
+
+    def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
+               delivered: bool = False, owner: str | None = None) -> LedgerEntry:
+        entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered, owner=owner)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock, self.path.open("a") as fh:
+            fh.write(json.dumps(dataclasses.asdict(entry), sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            self._latest[step] = entry
+        return entry
+
+    def latest(self, step: int) -> LedgerEntry | None:
+        return self._latest.get(step)
+
+    def status(self, step: int) -> str | None:
+        entry = self._latest.get(step)
+        return entry.status if entry else None
+
+    def entries(self) -> list[LedgerEntry]:
+        with self._lock:
+            return [self._latest[s] for s in sorted(self._latest)]
+
+    def pending(self) -> list[LedgerEntry]:
+        """Scheduled but not finished: re-queue these after a restart."""
+        return [e for e in self.entries() if e.status == "scheduled"]
+
+    def history(self, metric: str, stderr_metric: str | None) -> list[HistoryEntry]:
+        entries = (e.history_entry(metric, stderr_metric) for e in self.entries())
+        return [h for h in entries if h is not None]
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.entries():
+            out[e.status] = out.get(e.status, 0) + 1
+        return out

@@ -1,0 +1,180 @@
+"""One training run's evaluation record, shared by the flow runs that evaluate it from outside.
+
+``train-and-evaluate`` owns its run for the whole run (:class:`~areal_eval.runs.directory.RunLock`) and
+decides in one process. A trainer that publishes on its own is evaluated by many short flow runs
+instead: one per checkpoint event, a manual ``prefect deployment run``, the cron sweep, several at
+once on different workers. They share the run's ledger, and each decides and records under one
+lock (``decisions.lock``) with the same planner the in-flow loop uses. So:
+
+- every checkpoint in the manifest is decided once, in step order, exactly as the in-flow planner
+  would decide it, whichever event arrives first;
+- a checkpoint scheduled for evaluation is claimed by one flow run (its ledger entry names it);
+  the claim of a flow run that is no longer alive is taken over;
+- a result is judged by the alert rules against earlier steps only, and throttling lives in the
+  run's record, not in a process;
+- after the final checkpoint and the refinement around the best, the run is ended once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import time
+from typing import Callable, Iterator
+
+from areal_eval.alerts import Alert, AlertEngine, AlertsConfig
+from areal_eval.runs.ledger import Ledger
+from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
+from areal_eval.scheduling.planner import EvaluationPlanner
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.setup import atomic_write_text
+from areal_eval.scheduling.policy import SchedulerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What one flow run is to do about one checkpoint."""
+
+    event: CheckpointEvent
+    evaluate: bool
+    reason: str
+    """Why it is evaluated (the scheduler's reason, with a forced reason next to it), or why not."""
+
+
+class RunRecord:
+    def __init__(self, run: RunDir, manifest: Manifest, scheduler: SchedulerConfig, alerts: AlertsConfig,
+                 run_id: str | None = None):
+        self.run, self.manifest, self.scheduler, self.alerts, self.run_id = run, manifest, scheduler, alerts, run_id
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[EvaluationPlanner]:
+        """The run's planner, read fresh from the ledger, while this process holds the lock."""
+        self.run.root.mkdir(parents=True, exist_ok=True)
+        with self.run.decisions_lock.open("a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+            yield EvaluationPlanner(self.scheduler, Ledger(self.run.ledger))
+
+    def _state(self) -> dict:
+        return read_state(self.run)
+
+    def _save_state(self, state: dict) -> None:
+        write_state(self.run, state)
+
+    def _decide_all(self, planner: EvaluationPlanner) -> list[CheckpointEvent]:
+        """Decide every checkpoint of the manifest not decided yet, in step order; returns those."""
+        if not self.manifest.path.exists():
+            raise CheckpointError(f"{self.manifest.path}: no such manifest file")
+        events = sorted(self.manifest.read(run_id=self.run_id).events, key=lambda e: e.global_step)
+        new = [e for e in events if planner.ledger.status(e.global_step) is None]
+        for event in events:
+            planner.decide(event)
+        return new
+
+    def claim(self, step: int, owner: str, forced: str | None = None,
+              alive: Callable[[str], bool] = lambda owner: False) -> tuple[Claim, list[CheckpointEvent]]:
+        """Decide what is undecided, then claim ``step`` for ``owner`` if it is to be evaluated.
+
+        ``forced``: evaluate it even if the scheduler skipped it (or it failed), for this reason
+        ("manual", "sweep"); never a checkpoint already evaluated. ``alive(owner)`` says whether
+        another claimant still runs. Returns the claim and the checkpoints decided now.
+        """
+        with self._locked() as planner:
+            new = self._decide_all(planner)
+            entry = planner.ledger.latest(step)
+            event = next((e for e in planner.events() if e.global_step == step), None)
+            if event is None or entry is None:
+                raise CheckpointError(f"{self.manifest.path}: no checkpoint at step {step} in the manifest")
+            if entry.status == "evaluated":
+                return Claim(event, False, f"already evaluated ({entry.reason})"), new
+            if entry.status == "scheduled" and entry.owner not in (None, owner) and alive(entry.owner):
+                return Claim(event, False, f"being evaluated by {entry.owner}"), new
+            if entry.status == "scheduled":
+                reason = entry.reason if not forced else f"{forced}; scheduler: {entry.reason}"
+            elif forced:
+                reason = f"{forced}; scheduler: {entry.status}, {entry.reason}"
+            else:
+                return Claim(event, False, f"{entry.status}: {entry.reason}"), new
+            planner.claim(event, reason, owner)
+            return Claim(event, True, reason), new
+
+    def unhandled(self, alive: Callable[[str], bool]) -> list[int]:
+        """Steps scheduled for evaluation that no live flow run is evaluating (a lost event, a
+        crashed run): what a sweep picks up by default."""
+        with self._locked() as planner:
+            self._decide_all(planner)
+            return [e.step for e in planner.ledger.entries()
+                    if e.status == "scheduled" and (e.owner is None or not alive(e.owner))]
+
+    def skipped(self) -> list[int]:
+        """Steps the scheduler skipped or superseded (a sweep re-evaluates them only when asked)."""
+        return [e.step for e in Ledger(self.run.ledger).entries() if e.status in ("skipped", "superseded")]
+
+    def record(self, event: CheckpointEvent, metrics: dict | None, error: str | None = None) -> list[Alert]:
+        """Record a result (logged to the tracker already) or a failure; returns the alerts it
+        fires, judged against earlier steps and throttled across flow runs."""
+        with self._locked() as planner:
+            if error is not None:
+                planner.failed(event, error)
+            else:
+                planner.evaluated(event, metrics, delivered=True)
+            state = self._state()
+            engine = AlertEngine(self.alerts, time.time, state.get("notified"))
+            for entry in planner.ledger.entries():
+                if entry.status == "evaluated" and entry.step != event.global_step:
+                    engine.remember(entry.step, entry.metrics)
+            alerts = engine.check(event.global_step, metrics, error)
+            if engine.notified != state.get("notified", {}):
+                self._save_state({**state, "notified": engine.notified})
+        return alerts
+
+    def refinements(self, owner: str, deleted: set[int] = frozenset()) -> list[CheckpointEvent]:
+        """Once the final checkpoint is decided and nothing scheduled is left: the skipped
+        neighbours of the best, claimed by ``owner`` (once per run)."""
+        with self._locked() as planner:
+            self._decide_all(planner)
+            state = self._state()
+            if state.get("refined") or not self._settled(planner):
+                return []
+            refined = planner.refine(deleted, owner=owner)
+            self._save_state({**state, "refined": True})
+            return refined
+
+    def finish(self) -> Ledger | None:
+        """The ledger, the first time the run is over (final checkpoint, refinement and every
+        evaluation handled); None before, and after that first time."""
+        with self._locked() as planner:
+            self._decide_all(planner)
+            state = self._state()
+            if not state.get("refined") or state.get("finished") or not self._settled(planner):
+                return None
+            self._save_state({**state, "finished": True})
+            return planner.ledger
+
+    def ended(self) -> bool:
+        """The run was ended (by this path, or by the flow that owned it)."""
+        return bool(self._state().get("finished"))
+
+    @staticmethod
+    def _settled(planner: EvaluationPlanner) -> bool:
+        entries = planner.ledger.entries()
+        final = any(e.final for e in planner.events())
+        return final and not any(e.status == "scheduled" for e in entries)
+
+
+
+def mark_over(run: RunDir) -> None:
+    """The run's owner (``train-and-evaluate``) refined and ended it: flow runs that evaluate
+    it later (manual, sweep) do neither again."""
+    write_state(run, {**read_state(run), "refined": True, "finished": True})
+
+
+def read_state(run: RunDir) -> dict:
+    """The run's record state (alert throttling, refined, finished); empty before any."""
+    path = run.record_state
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_state(run: RunDir, state: dict) -> None:
+    atomic_write_text(run.record_state, json.dumps(state, indent=1, sort_keys=True))

@@ -1,0 +1,70 @@
+"""Preparing a run directory: data, tokenizer and the training job's spec."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from areal_eval.alerts import recorded_config
+from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.preference_data import SyntheticPreferences, read_pairs, write_pairs
+from areal_eval.reward_model import train_tokenizer
+from areal_eval.runs.directory import RunDir
+from areal_eval.train import TrainJobSpec, total_steps
+
+
+def prepare_run(cfg: PipelineConfig) -> RunDir:
+    """Lay out ``cfg.run_root``: validated data files, a tokenizer, ``train_config.json``.
+
+    A run that exists is resumed, never wiped: it keeps its id, data, tokenizer, checkpoints,
+    manifest and ledger, and training goes on from its newest checkpoint; only the training
+    settings come from ``cfg``. Given data files are validated before anything is created.
+    """
+    given = check_inputs(cfg)  # every row checked, naming file and line, before the run is touched
+    run = RunDir(cfg.run_root)
+    if run.exists():
+        run_id = run.run_id
+    else:
+        run_id = _new_run(cfg, run, given)
+    model = cfg.model
+    if model.tokenizer_path is None and model.pretrained_path is not None:
+        model = dataclasses.replace(model, tokenizer_path=model.pretrained_path)
+    spec = TrainJobSpec(run_id=run_id, run_dir=str(run.root), model=model, train=cfg.train, storage=cfg.storage)
+    atomic_write_text(run.train_config, json.dumps(dataclasses.asdict(spec), indent=1))
+    atomic_write_text(run.root / "pipeline_config.json", json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
+    return run
+
+
+def check_inputs(cfg: PipelineConfig) -> dict[str, list[dict]]:
+    """The given data files, read and validated (DataError names file and line)."""
+    return {target: read_pairs(path) for path, target in ((cfg.data.train_path, "train"), (cfg.data.valid_path, "valid"))
+            if path is not None}
+
+
+def _new_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> str:
+    run.root.mkdir(parents=True, exist_ok=True)
+    if cfg.data.train_path is None or cfg.data.valid_path is None:
+        SyntheticPreferences(cfg.data.synthetic).generate(run.data)
+    for name, pairs in given.items():
+        write_pairs(run.train_data if name == "train" else run.valid_data, pairs)
+    if cfg.model.tokenizer_path is None and cfg.model.pretrained_path is None:
+        train_tokenizer(SyntheticPreferences.corpus(read_pairs(run.train_data)), run.tokenizer, cfg.model.vocab_size)
+    # One id per training run: MLflow run, manifest entries and events all carry it. Written last:
+    # a directory without it was never started, and is laid out again.
+    run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    atomic_write_text(run.run_id_file, run_id)
+    return run_id
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int:
+    """The training job's step count (for progress), computed as the job computes it."""
+    pairs = sum(1 for line in Path(run.train_data).open() if line.strip())
+    return total_steps(pairs, cfg.train.nproc, cfg.train)

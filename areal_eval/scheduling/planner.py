@@ -1,0 +1,315 @@
+"""Between checkpoints and workers: follow the manifest, decide, queue, record.
+
+Prefect-free, so the flow body stays a readable loop of task calls and the logic is tested
+without a server. Every checkpoint that passes through ends in the ledger as evaluated,
+skipped, superseded or failed, with a reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
+from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
+
+T = TypeVar("T")
+
+
+class CoalescingQueue(Generic[T]):
+    """The bounded queue between the scheduler and the evaluation workers.
+
+    When evaluation falls behind training, waiting checkpoints are coalesced to the newest: the
+    older ones are returned as superseded (to be recorded with that reason), never silently lost,
+    and the backlog cannot grow without bound. Pinned items (the first and final checkpoint) are
+    never superseded; they are served first, oldest first. With ``coalesce=False`` it is a plain
+    FIFO that supersedes nothing.
+    """
+
+    def __init__(self, capacity: int, step_of=lambda item: item.global_step, coalesce: bool = True):
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self.coalesce = coalesce
+        self._step_of = step_of
+        self._items: list[T] = []
+        self._pinned: list[T] = []
+
+    def __len__(self) -> int:
+        return len(self._items) + len(self._pinned)
+
+    def push(self, item: T, pinned: bool = False) -> list[T]:
+        """Add ``item``; returns the items it superseded (oldest first) when over capacity."""
+        if pinned or not self.coalesce:
+            self._pinned.append(item)
+            self._pinned.sort(key=self._step_of)
+            return []
+        self._items.append(item)
+        self._items.sort(key=self._step_of)
+        superseded = []
+        while len(self._items) > self.capacity:
+            superseded.append(self._items.pop(0))
+        return superseded
+
+    def pop(self, free_slots: int = 1) -> tuple[T, list[T]]:
+        """The next item and the older ones it supersedes: a pinned item (none superseded), else
+        the newest. With ``free_slots`` workers free, the newest that many waiting items are all
+        served (this one first) and only older ones are superseded: coalescing starts only when
+        every slot is busy."""
+        if self._pinned:
+            return self._pinned.pop(0), []
+        if not self._items:
+            raise IndexError("pop from an empty queue")
+        cut = max(0, len(self._items) - max(1, free_slots))
+        superseded, self._items = self._items[:cut], self._items[cut:]
+        return self._items.pop(), superseded
+
+
+class ManifestFollower:
+    """New manifest entries since the last poll (a restarted follower re-reads from the start).
+
+    Lines that are not entries of run ``run_id`` are skipped; :meth:`take_problems` says which.
+    """
+
+    def __init__(self, manifest: Manifest, run_id: str | None = None):
+        self.manifest, self.run_id = manifest, run_id
+        self._offset, self._line = 0, 1
+        self._problems: list[str] = []
+        self._lock = threading.Lock()
+
+    def poll(self) -> list[CheckpointEvent]:
+        chunk = self.manifest.read(self._offset, self._line, self.run_id)
+        self._offset, self._line = chunk.offset, chunk.line
+        with self._lock:
+            self._problems += chunk.problems
+        return chunk.events
+
+    def take_problems(self) -> list[str]:
+        """Lines skipped since the last call, each as ``path:line: why``."""
+        with self._lock:
+            problems, self._problems = self._problems, []
+        return problems
+
+    def caught_up(self) -> bool:
+        """Every complete entry written so far has been read."""
+        try:
+            return os.stat(self.manifest.path).st_size <= self._offset
+        except FileNotFoundError:
+            return True
+
+    def wait(self, timeout_s: float, every_s: float = 0.002) -> None:
+        """Return as soon as the manifest grows, or after ``timeout_s``.
+
+        A stat every 2 ms costs nothing and keeps durable-to-decision latency in milliseconds,
+        where sleeping a whole poll interval would add hundreds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.caught_up() and time.monotonic() < deadline:
+            time.sleep(every_s)
+
+
+class JsonlFollower:
+    """New complete JSON lines of a growing file (the training log)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._offset = 0
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as fh:
+            fh.seek(self._offset)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class EvaluationPlanner:
+    """Decisions, the queue and the ledger; thread-safe, so a :class:`DecisionThread` can offer
+    checkpoints while the flow's loop takes work and records results."""
+
+    def __init__(self, cfg: SchedulerConfig, ledger: Ledger):
+        self._lock = threading.RLock()
+        self.cfg = cfg
+        self.ledger = ledger
+        self.queue: CoalescingQueue[CheckpointEvent] = CoalescingQueue(cfg.queue_capacity, coalesce=cfg.coalesce)
+        self._events: dict[int, CheckpointEvent] = {}
+        # What decide() reads, kept per record: a decision costs the same at any run length.
+        self._decisions = DecisionHistory(cfg.higher_is_better)
+        for entry in ledger.entries():
+            self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_metric))
+
+    def history(self):
+        return self.ledger.history(self.cfg.metric, self.cfg.stderr_metric)
+
+    def _record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
+                delivered: bool = False, owner: str | None = None) -> None:
+        entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner)
+        self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_metric))
+
+    @_locked
+    def decide(self, event: CheckpointEvent) -> Decision:
+        """Decide on a newly announced checkpoint and record the decision (scheduled or skipped);
+        nothing is queued. A checkpoint already decided keeps its decision."""
+        self._events[event.global_step] = event
+        status = self.ledger.status(event.global_step)
+        if status in FINAL_STATES:
+            return Decision(False, f"already {status} (ledger)")
+        if status == "scheduled":  # scheduled before a restart: resume it
+            return Decision(True, "resumed: scheduled before restart", pinned=True)
+        step = event.global_step
+        decision = decide(event, self._decisions.view(), self.cfg, self._decisions.offered_before(step))
+        self._record(step, event.uri, "scheduled" if decision.evaluate else "skipped", decision.reason)
+        return decision
+
+    @_locked
+    def offer(self, event: CheckpointEvent) -> Decision:
+        """Decide on a newly announced checkpoint; queue it or record the skip."""
+        decision = self.decide(event)
+        if decision.evaluate:
+            for old in self.queue.push(event, pinned=decision.pinned):
+                self._supersede(old, event)
+        return decision
+
+    @_locked
+    def events(self) -> list[CheckpointEvent]:
+        """Every checkpoint offered so far, in step order."""
+        return [self._events[s] for s in sorted(self._events)]
+
+    @_locked
+    def refine(self, deleted: set[int] = frozenset(), owner: str | None = None) -> list[CheckpointEvent]:
+        """Once the final checkpoint is evaluated: queue the skipped checkpoints worth a look
+        (``scheduler.refine``), pinned so none is coalesced away. Returns them.
+
+        ``deleted``: steps retention removed; they stay recorded as skipped. ``owner``: who
+        evaluates them (see :class:`~areal_eval.runs.record.RunRecord`).
+        """
+        skipped = [e.step for e in self.ledger.entries() if e.status in ("skipped", "superseded")]
+        queued = []
+        for step, reason in refine(self.history(), skipped, self.cfg, deleted):
+            event = self._events.get(step)
+            if event is None:  # not offered in this process (cannot happen after a full re-read)
+                continue
+            self._record(step, event.uri, "scheduled", reason, owner=owner)
+            self.queue.push(event, pinned=True)
+            queued.append(event)
+        return queued
+
+    @_locked
+    def next(self, free_slots: int = 1) -> CheckpointEvent | None:
+        """The checkpoint to evaluate now (newest waiting); waiting ones older than the newest
+        ``free_slots`` are superseded."""
+        if not len(self.queue):
+            return None
+        event, older = self.queue.pop(free_slots)
+        for old in older:
+            self._supersede(old, event)
+        return event
+
+    def _supersede(self, old: CheckpointEvent, by: CheckpointEvent) -> None:
+        self._record(old.global_step, old.uri, "superseded", f"evaluation behind training: coalesced to step {by.global_step}")
+
+    @_locked
+    def evaluated(self, event: CheckpointEvent, metrics: dict, delivered: bool = False) -> None:
+        """Record a result, with the reason it was scheduled for (``delivered``: already in the tracker)."""
+        scheduled = self.ledger.latest(event.global_step)
+        reason = scheduled.reason if scheduled and scheduled.status == "scheduled" else ""
+        self._record(event.global_step, event.uri, "evaluated", reason, metrics, delivered)
+
+    @_locked
+    def delivered(self, step: int) -> None:
+        """The result of ``step`` is in the tracker."""
+        entry = self.ledger.latest(step)
+        if entry is not None and entry.status == "evaluated" and not entry.delivered:
+            self._record(step, entry.uri, "evaluated", entry.reason, entry.metrics, delivered=True)
+
+    def undelivered(self) -> list:
+        """Evaluated checkpoints whose results never reached the tracker (before a restart)."""
+        return [e for e in self.ledger.entries() if e.status == "evaluated" and not e.delivered]
+
+    @_locked
+    def claim(self, event: CheckpointEvent, reason: str, owner: str) -> None:
+        """``owner`` evaluates ``event`` for ``reason``."""
+        self._events[event.global_step] = event
+        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner)
+
+    @_locked
+    def failed(self, event: CheckpointEvent, error: str) -> None:
+        self._record(event.global_step, event.uri, "failed", error)
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self.queue)
+
+
+class DecisionThread:
+    """Follows the manifest and decides on each new checkpoint in a thread of its own.
+
+    The decision is the start of the feedback path, so it must not wait while the flow's loop
+    is inside a Prefect task call or an MLflow request. Decided checkpoints come out of
+    :meth:`drain` for the loop to announce and log.
+    """
+
+    def __init__(self, planner: EvaluationPlanner, follower: ManifestFollower, idle_wait_s: float = 0.5):
+        self.planner, self.follower, self.idle_wait_s = planner, follower, idle_wait_s
+        self._decided: queue.Queue[tuple[CheckpointEvent, Decision]] = queue.Queue()
+        self._stop = threading.Event()
+        self._busy = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-decisions", daemon=True)
+
+    def __enter__(self) -> DecisionThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._busy = True  # read and handed over: see idle()
+                for event in self.follower.poll():
+                    self._decided.put((event, self.planner.offer(event)))
+                self._busy = False
+                self.follower.wait(self.idle_wait_s)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by drain()
+            self._error = exc
+            self._decided.put(None)
+
+    def idle(self) -> bool:
+        """Nothing left to decide or to hand over: the manifest is read and every decision drained."""
+        return not self._busy and self.follower.caught_up() and self._decided.empty()
+
+    def drain(self, timeout_s: float = 0.0) -> list[tuple[CheckpointEvent, Decision]]:
+        """Decisions made since the last call; waits up to ``timeout_s`` for the first one."""
+        out = []
+        try:
+            item = self._decided.get(timeout=timeout_s) if timeout_s > 0 else self._decided.get_nowait()
+            while True:
+                if item is None:
+                    raise RuntimeError(f"deciding on checkpoints failed: {self._error}") from self._error
+                out.append(item)
+                item = self._decided.get_nowait()
+        except queue.Empty:
+            return out

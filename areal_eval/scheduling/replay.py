@@ -1,0 +1,188 @@
+"""Replay recorded learning curves through scheduling policies, and score them.
+
+Each curve's checkpoints are fed in order, as checkpoint events, to the real scheduler code; a
+checkpoint's value is revealed to the policy only when the policy evaluates it. Scores:
+
+* ``evaluations``: evaluations spent, summed over curves;
+* ``mean_tracking_error``: at each checkpoint the dashboard shows the latest evaluated value at
+  or before it; error |value - shown| / stderr, averaged over checkpoints, then curves;
+* ``mean_regret`` / ``max_regret``: best value among all checkpoints minus the value of the
+  checkpoint the policy would pick as best from what it evaluated (in the curve's direction);
+* ``detection_delay`` (with an injected regression): checkpoints between the start of a
+  5-stderr drop (seeded, second half, to the end) and the first evaluation at or after it.
+  An evaluation counts when it happened: the refinement after the final checkpoint sees
+  nothing earlier than the final checkpoint's own evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import statistics
+from pathlib import Path
+
+from areal_eval.config.parsing import from_dict
+from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, SchedulerConfig, decide, refine
+
+DEFAULT_STDERR = 0.01
+REGRESSION_STDERRS = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    step: int
+    value: float
+    stderr: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Curve:
+    name: str
+    higher_is_better: bool
+    points: tuple[Point, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Event:
+    global_step: int
+    final: bool
+
+
+def read_curves(path: str | Path) -> list[Curve]:
+    """Curves JSONL (``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``)."""
+    curves = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            points = tuple(
+                Point(int(p["step"]), float(p["value"]), float(p.get("stderr") or DEFAULT_STDERR)) for p in row["points"]
+            )
+            curve = Curve(str(row["curve"]), bool(row.get("higher_is_better", True)), points)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: bad curve: {exc!r}") from exc
+        if not points or any(b.step <= a.step for a, b in zip(points, points[1:])):
+            raise ValueError(f"{path}:{lineno}: points must be non-empty and sorted by step")
+        curves.append(curve)
+    if not curves:
+        raise ValueError(f"{path}: no curves")
+    return curves
+
+
+class Policy:
+    name: str
+
+    def select(self, curve: Curve) -> list[tuple[int, int]]:
+        """The checkpoints this policy evaluates, in order: (index, index of the newest checkpoint
+        when it was evaluated)."""
+        raise NotImplementedError
+
+
+class FixedEvery(Policy):
+    """The baseline ``fixed:K``: checkpoints 0, K, 2K, ... and always the last."""
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise ValueError("fixed:K needs K >= 1")
+        self.k, self.name = k, f"fixed:{k}"
+
+    def select(self, curve):
+        n = len(curve.points)
+        return [(i, i) for i in sorted(set(range(0, n, self.k)) | {n - 1})]
+
+
+class SchedulerPolicy(Policy):
+    """The production scheduler (``decide``), fed one checkpoint event at a time."""
+
+    def __init__(self, name: str, cfg: SchedulerConfig):
+        self.name, self.cfg = name, cfg
+
+    def select(self, curve):
+        cfg = dataclasses.replace(self.cfg, higher_is_better=curve.higher_is_better)
+        points = curve.points
+        history: list[HistoryEntry] = []
+        index = DecisionHistory(cfg.higher_is_better)  # what the pipeline's planner decides from
+        chosen, skipped = [], []
+        for i, p in enumerate(points):
+            if decide(_Event(p.step, i == len(points) - 1), index.view(), cfg, index.offered_before(p.step)).evaluate:
+                chosen.append((i, i))
+                history.append(HistoryEntry(p.step, float(p.step), p.value, p.stderr))  # revealed now
+                index.set(p.step, history[-1])
+            else:
+                skipped.append(p.step)
+                index.offer(p.step)
+        index = {p.step: i for i, p in enumerate(points)}
+        chosen += [(index[step], len(points) - 1) for step, _ in refine(history, skipped, cfg)]
+        return chosen
+
+
+def parse_policy(spec: str) -> Policy:
+    """``fixed:K``, ``adaptive`` or ``adaptive:field=value,field=value`` (scheduler fields)."""
+    if spec.startswith("fixed:"):
+        return FixedEvery(int(spec.split(":", 1)[1]))
+    if spec == "adaptive" or spec.startswith("adaptive:"):
+        overrides = {}
+        if ":" in spec:
+            for item in spec.split(":", 1)[1].split(","):
+                key, value = item.split("=", 1)
+                overrides[key] = json.loads(value)
+        return SchedulerPolicy(spec, from_dict(SchedulerConfig, {"stderr_metric": None, **overrides}, "adaptive"))
+    raise ValueError(f"unknown policy {spec!r} (fixed:K, adaptive, adaptive:field=value,...)")
+
+
+def inject_regression(curve: Curve, rng: random.Random) -> tuple[Curve, int]:
+    n = len(curve.points)
+    start = rng.randrange(n // 2, n)
+    sign = -1.0 if curve.higher_is_better else 1.0
+    points = tuple(
+        dataclasses.replace(p, value=p.value + sign * REGRESSION_STDERRS * p.stderr) if i >= start else p
+        for i, p in enumerate(curve.points)
+    )
+    return dataclasses.replace(curve, points=points), start
+
+
+def score(curve: Curve, chosen: list[int]) -> dict:
+    pts = curve.points
+    errors, shown = [], None
+    chosen_set = set(chosen)
+    for i, p in enumerate(pts):
+        if i in chosen_set:
+            shown = p.value
+        errors.append(abs(p.value - shown) / p.stderr if shown is not None else 0.0)
+    better = max if curve.higher_is_better else min
+    best_all = better(p.value for p in pts)
+    picked = better((pts[i] for i in chosen), key=lambda p: p.value).value
+    return {
+        "evaluations": len(chosen),
+        "tracking_error": statistics.fmean(errors),
+        "regret": abs(best_all - picked),
+    }
+
+
+def replay(curves: list[Curve], policies: list[Policy], regression: bool = False, seed: int = 0) -> dict:
+    results = {}
+    for policy in policies:
+        per_curve, delays = [], []
+        for curve in curves:
+            start = None
+            if regression:
+                curve, start = inject_regression(curve, random.Random(f"{seed}:{curve.name}"))
+            evaluations = policy.select(curve)
+            if 0 not in (i for i, _ in evaluations):
+                evaluations.insert(0, (0, 0))  # every policy evaluates the first checkpoint
+            per_curve.append(score(curve, sorted(i for i, _ in evaluations)))
+            if start is not None:
+                seen = [when for i, when in evaluations if i >= start] + [len(curve.points) - 1]
+                delays.append(min(seen) - start)
+        out = {
+            "evaluations": sum(r["evaluations"] for r in per_curve),
+            "mean_tracking_error": round(statistics.fmean(r["tracking_error"] for r in per_curve), 4),
+            "mean_regret": round(statistics.fmean(r["regret"] for r in per_curve), 5),
+            "max_regret": round(max(r["regret"] for r in per_curve), 5),
+        }
+        if regression:
+            out["detection_delay"] = round(statistics.fmean(delays), 3)
+        results[policy.name] = out
+    return {"policies": results}

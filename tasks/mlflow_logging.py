@@ -1,0 +1,66 @@
+"""Prefect tasks that write to MLflow."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from areal_eval.alerts import recorded_config
+from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.evaluation.jobs import EvalResult
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.ledger import Ledger
+from areal_eval.tracking import Tracker, resolve_tracking_uri
+
+
+def tracker_for(cfg: PipelineConfig) -> Tracker:
+    """One tracker per store and experiment in this process: it keeps what it has logged (the
+    training watermark, the evaluated steps), so logging never rereads a run's history."""
+    return _tracker(resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment, cfg.tracking.artifact_location)
+
+
+@functools.lru_cache(maxsize=16)
+def _tracker(tracking_uri: str, experiment: str, artifact_location: str | None) -> Tracker:
+    return Tracker(tracking_uri, experiment, artifact_location)
+
+
+@task(cache_policy=NO_CACHE, name="start-tracking")
+def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str, reopen: bool = False) -> str:
+    """The MLflow run of a training run (created once), with the whole config as params;
+    ``reopen`` marks it RUNNING again (a resumed run)."""
+    return tracker_for(cfg).start_run(training_run_id, recorded_config(dataclasses.asdict(cfg)), tags={"areal.run_dir": run_dir},
+                                      reopen=reopen)
+
+
+def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
+    """The MLflow run the flow that owns ``run`` writes to (reopened if the run is resumed)."""
+    return start_tracking_run(cfg, run.run_id, str(run.root), reopen=True)
+
+
+@task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")
+def log_evaluation(cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str) -> bool:
+    """Metrics at ``step=global_step`` plus checkpoint tags; False if the step was already logged."""
+    step = result.global_step
+    return tracker_for(cfg).log_evaluation(
+        run_id, step, result.metrics,
+        tags={f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason, "last_evaluated_step": step},
+    )
+
+
+@task(cache_policy=NO_CACHE, name="finish-tracking")
+def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, plot: Path, status: str | None = "FINISHED",
+                    failure: str | None = None) -> None:
+    """Scheduler decisions and the curve plot as artifacts, counts as tags, the run ended with
+    ``status`` (and ``failure`` as the tag ``areal.failure``); ``status`` None refreshes them on
+    a run that already ended."""
+    tracker = tracker_for(cfg)
+    tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
+    tracker.log_artifact(run_id, plot)
+    tags = {f"checkpoints.{k}": v for k, v in ledger.counts().items()}
+    tracker.set_tags(run_id, tags | ({"areal.failure": failure[:5000]} if failure else {}))
+    if status is not None:
+        tracker.finish(run_id, status)

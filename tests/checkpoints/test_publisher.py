@@ -1,0 +1,39 @@
+"""Publishing checkpoints from a training loop outside the flow: local and S3 stores, and the
+event posted over HTTP (to a loopback receiver standing where the Prefect API would be)."""
+
+import boto3
+
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, publish_checkpoint
+from areal_eval.checkpoints.store import S3Config
+
+
+def written_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt" / "step-40"
+    directory.mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(b"weights" * 100)
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def test_publish_local_appends_the_manifest_then_posts_the_event(tmp_path, webhook):
+    directory = written_checkpoint(tmp_path)
+    event = publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 40, epoch=1, epoch_step=15,
+                               train_metrics={"loss": 0.4}, api_url=webhook.url.removesuffix("/hook"))
+    assert Manifest(tmp_path / "manifest.jsonl").events() == [event]
+    assert event.uri == str(directory) and {f.name: f.size for f in event.files} == {"config.json": 2, "model.safetensors": 700}
+    [request] = webhook.requests
+    assert request["path"] == "/events"
+    [posted] = request["json"]
+    assert posted["event"] == CHECKPOINT_SAVED and posted["resource"]["areal.source"] == "publisher"
+    assert posted["payload"]["global_step"] == 40 and posted["payload"]["manifest"] == str(tmp_path / "manifest.jsonl")
+
+
+def test_publish_to_s3_uploads_verifies_and_mirrors_the_manifest(s3_server, s3_bucket, tmp_path, webhook):
+    directory = written_checkpoint(tmp_path)
+    event = publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 40, store=f"s3://{s3_bucket}/ckpts",
+                               s3=S3Config(endpoint_url=s3_server.url), api_url=webhook.url.removesuffix("/hook"))
+    assert event.uri == f"s3://{s3_bucket}/ckpts/run-7/step-40"
+    keys = {o["Key"] for o in boto3.client("s3", endpoint_url=s3_server.url).list_objects_v2(Bucket=s3_bucket)["Contents"]}
+    assert keys == {"ckpts/run-7/step-40/model.safetensors", "ckpts/run-7/step-40/config.json", "ckpts/run-7/manifest.jsonl"}
+    assert webhook.requests[0]["json"][0]["payload"]["manifest"] == f"s3://{s3_bucket}/ckpts/run-7/manifest.jsonl"

@@ -1,0 +1,95 @@
+import pytest
+
+from areal_eval.config.parsing import ConfigError, flatten, parse_overrides
+from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
+
+
+def test_defaults_build():
+    cfg = load_pipeline_config()
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.train.nproc == 2 and cfg.eval.nproc == 2
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(ConfigError, match=r"train\.save\.freq_step\b"):
+        load_pipeline_config(params={"train": {"save": {"freq_step": 3}}})
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match=r"eval\.nproc: expected int"):
+        load_pipeline_config(overrides=['eval.nproc="two"'])
+
+
+def test_invalid_value_is_named():
+    with pytest.raises(ConfigError, match=r"alerts\.rules\[0\]\.kind"):
+        load_pipeline_config(params={"alerts": {"rules": [{"name": "x", "kind": "sometimes"}]}})
+    with pytest.raises(ConfigError, match="label_noise"):
+        load_pipeline_config(overrides=["data.synthetic.label_noise=0.7"])
+    with pytest.raises(ConfigError, match="divisible"):
+        load_pipeline_config(overrides=["eval.nproc=3", "eval.mp_size=2"])
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "cfg.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="cfg.yaml"):
+        load_pipeline_config(bad)
+
+
+def test_file_then_overrides(tmp_path):
+    f = tmp_path / "cfg.json"
+    f.write_text('{"run_name": "a", "train": {"epochs": 5}}')
+    cfg = load_pipeline_config(f, overrides=["train.epochs=2"])
+    assert (cfg.run_name, cfg.train.epochs) == ("a", 2)
+
+
+def test_overrides_and_flatten():
+    assert parse_overrides(["a.b=3", "a.c=x"]) == {"a": {"b": 3, "c": "x"}}
+    assert flatten({"a": {"b": 1}, "c": 2}) == {"a.b": 1, "c": 2}
+
+
+@pytest.mark.parametrize("override, named", [
+    ("train.max_steps=-5", r"train\.max_steps: must be >= 1, got -5"),
+    ("train.max_steps=0", r"train\.max_steps: must be >= 1, got 0"),  # 0 never means "all"
+    ("train.nproc=0", r"train\.nproc: must be >= 1"),
+    ("train.batch_size=0", r"train\.batch_size: must be >= 1"),
+    ("train.epochs=-1", r"train\.epochs: must be >= 1"),
+    ("train.save.freq_steps=0", r"train\.save\.freq_steps: must be >= 1"),
+    ("eval.batch_size=0", r"eval\.batch_size: must be >= 1"),
+    ("eval.retries=-1", r"eval\.retries: must be >= 0"),
+    ("scheduler.min_interval_steps=-1", r"scheduler\.min_interval_steps: must be >= 0"),
+    ("scheduler.min_interval_steps=50 scheduler.max_interval_steps=10", r"scheduler\.max_interval_steps: must be >= min_"),
+    ("storage.retention.keep_last=0", r"storage\.retention\.keep_last: must be >= 1"),
+    ("model.num_heads=3", r"model\.hidden_size: 128 must be divisible by num_heads"),
+    ("poll_interval_s=0", r"poll_interval_s: must be >="),
+    ('run_name="../elsewhere"', r"run_name: '\.\./elsewhere' must be a plain directory name"),
+])
+def test_numbers_are_range_checked_naming_the_field(override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_pipeline_config(overrides=override.split())
+
+
+def test_rules_on_metrics_the_evaluator_never_produces_are_refused():
+    typo = {"name": "acc-low", "kind": "threshold", "metric": "acuracy", "op": "<", "value": 0.5}
+    with pytest.raises(ConfigError, match=r"alerts\.rules\[0\]\.metric: 'acuracy' is not a metric of evaluator"):
+        load_pipeline_config(params={"alerts": {"rules": [typo]}})
+    with pytest.raises(ConfigError, match=r"scheduler\.metric: 'acc'"):
+        load_pipeline_config(overrides=["scheduler.metric=acc"])
+    custom = load_pipeline_config(params={"eval": {"evaluator": "tests.custom_evaluator:MarginOver"},
+                                          "alerts": {"rules": [{**typo, "metric": "margin_over_0.1"}]}})
+    assert custom.alerts.rules[0].metric == "margin_over_0.1"  # undeclared metrics are not checked
+    with pytest.raises(ConfigError, match=r"eval\.evaluator: 'nowhere:Nothing' cannot be loaded"):
+        load_pipeline_config(overrides=["eval.evaluator=nowhere:Nothing"])
+
+
+@pytest.mark.parametrize("url", ["http://user:pass@hooks.example/x", "https://hooks.example/x?token=abc"])
+def test_a_webhook_url_with_credentials_is_refused(url):
+    with pytest.raises(ConfigError, match=r"alerts\.webhook_url: carries credentials.*webhook_url_env"):
+        load_pipeline_config(params={"alerts": {"webhook_url": url}})
+
+
+def test_recorded_config_names_the_webhook_host_only():
+    from areal_eval.alerts import recorded_config
+
+    recorded = recorded_config({"alerts": {"webhook_url": "https://hooks.slack.com/services/T0/B0/secret"}})
+    assert recorded["alerts"]["webhook_url"] == "https://hooks.slack.com/<redacted>"

@@ -1,0 +1,228 @@
+"""Evaluation workers as real torchrun process groups (gloo)."""
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+
+from areal_eval import distributed
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.evaluation.evaluators import BaseEvaluator, RewardModelEvaluator, make_evaluator
+from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
+from areal_eval.evaluation.worker import compute_metrics
+from tests.helpers import live_processes
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def final_checkpoint(trained_run):
+    cfg, run = trained_run
+    return run, Manifest(run.manifest).events()[-1]
+
+
+def single_process_metrics(event, data, batch_size=7):
+    evaluator = RewardModelEvaluator(max_length=64)
+    evaluator.load(Path(event.uri), data)
+    return compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+
+
+def test_shards_are_exact_without_padding():
+    for n in (0, 1, 7, 101):
+        for shards in (1, 2, 3, 4):
+            covered = [i for s in range(shards) for i in distributed.shard_range(n, s, shards)]
+            assert covered == list(range(n))
+
+
+def test_parallel_layout():
+    layout = distributed.ParallelLayout(world_size=4, rank=3, mp_size=2)
+    assert (layout.dp_size, layout.dp_rank, layout.dp_head, layout.is_dp_head) == (2, 1, 2, False)
+    assert layout.mp_groups() == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        distributed.ParallelLayout(world_size=3, rank=0, mp_size=2)
+
+
+@pytest.mark.parametrize("world,mp", [(1, 1), (2, 1), (3, 1), (4, 2)])
+def test_distributed_equals_single_process(final_checkpoint, tmp_path, world, mp):
+    run, event = final_checkpoint
+    assert sum(1 for _ in run.valid_data.open()) % 2 == 1  # an odd number of pairs
+    reference = single_process_metrics(event, run.valid_data)
+    result = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=world, mp_size=mp, batch_size=16), tmp_path)
+    assert result.metrics["n_pairs"] == reference["n_pairs"] == 101  # each pair exactly once
+    assert set(result.metrics) == set(reference) >= {"accuracy", "loss", "chosen_score", "rejected_score", "margin", "n_pairs"}
+    for key, value in reference.items():
+        assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_dead_rank_fails_clearly_and_leaves_no_process(final_checkpoint, tmp_path, monkeypatch):
+    run, event = final_checkpoint
+    monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", "1:exit")
+    with pytest.raises(EvaluationFailed, match=r"(?s)step 12.*rank 1 \(local_rank: 1\) exit code 17"):
+        run_evaluation_job(event, run.valid_data, EvalConfig(nproc=2, batch_size=16, collective_timeout_s=20), tmp_path)
+    assert live_processes(str(tmp_path)) == []
+
+
+def test_hung_rank_times_out_instead_of_hanging(final_checkpoint, tmp_path, monkeypatch):
+    run, event = final_checkpoint
+    monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", "1:hang")
+    cfg = EvalConfig(nproc=2, batch_size=16, collective_timeout_s=5, job_timeout_s=90)
+    with pytest.raises(EvaluationFailed, match="(?i)timed? ?out|timeout"):
+        run_evaluation_job(event, run.valid_data, cfg, tmp_path)
+    assert live_processes(str(tmp_path)) == []
+
+
+def test_corrupt_checkpoint_is_a_clear_error(final_checkpoint, tmp_path):
+    run, event = final_checkpoint
+    copy = tmp_path / "ckpt"
+    shutil.copytree(event.uri, copy)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10:] = b"\x00" * 10
+    weights.write_bytes(bytes(data))
+    bad = dataclasses.replace(event, uri=str(copy))
+    with pytest.raises(EvaluationFailed, match="model.safetensors: sha256 differs"):
+        run_evaluation_job(bad, run.valid_data, EvalConfig(nproc=2), tmp_path / "out")
+    missing = dataclasses.replace(event, uri=str(tmp_path / "gone"))
+    with pytest.raises(EvaluationFailed, match="checkpoint directory is missing"):
+        run_evaluation_job(missing, run.valid_data, EvalConfig(nproc=1), tmp_path / "out")
+
+
+def test_users_add_evaluators_by_subclassing(final_checkpoint, tmp_path, monkeypatch):
+    run, event = final_checkpoint
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    cfg = EvalConfig(nproc=2, evaluator="tests.custom_evaluator:MarginOver")
+    result = run_evaluation_job(event, run.valid_data, cfg, tmp_path)
+    assert set(result.metrics) == {"margin_over_0.1", "n_pairs"} and result.metrics["n_pairs"] == 101
+    assert isinstance(make_evaluator("tests.custom_evaluator:MarginOver"), BaseEvaluator)
+    with pytest.raises(ValueError, match="unknown evaluator"):
+        make_evaluator("nope")
+
+
+def test_s3_checkpoint_is_fetched_once_per_node_and_matches_local(final_checkpoint, s3_server, s3_bucket, tmp_path):
+    from areal_eval.checkpoints.store import S3Config, S3Store
+    from tests.s3_servers import FaultProxy
+
+    run, event = final_checkpoint
+    staged = tmp_path / "staged" / Path(event.uri).name
+    shutil.copytree(event.uri, staged)
+    proxy = FaultProxy(s3_server.url, limit=0)  # counts requests, injects nothing
+    s3 = S3Config(endpoint_url=proxy.url)
+    uri = S3Store(f"s3://{s3_bucket}/run", s3, keep_local_copy=False).publish(staged, event.files)
+    remote = dataclasses.replace(event, uri=uri)
+    result = run_evaluation_job(remote, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "out", s3=s3,
+                                 cache_dir=tmp_path / "cache")
+    local = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "local")
+    assert result.metrics == pytest.approx(local.metrics, abs=1e-9)
+    weight_gets = [p for m, p in proxy.requests if m == "GET" and p.split("?")[0].endswith("model.safetensors")]
+    assert len(weight_gets) == 1  # local rank 0 downloaded; rank 1 waited and read the same copy
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    proxy.stop()
+
+
+def test_pickle_checkpoint_on_s3_is_refused_without_opt_in(final_checkpoint, s3_server, s3_bucket, tmp_path):
+    import torch
+
+    from areal_eval import reward_model
+    from areal_eval.checkpoints.manifest import describe_files
+    from areal_eval.checkpoints.store import S3Config, S3Store
+    from areal_eval.evaluation.jobs import CorruptCheckpoint
+
+    run, event = final_checkpoint
+    staged = tmp_path / "global_step_00000012"
+    shutil.copytree(event.uri, staged)
+    model = reward_model.load_model(staged)
+    (staged / "model.safetensors").unlink()
+    torch.save(model.state_dict(), staged / "pytorch_model.bin")  # weights that need pickle to load
+    files = describe_files(staged)
+    s3 = S3Config(endpoint_url=s3_server.url)
+    uri = S3Store(f"s3://{s3_bucket}/run", s3).publish(staged, files)
+    pickled = dataclasses.replace(event, uri=uri, files=files)
+    with pytest.raises(CorruptCheckpoint, match="refused: no \\*.safetensors weights.*allow_pickle"):
+        run_evaluation_job(pickled, run.valid_data, EvalConfig(nproc=1), tmp_path / "out", s3=s3, cache_dir=tmp_path / "c")
+    opted_in = run_evaluation_job(pickled, run.valid_data, EvalConfig(nproc=1, allow_pickle=True), tmp_path / "out",
+                                   s3=s3, cache_dir=tmp_path / "c")
+    assert opted_in.metrics["n_pairs"] == 101
+
+
+def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(final_checkpoint, s3_server, s3_bucket, tmp_path, monkeypatch):
+    """What the Kubernetes template runs, on one machine: node 1's torchrun agent starts with
+    ``--follow`` and knows nothing of the job; node 0's is launched by run_evaluation_job."""
+    from areal_eval.checkpoints.store import S3Config, S3Store
+    from areal_eval.launcher import NodeLayout, TorchrunJob
+    from tests.helpers import free_port
+    from tests.s3_servers import FaultProxy
+
+    run, event = final_checkpoint
+    staged = tmp_path / "staged" / Path(event.uri).name
+    shutil.copytree(event.uri, staged)
+    proxy = FaultProxy(s3_server.url, limit=0)
+    s3 = S3Config(endpoint_url=proxy.url)
+    remote = dataclasses.replace(event, uri=S3Store(f"s3://{s3_bucket}/run", s3).publish(staged, event.files))
+
+    port = free_port()
+    follower = TorchrunJob("areal_eval.evaluation.worker", ["--follow", "--cache-dir", str(tmp_path / "node1-cache")], 1,
+                           tmp_path / "node1.log", nodes=NodeLayout(nnodes=2, node_rank=1, master_port=port))
+    for key, value in {"NNODES": 2, "NODE_RANK": 0, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+        monkeypatch.setenv(f"AREAL_EVAL_{key}", str(value))
+    try:
+        result = run_evaluation_job(remote, run.valid_data, EvalConfig(nproc=1, batch_size=16), tmp_path / "node0",
+                                     s3=s3, cache_dir=tmp_path / "node0-cache")
+        assert follower.wait(60) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+    finally:
+        follower.kill()
+    monkeypatch.delenv("AREAL_EVAL_NNODES")
+    one_node = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "one")
+    assert result.metrics == pytest.approx(one_node.metrics, abs=1e-9) and result.metrics["n_pairs"] == 101
+    weight_gets = [p for m, p in proxy.requests if m == "GET" and p.split("?")[0].endswith("model.safetensors")]
+    assert len(weight_gets) == 2  # each node's local rank 0 fetched its own copy
+    assert (tmp_path / "node1-cache" / "jobs" / "rank-1" / "valid.jsonl").read_bytes() == run.valid_data.read_bytes()
+    proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def awkward_pairs(trained_run, tmp_path_factory):
+    """An odd number of pairs: identical pairs (ties), texts far past max_length (truncated),
+    and the trained run's own pairs."""
+    import json
+
+    from areal_eval.preference_data import read_pairs
+
+    _, run = trained_run
+    pairs = read_pairs(run.valid_data)[:30]
+    long_text = " ".join(pairs[0]["chosen"].split() * 40)
+    pairs += [{"chosen": p["chosen"], "rejected": p["chosen"]} for p in pairs[:5]]  # chosen == rejected
+    pairs += [{"chosen": long_text, "rejected": pairs[1]["rejected"]}, {"chosen": pairs[2]["chosen"], "rejected": long_text}]
+    path = tmp_path_factory.mktemp("awkward") / "valid.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    assert len(pairs) % 2 == 1
+    return path
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ties_and_truncated_pairs_count_the_same_at_every_world_and_batch_size(final_checkpoint, awkward_pairs,
+                                                                                tmp_path, world):
+    run, event = final_checkpoint
+    reference = single_process_metrics(event, awkward_pairs, batch_size=37)
+    for batch_size in (1, 4):
+        assert single_process_metrics(event, awkward_pairs, batch_size=batch_size) == pytest.approx(reference, abs=1e-6)
+    result = run_evaluation_job(event, awkward_pairs, EvalConfig(nproc=world, batch_size=3), tmp_path)
+    assert result.metrics["n_pairs"] == 37
+    for key, value in reference.items():
+        assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
+    correct = reference["accuracy"] * 37
+    assert abs(correct - round(correct)) == pytest.approx(0.5)  # 5 ties, each half correct
+
+
+def test_a_whitespace_only_response_is_refused_naming_its_line_and_no_rank_crashes(final_checkpoint, tmp_path):
+    import json
+
+    from areal_eval.evaluation.jobs import CorruptCheckpoint
+
+    run, event = final_checkpoint
+    data = tmp_path / "valid.jsonl"
+    rows = [{"chosen": "kind words", "rejected": "rude"}] * 3 + [{"chosen": "kind", "rejected": " "}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(CorruptCheckpoint, match=rf"{data}:4: field 'rejected' must be a string with text"):
+        run_evaluation_job(event, data, EvalConfig(nproc=2, batch_size=2), tmp_path / "evals")
+    assert live_processes(str(tmp_path)) == []

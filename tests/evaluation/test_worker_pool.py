@@ -1,0 +1,72 @@
+"""Warm evaluation workers: one torchrun job (gloo) serving several evaluations."""
+
+import json
+
+import pytest
+
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
+from areal_eval.evaluation.worker_pool import WarmEvalWorkers
+from tests.helpers import live_processes
+
+pytestmark = pytest.mark.integration
+
+
+def test_one_job_serves_several_evaluations_with_the_same_results(trained_run, tmp_path):
+    cfg, run = trained_run
+    events = Manifest(run.manifest).events()
+    eval_cfg = EvalConfig(nproc=2, batch_size=16)
+    with WarmEvalWorkers(2, tmp_path / "pool") as workers:
+        warm = [run_evaluation_job(e, run.valid_data, eval_cfg, tmp_path / "warm", workers=workers) for e in events]
+        assert workers.started_jobs == 1  # the same ranks evaluated every checkpoint
+    assert live_processes(str(tmp_path / "pool")) == [] and workers.job is None
+    for event, result in zip(events, warm):
+        fresh = run_evaluation_job(event, run.valid_data, eval_cfg, tmp_path / "fresh")
+        assert result.metrics == pytest.approx(fresh.metrics, abs=1e-9), event.global_step
+
+
+def test_a_dead_rank_fails_that_evaluation_and_the_next_starts_fresh_ranks(trained_run, tmp_path, monkeypatch):
+    cfg, run = trained_run
+    event = Manifest(run.manifest).events()[-1]
+    monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", f"1:exit:{tmp_path / 'fired'}")  # rank 1 dies once
+    eval_cfg = EvalConfig(nproc=2, batch_size=16, collective_timeout_s=20)
+    with WarmEvalWorkers(2, tmp_path / "pool", collective_timeout_s=20) as workers:
+        with pytest.raises(EvaluationFailed, match=r"(?s)step 12.*rank 1 \(local_rank: 1\) exit code 17"):
+            run_evaluation_job(event, run.valid_data, eval_cfg, tmp_path / "out", workers=workers)
+        result = run_evaluation_job(event, run.valid_data, eval_cfg, tmp_path / "out", workers=workers)
+        assert result.metrics["n_pairs"] == 101 and workers.started_jobs == 2
+    assert live_processes(str(tmp_path / "pool")) == []
+
+
+def test_a_job_that_cannot_even_be_parsed_is_recorded_with_its_cause(tmp_path):
+    out = tmp_path / "result.json"
+    with WarmEvalWorkers(2, tmp_path / "pool", collective_timeout_s=20) as workers:
+        code, log = workers.run(["--out", str(out), "--no-such-flag"], out, 120)
+    assert code != 0
+    error = json.loads(out.read_text())["error"]
+    assert "bad job arguments" in error and "--no-such-flag" in error
+    assert "evaluation failed (job " in log.read_text()
+    assert live_processes(str(tmp_path / "pool")) == []
+
+
+def test_two_slots_evaluate_two_checkpoints_at_once_on_their_own_ranks(trained_run, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from areal_eval.evaluation.worker_pool import WarmWorkerGroups
+
+    cfg, run = trained_run
+    events = Manifest(run.manifest).events()[-2:]
+    eval_cfg = EvalConfig(nproc=2, batch_size=16)
+
+    def evaluate(event):
+        with groups.lease() as group:
+            return run_evaluation_job(event, run.valid_data, eval_cfg, tmp_path / "out", workers=group), group
+
+    with WarmWorkerGroups(2, 2, tmp_path / "pool") as groups, ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(evaluate, events))
+        assert groups.started_jobs == 2 and results[0][1] is not results[1][1]
+    assert live_processes(str(tmp_path / "pool")) == []
+    for event, (result, _) in zip(events, results):
+        fresh = run_evaluation_job(event, run.valid_data, eval_cfg, tmp_path / "fresh")
+        assert result.global_step == event.global_step
+        assert result.metrics == pytest.approx(fresh.metrics, abs=1e-9)

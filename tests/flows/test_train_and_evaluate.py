@@ -1,0 +1,309 @@
+"""The train-and-evaluate flow against a real Prefect API (test harness), MLflow on SQLite,
+torchrun training and evaluation, and a webhook receiver on loopback."""
+
+import dataclasses
+import json
+import shutil
+import time
+
+import pytest
+
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from areal_eval.tracking import Tracker
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.integration
+
+
+def mlflow_run(cfg):
+    tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+    runs = tracker.client.search_runs([tracker.experiment_id])
+    return tracker, runs
+
+
+SENTINEL = "SENTINEL-7f3a9c"
+
+
+def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    from flows.train_and_evaluate import train_and_evaluate
+
+    # The webhook URL is a secret (a token in its path and query): named by an environment variable.
+    monkeypatch.setenv("ALERT_HOOK", f"{webhook.url}/{SENTINEL}?token={SENTINEL}")
+    always = {"name": "accuracy-seen", "kind": "threshold", "metric": "accuracy", "op": ">", "value": 0.0, "throttle_secs": 3600}
+    cfg = tiny_config(tmp_path, alerts={"webhook_url_env": "ALERT_HOOK", "rules": [always]})
+    state = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))), return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+
+    run = RunDir(cfg.run_root)
+    steps = [e.global_step for e in Manifest(run.manifest).events()]
+    ledger = Ledger(run.ledger)
+    # Every checkpoint ends evaluated or recorded with a reason; the last one evaluated.
+    assert [e.step for e in ledger.entries()] == steps
+    assert all(e.status in FINAL_STATES and (e.status == "evaluated" or e.reason) for e in ledger.entries())
+    assert ledger.status(steps[-1]) == "evaluated" and ledger.status(0) == "evaluated"
+
+    tracker, runs = mlflow_run(cfg)
+    assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    history = tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")
+    assert sorted(m.step for m in history) == evaluated  # distinct steps, no duplicates, none lost
+    assert tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")
+    data = runs[0].data
+    assert data.params["train.max_steps"] == "12"
+    assert data.tags[f"checkpoint.{steps[-1]}.uri"].endswith(f"global_step_{steps[-1]:08d}")
+    artifacts = [a.path for a in tracker.client.list_artifacts(runs[0].info.run_id)]
+    assert {"scheduler_decisions.json", "evaluation_curve.png", "alerts"} <= set(artifacts)
+
+    # The alert rule fired on every evaluation; throttling let one notification through.
+    assert len(webhook.requests) == 1 and SENTINEL in webhook.requests[0]["path"]
+    body = json.loads(webhook.requests[0]["json"]["body"])
+    assert body["rule"] == "accuracy-seen" and body["step"] == 0
+
+    with get_client(sync_client=True) as client:
+        page = client.read_events(EventFilter(event=EventNameFilter(name=["areal.checkpoint.saved"])), limit=50)
+    announced = sorted(e.payload["global_step"] for e in page.events if e.payload.get("run_id") == run.run_id)
+    assert announced == steps
+
+    # Task runs grow with evaluations, not with checkpoints or training-metric flushes.
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    names = [t.task_key.rsplit("-", 1)[0] for t in task_runs]
+    per_evaluation = {"score_checkpoint": len(evaluated), "log_evaluation": len(evaluated), "send_alert": len(evaluated)}
+    assert {k: names.count(k) for k in per_evaluation} == per_evaluation
+    assert len(names) == sum(per_evaluation.values()) + 5  # prepare, start tracking and training, wait, finish
+
+    # The secret reached no record: MLflow's store, the run's files, Prefect's parameters and logs.
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    stored = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert stored and not [p for p in stored if SENTINEL.encode() in p.read_bytes()]
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(state.state_details.flow_run_id)
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200)
+    assert logs and SENTINEL not in json.dumps(flow_run.parameters) + " ".join(log.message for log in logs)
+
+
+def test_bad_checkpoint_fails_alerts_and_the_flow_goes_on(prefect_server, trained_run, tmp_path, webhook):
+    from prefect import flow
+
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.mlflow_logging import start_tracking
+
+    cfg, original = trained_run
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path), scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        alerts=dataclasses.replace(cfg.alerts, webhook_url=webhook.url),
+    )
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    weights = run.checkpoints / "global_step_00000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    shutil.rmtree(run.checkpoints / "global_step_00000008")  # missing
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, start_tracking(cfg, run), training=None)
+
+    ledger = evaluate_existing()
+    assert {s: ledger.status(s) for s in (0, 4, 8, 12)} == {0: "evaluated", 4: "failed", 8: "failed", 12: "evaluated"}
+    assert "truncated" in ledger.latest(4).reason and "missing" in ledger.latest(8).reason
+    failed = [json.loads(r["json"]["body"]) for r in webhook.requests]
+    assert [(a["rule"], a["step"]) for a in failed] == [("eval-failed", 4), ("eval-failed", 8)]
+
+
+def test_alert_can_stop_training(prefect_server, tmp_path):
+    from flows.train_and_evaluate import train_and_evaluate
+
+    stop_rule = {"name": "good-enough", "kind": "threshold", "op": ">", "value": 0.0, "min_step": 1, "stop_training": True}
+    cfg = tiny_config(
+        tmp_path, alerts={"rules": [stop_rule]},
+        train={"max_steps": 100000, "epochs": 100000, "save": {"freq_steps": 10, "eval_before_train": False}},
+    )
+    summary = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))))
+    final = Manifest(RunDir(cfg.run_root).manifest).events()[-1]
+    assert final.final and final.global_step < 100000
+    assert final.train_metrics["stopped"].startswith("alert good-enough")
+    assert summary["evaluated"] >= 2
+
+
+def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_run, tmp_path, monkeypatch):
+    from prefect import flow
+
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.mlflow_logging import start_tracking
+
+    cfg, original = trained_run
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path), eval=dataclasses.replace(cfg.eval, retries=1),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+    )
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    marker = tmp_path / "fault-fired"
+    monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", f"1:exit:{marker}")  # the first evaluation's rank 1 dies
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, start_tracking(cfg, run), training=None)
+
+    ledger = evaluate_existing()
+    assert marker.exists()
+    assert all(e.status in ("evaluated", "skipped", "superseded") for e in ledger.entries())
+    tracker, runs = mlflow_run(cfg)
+    steps = [m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")]
+    assert sorted(steps) == sorted(set(steps)) == [e.step for e in ledger.entries() if e.status == "evaluated"]
+
+
+def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect_server, trained_run, tmp_path):
+    # evaluate-checkpoint as the event trigger runs it, once per checkpoint in order: 4 and 8 are
+    # skipped (min interval 9), and the run for the final checkpoint evaluates the skipped
+    # neighbour of the best (8 if 12 is best, 4 if 0 is: either has nothing evaluated beyond it).
+    from flows.evaluate_checkpoint import evaluate_checkpoint
+
+    cfg, trained = trained_run
+    run = RunDir(tmp_path / "run")  # the run's record is written beside its manifest: a copy of its own
+    shutil.copytree(trained.root, run.root, ignore=shutil.ignore_patterns("checkpoints", "resume", "evals", "ledger.jsonl"))
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, min_interval_steps=9, max_interval_steps=None),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+    )
+    params = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    results = {s: evaluate_checkpoint(s, str(run.manifest), params=params) for s in (0, 4, 8, 12)}
+    assert [results[s]["evaluated"] for s in (0, 4, 8, 12)] == [True, False, False, True]
+    assert "min interval" in results[4]["reason"] and "min interval" in results[8]["reason"]
+    refined = results[12]["refined"]
+    assert refined in ([4], [8])
+    tracker, runs = mlflow_run(cfg)
+    steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy"))
+    assert steps == sorted([0, 12] + refined)  # each once
+    assert runs[0].data.tags[f"decision.{refined[0]}"].startswith("refine: next to the best")
+    # The run that found the run over ended it, as train-and-evaluate does.
+    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "3"
+    assert "min interval" in runs[0].data.tags["decision.4"]
+    published_loss = {e.global_step for e in Manifest(run.manifest).events() if "loss" in e.train_metrics}
+    assert {m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")} == published_loss
+    again = evaluate_checkpoint(12, str(run.manifest), params=params)
+    assert again["reason"].startswith("already evaluated") and "run" not in again
+    # A manual evaluation after the end keeps the run's counts (and curve) true; the run stays ended.
+    [other] = {4, 8} - set(refined)
+    manual = evaluate_checkpoint(other, str(run.manifest), params=params, reason="manual")
+    assert manual["evaluated"] and manual["reason"].startswith("manual; scheduler: skipped")
+    tracker, runs = mlflow_run(cfg)
+    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "4"
+
+
+def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, trained_run, tmp_path):
+    import socket
+
+    from prefect import flow
+
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.mlflow_logging import start_tracking
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/hook"
+    cfg, original = trained_run
+    always = {"name": "seen", "kind": "threshold", "metric": "accuracy", "op": ">", "value": 0.0, "throttle_secs": 3600}
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path), alerts=dataclasses.replace(cfg.alerts, webhook_url=closed, rules=[]),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+    )
+    from areal_eval.alerts import AlertRule
+
+    cfg.alerts.rules.append(AlertRule(**always))
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, start_tracking(cfg, run), training=None)
+
+    ledger = evaluate_existing()
+    assert ledger.status(12) == "evaluated"  # the final checkpoint, after the failed notification
+    tracker, runs = mlflow_run(cfg)
+    tags = runs[0].data.tags
+    assert tags["alert.seen.notify_failed"].startswith("step 0: ConnectError") and "alert.seen" in tags
+
+
+def start_mlflow_server(db, artifacts, port):
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                             str(port), "--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(artifacts),
+                             "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("mlflow server did not start")
+
+
+def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(prefect_server, trained_run, tmp_path,
+                                                                         monkeypatch):
+    import threading
+
+    from prefect import flow
+
+    from flows.train_and_evaluate import follow_and_evaluate
+    from tasks.mlflow_logging import start_tracking
+    from tests.helpers import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the client gives up at once
+    port = free_port()
+    server = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", port)
+    cfg, original = trained_run
+    cfg = dataclasses.replace(
+        cfg, work_dir=str(tmp_path), tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"http://127.0.0.1:{port}"),
+        scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
+    )
+    run = RunDir(cfg.run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    mlflow_run_id = start_tracking(cfg, run)
+    server.terminate()
+    server.wait(30)  # MLflow is down from here on
+    outcome = {}
+
+    @flow(name="evaluate-existing-run")
+    def evaluate_existing():
+        return follow_and_evaluate(cfg, run, mlflow_run_id, training=None)
+
+    thread = threading.Thread(target=lambda: outcome.update(ledger=evaluate_existing()))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and Ledger(run.ledger).counts().get("evaluated", 0) < 4:
+            time.sleep(0.2)
+        assert Ledger(run.ledger).counts()["evaluated"] == 4  # evaluation went on without MLflow
+        assert not any(e.delivered for e in Ledger(run.ledger).entries())
+        time.sleep(5)
+        server = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", port)
+        thread.join(300)
+        tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+        eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "eval/accuracy")]
+        train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "train/loss")]
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert all(e.delivered for e in outcome["ledger"].entries())
+    assert eval_steps == [0, 4, 8, 12]  # in step order, each once
+    assert train_steps == [2, 4, 6, 8, 10, 12]

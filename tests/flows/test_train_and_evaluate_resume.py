@@ -1,0 +1,127 @@
+"""Never lose a run: ``kill -9`` the demo's command mid-run, then run the same command again.
+
+Real processes and signals: the flow CLI with its temporary Prefect server, torchrun training
+and warm evaluation workers, MLflow on SQLite.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from areal_eval.tracking import Tracker
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def flow_command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "flows.train_and_evaluate", "--config", str(config)]
+
+
+def clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # its own temporary server
+    env.pop("AREAL_EVAL_OWNER", None)
+    return env
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict):
+    """The demo's command on a tiny config, as its own process; returns it, its config, run and log."""
+    params = {**TINY, "run_name": run_name, "work_dir": str(tmp_path),
+              "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+              "train": {**TINY["train"], "max_steps": max_steps, "epochs": 40, "save": {"freq_steps": 6}},
+              "scheduler": scheduler}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(params))
+    log = (tmp_path / f"{run_name}-flow.log").open("w")
+    flow = subprocess.Popen(flow_command(config), cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return flow, params, config, RunDir(tmp_path / run_name), log
+
+
+def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
+    flow, params, config, run, log = start_flow(tmp_path, "resume", 120, {"min_interval_steps": 0, "max_interval_steps": 12})
+    try:
+        def mid_run():
+            steps = [e.global_step for e in Manifest(run.manifest).events()]
+            return 12 <= max(steps, default=0) < 120
+
+        wait_for(mid_run, 300, f"training past step 12 (flow log {log.name})")
+        family = psutil.Process(flow.pid).children(recursive=True)
+        assert any("areal_eval.train" in " ".join(p.cmdline()) for p in family)
+        os.kill(flow.pid, signal.SIGKILL)
+        flow.wait(10)
+
+        def all_gone():
+            return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+        wait_for(all_gone, 60, "training, workers and the temporary server to end")
+        first_id = run.run_id
+        published = [e.global_step for e in Manifest(run.manifest).events()]
+    finally:
+        if flow.poll() is None:
+            os.killpg(flow.pid, signal.SIGKILL)
+
+    again = subprocess.run(flow_command(config), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert run.run_id == first_id  # resumed, not wiped
+    events = Manifest(run.manifest).events()
+    steps = [e.global_step for e in events]
+    assert steps[: len(published)] == published and steps[-1] == 120 and events[-1].final
+    assert steps == sorted(set(steps))  # every checkpoint published once
+    ledger = Ledger(run.ledger)
+    assert [e.step for e in ledger.entries()] == steps and all(e.status in FINAL_STATES for e in ledger.entries())
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])  # the same MLflow run went on
+    assert mlflow_run.info.status == "FINISHED"
+    eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")]
+    assert sorted(eval_steps) == evaluated  # none evaluated twice, none lost
+    train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "train/loss")]
+    assert train_steps == sorted(set(train_steps)) and max(train_steps) == 120
+
+
+def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_handled(tmp_path):
+    flow, params, config, run, log = start_flow(tmp_path, "rank", 400,
+                                                {"policy": "fixed", "fixed_interval_steps": 1, "coalesce": False,
+                                                 "min_interval_steps": 0})
+    try:
+        wait_for(lambda: max([e.global_step for e in Manifest(run.manifest).events()], default=0) >= 12, 300,
+                 f"training past step 12 (flow log {log.name})")
+        ranks = [p for p in psutil.Process(flow.pid).children(recursive=True)
+                 if "areal_eval.train" in " ".join(p.cmdline()) and "torchrun" not in " ".join(p.cmdline())
+                 and p.environ().get("RANK") == "1"]
+        assert len(ranks) == 1
+        ranks[0].kill()
+        assert flow.wait(300) != 0
+    finally:
+        if flow.poll() is None:
+            os.killpg(flow.pid, signal.SIGKILL)
+    published = [e.global_step for e in Manifest(run.manifest).events()]
+    ledger = Ledger(run.ledger)
+    assert [e.step for e in ledger.entries()] == published  # every published checkpoint handled
+    assert all(e.status == "evaluated" for e in ledger.entries())
+    assert (run.root / "evaluation_curve.png").exists()
+    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
+    assert mlflow_run.info.status == "FAILED" and "training failed" in mlflow_run.data.tags["areal.failure"]
+    assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")) == published

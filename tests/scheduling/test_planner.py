@@ -1,0 +1,175 @@
+from areal_eval.checkpoints.manifest import CheckpointEvent
+from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from areal_eval.scheduling.planner import CoalescingQueue, EvaluationPlanner, JsonlFollower
+from areal_eval.scheduling.policy import SchedulerConfig
+
+
+def ev(step, final=False):
+    return CheckpointEvent("r", f"/ckpt/{step}", 0, step, step, 0.0, {}, final=final)
+
+
+CFG = SchedulerConfig(min_interval_steps=0, max_interval_steps=None, queue_capacity=2)
+
+
+def test_queue_coalesces_to_newest():
+    q = CoalescingQueue(capacity=2)
+    assert q.push(ev(1)) == [] and q.push(ev(2)) == []
+    assert [e.global_step for e in q.push(ev(3))] == [1]
+    newest, older = q.pop()
+    assert newest.global_step == 3 and [e.global_step for e in older] == [2]
+    assert len(q) == 0
+
+
+def test_coalescing_starts_only_when_every_slot_is_busy():
+    q = CoalescingQueue(capacity=3)
+    for step in (1, 2, 3):
+        q.push(ev(step))
+    newest, older = q.pop(free_slots=2)  # two free slots: 3 and 2 are both served, 1 superseded
+    assert newest.global_step == 3 and [e.global_step for e in older] == [1]
+    assert q.pop(free_slots=1) == (ev(2), [])
+    q.push(ev(4))
+    q.push(ev(5))
+    assert q.pop(free_slots=3) == (ev(5), [])  # more free slots than waiting: nothing superseded
+    assert q.pop(free_slots=2) == (ev(4), [])
+
+
+def test_pinned_items_are_never_superseded():
+    q = CoalescingQueue(capacity=1)
+    q.push(ev(0), pinned=True)
+    for step in (1, 2, 3):
+        q.push(ev(step))
+    q.push(ev(9, final=True), pinned=True)
+    assert q.pop() == (ev(0), [])
+    assert q.pop() == (ev(9, final=True), [])
+    newest, older = q.pop()
+    assert newest.global_step == 3 and older == []
+
+
+def test_every_checkpoint_ends_evaluated_or_recorded_with_reason(tmp_path):
+    planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
+    for step in range(0, 50, 5):
+        planner.offer(ev(step, final=step == 45))
+        # evaluation is slow: one finishes every third checkpoint
+        if step % 15 == 0 and (nxt := planner.next()):
+            planner.evaluated(nxt, {"accuracy": 0.5 + step / 100, "accuracy_stderr": 0.01})
+    while (nxt := planner.next()):
+        planner.evaluated(nxt, {"accuracy": 0.9, "accuracy_stderr": 0.01})
+    entries = planner.ledger.entries()
+    assert [e.step for e in entries] == list(range(0, 50, 5))
+    assert all(e.status in FINAL_STATES for e in entries)
+    assert all(e.reason for e in entries if e.status != "evaluated")
+    assert planner.ledger.status(45) == "evaluated"
+    assert planner.ledger.counts().get("superseded", 0) > 0
+
+
+def test_cover_bound_and_refinement_through_the_planner(tmp_path):
+    # A flat metric with a peak at step 50: the cover bound evaluates every third checkpoint,
+    # and once the final one is in, refinement evaluates the skipped neighbours of the best.
+    accuracy = {step: 0.8 for step in range(0, 100, 10)} | {40: 0.81, 50: 0.83}
+    planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
+    for step in range(0, 100, 10):
+        planner.offer(ev(step, final=step == 90))
+        while (nxt := planner.next()):
+            planner.evaluated(nxt, {"accuracy": accuracy[nxt.global_step], "accuracy_stderr": 0.01})
+    status = lambda: {e.step: e.status for e in planner.ledger.entries()}
+    assert [s for s, st in status().items() if st == "evaluated"] == [0, 10, 40, 70, 90]
+    assert [e.global_step for e in planner.refine(deleted={30, 50})] == []  # retention removed them
+    queued = planner.refine()
+    assert [e.global_step for e in queued] == [30, 50]
+    assert planner.ledger.latest(50).status == "scheduled" and planner.ledger.latest(50).reason.startswith("refine")
+    assert [planner.next().global_step, planner.next().global_step] == [30, 50]  # pinned: both served
+    assert all(st in FINAL_STATES or st == "scheduled" for st in status().values())
+
+
+def test_restart_resumes_without_repeating_or_losing(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    first = EvaluationPlanner(CFG, Ledger(path))
+    first.offer(ev(0))
+    first.evaluated(first.next(), {"accuracy": 0.5})
+    first.offer(ev(10))  # scheduled, then the flow dies before evaluating it
+
+    second = EvaluationPlanner(CFG, Ledger(path))  # a restarted flow re-reads the manifest
+    assert not second.offer(ev(0)).evaluate
+    d = second.offer(ev(10))
+    assert d.evaluate and "resumed" in d.reason
+    assert second.next().global_step == 10
+
+
+def test_ledger_history_feeds_the_scheduler(tmp_path):
+    ledger = Ledger(tmp_path / "l.jsonl")
+    ledger.record(0, "/a", "evaluated", metrics={"accuracy": 0.5, "accuracy_stderr": 0.02})
+    ledger.record(5, "/b", "skipped", "plateau")
+    ledger.record(10, "/c", "scheduled", "moving")
+    hist = ledger.history("accuracy", "accuracy_stderr")
+    assert [(h.step, h.metric, h.stderr) for h in hist] == [(0, 0.5, 0.02), (10, None, None)]
+
+
+def test_jsonl_follower_reads_only_complete_lines(tmp_path):
+    path = tmp_path / "log.jsonl"
+    f = JsonlFollower(path)
+    assert f.poll() == []
+    path.write_text('{"step": 1}\n{"step": 2')
+    assert f.poll() == [{"step": 1}]
+    with path.open("a") as fh:
+        fh.write("}\n")
+    assert f.poll() == [{"step": 2}]
+
+
+def test_without_coalescing_every_item_is_served_in_order():
+    q = CoalescingQueue(capacity=1, coalesce=False)
+    for step in (1, 2, 3):
+        assert q.push(ev(step)) == []
+    assert [q.pop()[0].global_step for _ in range(3)] == [1, 2, 3]
+
+
+def test_manifest_follower_wakes_when_the_manifest_grows(tmp_path):
+    import threading
+
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.scheduling.planner import ManifestFollower
+
+    manifest = Manifest(tmp_path / "m.jsonl")
+    follower = ManifestFollower(manifest)
+    follower.wait(0.01)  # no file yet: returns after the timeout
+    threading.Timer(0.05, manifest.append, args=(ev(7),)).start()
+    follower.wait(30)  # returns once the line is there, long before 30 s
+    assert [e.global_step for e in follower.poll()] == [7]
+
+
+def test_decision_thread_decides_as_the_manifest_grows(tmp_path):
+    import time
+
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.scheduling.planner import DecisionThread, ManifestFollower
+
+    manifest = Manifest(tmp_path / "manifest.jsonl")
+    planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
+    def eventually(condition, timeout_s=10.0):
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return condition()
+
+    with DecisionThread(planner, ManifestFollower(manifest), idle_wait_s=0.05) as decisions:
+        assert decisions.drain() == [] and eventually(decisions.idle)
+        for step in (0, 5):
+            manifest.append(ev(step))
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += decisions.drain(timeout_s=0.5)
+        assert [(e.global_step, d.evaluate) for e, d in got] == [(0, True), (5, True)]
+        assert planner.ledger.status(0) == "scheduled" and eventually(decisions.idle)
+        assert [planner.next().global_step, planner.next().global_step] == [0, 5]
+    (tmp_path / "manifest.jsonl").write_text("not json\n")  # a bad line is reported, the thread goes on
+    follower = ManifestFollower(Manifest(tmp_path / "manifest.jsonl"))
+    with DecisionThread(planner, follower, idle_wait_s=0.05) as decisions:
+        problems = []
+        assert eventually(lambda: problems.extend(follower.take_problems()) or problems)
+        assert problems[0].startswith(f"{tmp_path / 'manifest.jsonl'}:1: not a manifest entry")
+        Manifest(tmp_path / "manifest.jsonl").append(ev(10))
+        got = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got += decisions.drain(timeout_s=0.5)
+        assert [e.global_step for e, _ in got] == [10]

@@ -1,0 +1,185 @@
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from areal_eval.scheduling.policy import (
+    DecisionHistory,
+    HistoryEntry,
+    SchedulerConfig,
+    checkpoint_spacing,
+    decide,
+    refine,
+)
+
+
+@dataclass
+class Ev:
+    global_step: int
+    final: bool = False
+
+
+def H(step, metric, se=0.01):
+    return HistoryEntry(step, float(step), metric, se)
+
+
+ADAPTIVE = SchedulerConfig(
+    min_interval_steps=10, max_interval_steps=400, max_interval_checkpoints=None,
+    drift_tolerance=1.0, noise_discount=1.0, regression_z=2.0,
+)
+
+
+def test_first_and_final_are_always_evaluated():
+    assert decide(Ev(0), [], ADAPTIVE).evaluate
+    plateau = [H(0, 0.8), H(100, 0.8), H(200, 0.8)]
+    assert decide(Ev(205, final=True), plateau, ADAPTIVE).reason == "final checkpoint"
+
+
+def test_never_twice():
+    d = decide(Ev(100), [H(0, 0.5), H(100, 0.6)], ADAPTIVE)
+    assert not d.evaluate and "already" in d.reason
+    d = decide(Ev(50), [H(0, 0.5), H(100, 0.6)], ADAPTIVE)
+    assert not d.evaluate and "older" in d.reason
+
+
+def test_min_and_max_interval_bound_the_policy():
+    moving = [H(0, 0.5), H(20, 0.7)]
+    assert not decide(Ev(25), moving, ADAPTIVE).evaluate  # 5 < min 10
+    plateau = [H(0, 0.8), H(100, 0.8)]
+    assert not decide(Ev(300), plateau, ADAPTIVE).evaluate
+    assert decide(Ev(500), plateau, ADAPTIVE).evaluate  # 400 >= max
+
+
+def test_dense_while_moving_sparse_on_plateau():
+    moving = [H(0, 0.50), H(50, 0.60)]  # 10 stderr in 50 steps
+    assert decide(Ev(60), moving, ADAPTIVE).evaluate
+    plateau = [H(0, 0.800), H(50, 0.805)]  # within noise
+    d = decide(Ev(60), plateau, ADAPTIVE)
+    assert not d.evaluate and d.reason.startswith("plateau")
+
+
+def test_slow_drift_is_evaluated_once_it_adds_up():
+    slow = [H(0, 0.500), H(100, 0.530)]  # 3 stderr per 100 steps, ~1.6 after the noise discount
+    assert not decide(Ev(130), slow, ADAPTIVE).evaluate
+    assert decide(Ev(190), slow, ADAPTIVE).reason.startswith("moving")
+
+
+def test_regression_triggers_dense_evaluation_again():
+    history = [H(0, 0.5), H(100, 0.8), H(200, 0.80), H(300, 0.74)]
+    d = decide(Ev(310), history, ADAPTIVE)
+    assert d.evaluate and d.reason.startswith("regression")
+
+
+def test_lower_is_better_metrics():
+    cfg = dataclasses.replace(ADAPTIVE, metric="loss", stderr_metric=None, higher_is_better=False, default_stderr=0.01)
+    history = [H(0, 0.70, None), H(100, 0.40, None), H(200, 0.40, None), H(300, 0.46, None)]
+    assert decide(Ev(310), history, cfg).reason.startswith("regression")
+
+
+def test_pending_evaluations_count_for_intervals():
+    history = [H(0, 0.5), H(50, 0.6), HistoryEntry(100, 100.0, None, None)]
+    assert not decide(Ev(105), history, ADAPTIVE).evaluate  # 5 steps after a queued one
+
+
+def test_fixed_policy():
+    cfg = SchedulerConfig(policy="fixed", fixed_interval_steps=100)
+    assert not decide(Ev(99), [H(0, 0.5)], cfg).evaluate
+    assert decide(Ev(100), [H(0, 0.5)], cfg).evaluate
+    assert decide(Ev(101, final=True), [H(0, 0.5), H(100, 0.5)], cfg).evaluate
+
+
+def _evaluated_steps(checkpoint_steps, value):
+    history = []
+    for i, step in enumerate(checkpoint_steps):
+        if decide(Ev(step, final=i == len(checkpoint_steps) - 1), history, ADAPTIVE).evaluate:
+            history.append(H(step, value(step)))
+    return [h.step for h in history]
+
+
+def test_uneven_spacing_reasons_in_steps():
+    # The same linear trend, checkpointed every 10 or every 40 steps: evaluations land about the
+    # same number of *steps* apart (a count-based policy would space them 4x differently).
+    def trend(step):
+        return 0.5 + 0.0004 * step
+
+    fine = _evaluated_steps(range(0, 2001, 10), trend)
+    coarse = _evaluated_steps(range(0, 2001, 40), trend)
+    gap = lambda steps: sorted(b - a for a, b in zip(steps, steps[1:]))[len(steps) // 2]
+    assert abs(gap(fine) - gap(coarse)) <= 40, (fine, coarse)
+    assert 3 < len(coarse) < 60
+
+
+def test_cover_bound_counts_checkpoint_spacings_in_steps():
+    cfg = SchedulerConfig(max_interval_checkpoints=3, drift_tolerance=1e9)
+    for every in (100, 100_000):  # the same bound at any scale
+        offered = [i * every for i in range(6)]
+        flat = [H(0, 0.8), H(every, 0.8), H(2 * every, 0.8)]
+        assert not decide(Ev(4 * every), flat, cfg, offered[:4]).evaluate  # 2 spacings
+        d = decide(Ev(5 * every), flat, cfg, offered[:5])
+        assert d.evaluate and "max interval" in d.reason  # 3 spacings
+    assert not decide(Ev(500), [H(0, 0.8), H(100, 0.8), H(200, 0.8)], cfg).evaluate  # no spacing known: no cover
+
+
+def test_checkpoint_spacing_is_the_median_of_recent_gaps():
+    assert checkpoint_spacing(0, []) is None
+    assert checkpoint_spacing(30, [0, 10, 20]) == 10
+    # one burst of quick saves does not shrink the cadence
+    assert checkpoint_spacing(500, [0, 100, 200, 300, 310, 320, 400]) == 100
+    assert checkpoint_spacing(50, [0, 10, 20, 60]) == 10  # later steps are ignored
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        SchedulerConfig(min_interval_steps=10, max_interval_steps=5)
+
+
+def test_refine_looks_at_skipped_neighbours_of_the_best():
+    cfg = SchedulerConfig(refine_stderrs=2.0)
+    history = [H(0, 0.50), H(30, 0.80), H(60, 0.70), H(90, 0.79)]
+    # 40 lies between 30 (best) and 60: interpolated 0.767, 3.3 stderr below the best: no.
+    # 20 lies between 0 and 30: interpolated 0.70: no. 70 is next to 60, not to the best: no.
+    assert refine(history, [10, 20, 40, 50, 70], cfg) == []
+    close = [H(0, 0.50), H(30, 0.80), H(60, 0.79), H(90, 0.70)]
+    assert [s for s, _ in refine(close, [20, 40, 50, 70], cfg)] == [40]  # 0.797 is within 2 stderr
+    assert refine(close, [20, 40, 50, 70], cfg)[0][1].startswith("refine: next to the best (step 30)")
+    at_the_end = [H(0, 0.5), H(30, 0.6), H(60, 0.8)]
+    # 50: interpolated 0.733, no; 70: nothing evaluated beyond, so the best's own value: yes.
+    assert [s for s, _ in refine(at_the_end, [50, 70], cfg)] == [70]
+    # 40 deleted by retention: not evaluated, and 50 beyond it is still not next to the best
+    assert refine(close, [20, 40, 50, 70], cfg, deleted_steps={40}) == []
+    assert refine(close, [40], dataclasses.replace(cfg, refine_stderrs=None)) == []
+    assert refine(close, [40], dataclasses.replace(cfg, policy="fixed")) == []
+
+
+def test_refine_in_the_metric_direction():
+    cfg = SchedulerConfig(refine_stderrs=1.0, higher_is_better=False, stderr_metric=None)
+    loss = [H(0, 0.70, None), H(30, 0.40, None), H(60, 0.41, None)]
+    assert [s for s, _ in refine(loss, [20, 40], cfg)] == [40]  # 0.403 within 1 stderr of 0.40; 20: 0.50
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("higher_is_better", [True, False])
+def test_decision_history_decides_as_the_full_history(seed, higher_is_better):
+    # Random runs with uneven spacing, ties, NaNs, pending, superseded and re-evaluated entries:
+    # the index's few entries give the decision the whole history gives, at every checkpoint.
+    rng = random.Random(seed)
+    cfg = dataclasses.replace(SchedulerConfig(max_interval_checkpoints=3.0), higher_is_better=higher_is_better)
+    index, full, offered, step = DecisionHistory(higher_is_better), {}, [], 0
+    for i in range(300):
+        step += rng.choice([1, 1, 5, 10, 50])
+        event = Ev(step, final=i == 299)
+        expected = decide(event, sorted(full.values(), key=lambda h: h.step), cfg, offered)
+        assert decide(event, index.view(), cfg, index.offered_before(step)) == expected
+        offered.append(step)
+        index.offer(step)
+        for target in [step] + rng.sample(offered, min(2, len(offered))):
+            roll = rng.random()
+            metric = rng.choice([0.5, 0.6, 0.6, rng.random(), float("nan")])
+            entry = (HistoryEntry(target, float(target), metric, rng.choice([None, 0.01, 0.02])) if roll < 0.5
+                     else HistoryEntry(target, float(target), None) if roll < 0.7 else None)
+            if entry is None:
+                full.pop(target, None)
+            else:
+                full[target] = entry
+            index.set(target, entry)

@@ -1,0 +1,90 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from areal_eval import cli
+from areal_eval.scheduling import replay
+from areal_eval.scheduling.replay import Curve, FixedEvery, Point, parse_policy
+
+SHARED_CURVES = Path(__file__).resolve().parents[3] / "shared" / "data" / "curves" / "pythia-v0.jsonl"
+
+
+def curve(values, steps=None, se=0.01, higher=True):
+    steps = steps or [i * 10 for i in range(len(values))]
+    return Curve("c", higher, tuple(Point(s, v, se) for s, v in zip(steps, values)))
+
+
+def test_fixed_every_k_includes_first_and_last():
+    assert [i for i, _ in FixedEvery(3).select(curve([0.0] * 8))] == [0, 3, 6, 7]
+
+
+def test_scores_by_definition():
+    c = curve([0.50, 0.52, 0.60, 0.58])
+    s = replay.score(c, [0, 2])
+    # shown: .50 .50 .60 .60 -> errors 0, 2, 0, 2 (in stderr units)
+    assert s["tracking_error"] == pytest.approx(1.0)
+    assert s["regret"] == pytest.approx(0.0)
+    assert replay.score(c, [0, 3])["regret"] == pytest.approx(0.02)
+    low = curve([0.9, 0.5, 0.7], higher=False)
+    assert replay.score(low, [0, 2])["regret"] == pytest.approx(0.2)
+
+
+def test_injected_regression_and_delay():
+    c = curve([0.5] * 10)
+    result = replay.replay([c], [FixedEvery(1), FixedEvery(4)], regression=True, seed=1)["policies"]
+    assert result["fixed:1"]["detection_delay"] == 0
+    import random
+
+    _, start = replay.inject_regression(c, random.Random("1:c"))
+    assert 5 <= start < 10
+    expected = min(i for i in (0, 4, 8, 9) if i >= start) - start
+    assert result["fixed:4"]["detection_delay"] == expected
+
+
+def test_adaptive_runs_the_production_scheduler():
+    policy = parse_policy("adaptive:max_interval_checkpoints=4,drift_tolerance=1.0,noise_discount=1.0")
+    fast_then_flat = curve([0.5, 0.6, 0.7, 0.75, 0.76] + [0.76] * 20, steps=[100 * (i + 1) for i in range(25)])
+    chosen = [i for i, _ in policy.select(fast_then_flat)]
+    assert chosen[:3] == [0, 1, 2] and 24 in chosen
+    flat_part = [i for i in chosen if i >= 5]
+    assert len(flat_part) < 10  # sparse on the plateau
+    assert max(b - a for a, b in zip(chosen, chosen[1:])) <= 4  # the cover bound
+
+
+def test_refinement_counts_as_seen_at_the_end():
+    # A peak at 5 stepped over by the cover bound (4, 7); refinement finds it after the final checkpoint.
+    values = [0.5] * 4 + [0.51, 0.53] + [0.5] * 4
+    evaluations = parse_policy("adaptive:max_interval_checkpoints=3").select(curve(values))
+    assert [i for i, when in evaluations if i == when] == [0, 1, 4, 7, 9]
+    assert (5, 9) in evaluations
+    assert replay.score(curve(values), sorted(i for i, _ in evaluations))["regret"] == 0
+    # an injected drop from 6 on: seen by the final evaluation (at 9) or an earlier one, never by refinement
+    result = replay.replay([curve(values)], [parse_policy("adaptive")], regression=True, seed=3)["policies"]["adaptive"]
+    assert result["detection_delay"] <= 3
+
+
+def test_bad_curve_file_names_the_line(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"curve": "a", "points": [{"step": 1, "value": 0.5}]}\n{"curve": "b"}\n')
+    with pytest.raises(ValueError, match="c.jsonl:2"):
+        replay.read_curves(f)
+    assert cli.main(["replay", str(f)]) == 2
+
+
+@pytest.mark.skipif(not SHARED_CURVES.exists(), reason="shared curves not beside the checkout")
+def test_cli_json_on_the_shared_curves(capsys):
+    assert cli.main(["replay", str(SHARED_CURVES), "--policy", "adaptive", "--policy", "fixed:1",
+                     "--policy", "fixed:2", "--inject-regression", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    policies = result["policies"]
+    assert set(policies) == {"adaptive", "fixed:1", "fixed:2"}
+    assert policies["fixed:1"]["evaluations"] == 1920 and policies["fixed:1"]["mean_tracking_error"] == 0
+    for row in policies.values():
+        assert set(row) == {"evaluations", "mean_tracking_error", "mean_regret", "max_regret", "detection_delay"}
+    # The targets: tracking better than fixed:2, so fixed:1 is the policy to beat; at most
+    # 60% of its evaluations, regret within 0.005 of its 0, regressions seen within a checkpoint.
+    adaptive = policies["adaptive"]
+    assert adaptive["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
+    assert adaptive["evaluations"] <= 0.6 * policies["fixed:1"]["evaluations"]
+    assert adaptive["mean_regret"] <= 0.005 and adaptive["detection_delay"] <= 1.0
