@@ -62,9 +62,12 @@ class AlertsConfig:
 
     def __post_init__(self):
         if self.webhook_url and has_credentials(self.webhook_url):
-            raise FieldError("webhook_url", "carries credentials (user:password@ or a query string); put the URL in an "
-                                            "environment variable named by alerts.webhook_url_env, or a Prefect Secret "
-                                            "block named by alerts.webhook_url_secret")
+            raise FieldError(
+                "webhook_url",
+                "carries credentials (user:password@ or a query string); put the URL in an "
+                "environment variable named by alerts.webhook_url_env, or a Prefect Secret "
+                "block named by alerts.webhook_url_secret",
+            )
         if sum(x is not None for x in (self.webhook_url, self.webhook_url_env, self.webhook_url_secret)) > 1:
             raise FieldError("webhook_url", "give one of webhook_url, webhook_url_env, webhook_url_secret")
         names = [r.name for r in self.rules]
@@ -115,8 +118,9 @@ class AlertEngine:
     notification) carries throttling across processes when ``clock`` is wall time.
     """
 
-    def __init__(self, cfg: AlertsConfig, clock: Callable[[], float] = time.monotonic,
-                 notified: dict[str, float] | None = None):
+    def __init__(
+        self, cfg: AlertsConfig, clock: Callable[[], float] = time.monotonic, notified: dict[str, float] | None = None
+    ):
         self.cfg = cfg
         self._clock = clock
         self._results: dict[str, list[tuple[int, float]]] = {}
@@ -164,7 +168,9 @@ class AlertEngine:
                 return None
             drop = (best - value) if rule.higher_is_better else (value - best)
             if drop > rule.tolerance:
-                return f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than the best {best:.4g} before it"
+                return (
+                    f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than the best {best:.4g} before it"
+                )
         return None
 
     def _throttle(self, rule: AlertRule, step: int, message: str) -> Alert:

@@ -1,7 +1,7 @@
 """``areal-eval``: command-line tools that need no orchestrator.
 
-    areal-eval replay CURVES.jsonl [--policy adaptive] [--policy fixed:K ...] [--inject-regression] [--json]
-    areal-eval follow-node [--cache-dir DIR] [--once]
+areal-eval replay CURVES.jsonl [--policy adaptive] [--policy fixed:K ...] [--inject-regression] [--json]
+areal-eval follow-node [--cache-dir DIR] [--once]
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ def _replay(args) -> int:
     policies = [replay_mod.parse_policy(s) for s in specs]
     result = replay_mod.replay(curves, policies, regression=args.inject_regression, seed=args.seed)
     if not args.json or sys.stdout.isatty():
-        cols = ["evaluations", "mean_tracking_error", "mean_regret", "max_regret"] + (["detection_delay"] if args.inject_regression else [])
+        cols = ["evaluations", "mean_tracking_error", "mean_regret", "max_regret"] + (
+            ["detection_delay"] if args.inject_regression else []
+        )
         print(f"{len(curves)} curves, {sum(len(c.points) for c in curves)} checkpoints")
         print(f"{'policy':<28}" + "".join(f"{c:>22}" for c in cols))
         for name, row in result["policies"].items():
@@ -38,8 +40,9 @@ def _follow_node(args) -> int:
 
     nodes = NodeLayout.from_env()
     if nodes.nnodes < 2 or nodes.node_rank == 0:
-        raise ValueError("follow-node runs on nodes 1..N-1 of a multi-node pool "
-                         "(AREAL_EVAL_NNODES >= 2, AREAL_EVAL_NODE_RANK >= 1)")
+        raise ValueError(
+            "follow-node runs on nodes 1..N-1 of a multi-node pool (AREAL_EVAL_NNODES >= 2, AREAL_EVAL_NODE_RANK >= 1)"
+        )
     worker_args = ["--follow", "--cache-dir", args.cache_dir]
     command = torchrun_command("areal_eval.evaluation.worker", worker_args, nodes.nproc_per_node or 1, nodes)
     while True:
@@ -56,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("replay", help="score scheduling policies on recorded learning curves")
     rp.add_argument("curves", help="curves JSONL: one {curve, higher_is_better, points:[{step,value,stderr}]} a line")
     rp.add_argument("--policy", action="append", help="adaptive | adaptive:field=value,... | fixed:K (repeatable)")
-    rp.add_argument("--inject-regression", action="store_true", help="drop 5 stderr from a seeded checkpoint in the second half")
+    rp.add_argument(
+        "--inject-regression", action="store_true", help="drop 5 stderr from a seeded checkpoint in the second half"
+    )
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     rp.set_defaults(run=_replay)

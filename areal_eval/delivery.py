@@ -20,9 +20,15 @@ from areal_eval.evaluation.jobs import EvalResult
 
 
 class Deliverer:
-    def __init__(self, log_result: Callable[[EvalResult, str], None], log_training: Callable[[list[dict]], None],
-                 warn: Callable[[str], None], on_delivered: Callable[[EvalResult], None] = lambda result: None,
-                 flush_every_s: float = 5.0, max_backoff_s: float = 30.0):
+    def __init__(
+        self,
+        log_result: Callable[[EvalResult, str], None],
+        log_training: Callable[[list[dict]], None],
+        warn: Callable[[str], None],
+        on_delivered: Callable[[EvalResult], None] = lambda result: None,
+        flush_every_s: float = 5.0,
+        max_backoff_s: float = 30.0,
+    ):
         self._log_result, self._log_training, self._warn = log_result, log_training, warn
         self._on_delivered = on_delivered
         self.flush_every_s, self.max_backoff_s = flush_every_s, max_backoff_s
@@ -89,8 +95,10 @@ class Deliverer:
             try:
                 self._log_result(result, reason)
             except Exception as exc:  # noqa: BLE001 - the tracker is down or refusing: retried with backoff
-                self._warn(f"result of step {result.global_step} not delivered yet "
-                           f"({len(self._results)} waiting, retried with backoff): {exc!r}")
+                self._warn(
+                    f"result of step {result.global_step} not delivered yet "
+                    f"({len(self._results)} waiting, retried with backoff): {exc!r}"
+                )
                 return False
             with self._lock:
                 self._results.pop(0)

@@ -121,9 +121,19 @@ def _favour_the_decision_thread() -> None:
 class FollowLoop:
     """One run's loop; :meth:`run` returns the ledger once everything is handled."""
 
-    def __init__(self, planner: EvaluationPlanner, manifest: Manifest, train_log: Path, alerts: AlertEngine,
-                 io: LoopIO, cfg: LoopConfig = LoopConfig(), training: TrainingJob | None = None,
-                 on_iteration: Callable[[float], None] | None = None, run_id: str | None = None):
+    def __init__(
+        self,
+        planner: EvaluationPlanner,
+        manifest: Manifest,
+        train_log: Path,
+        alerts: AlertEngine,
+        io: LoopIO,
+        cfg: LoopConfig | None = None,
+        training: TrainingJob | None = None,
+        on_iteration: Callable[[float], None] | None = None,
+        run_id: str | None = None,
+    ):
+        cfg = cfg or LoopConfig()
         if cfg.slots < 1:
             raise ValueError("slots must be >= 1")
         self.planner, self.manifest, self.alerts, self.io, self.cfg = planner, manifest, alerts, io, cfg
@@ -138,8 +148,13 @@ class FollowLoop:
 
     def run(self) -> Ledger:
         _favour_the_decision_thread()
-        self.delivery = Deliverer(self.io.log_result, self.io.log_training, self.io.warn,
-                                  lambda result: self.planner.delivered(result.global_step), self.cfg.train_log_every_s)
+        self.delivery = Deliverer(
+            self.io.log_result,
+            self.io.log_training,
+            self.io.warn,
+            lambda result: self.planner.delivered(result.global_step),
+            self.cfg.train_log_every_s,
+        )
         for entry in self.planner.undelivered():  # results a killed run evaluated but never delivered
             self.delivery.add_result(EvalResult(entry.step, entry.uri, entry.metrics, 0.0), entry.reason)
         try:
@@ -149,8 +164,10 @@ class FollowLoop:
         finally:  # on every way out, deliver what can be (the rest waits in the ledger and the training log)
             results, rows = self.delivery.close(self.cfg.delivery_timeout_s)
             if results or rows:
-                self.io.warn(f"the tracker did not take {results} results and {rows} training rows; they are in the "
-                             "ledger and the training log, and the same command delivers them")
+                self.io.warn(
+                    f"the tracker did not take {results} results and {rows} training rows; they are in the "
+                    "ledger and the training log, and the same command delivers them"
+                )
         if training_error is not None:
             raise training_error
         return self.planner.ledger
@@ -220,14 +237,22 @@ class FollowLoop:
                 self.io.warn(f"alert {alert.rule} at step {alert.step} could not be sent: {exc!r}")
 
     def _start_evaluations(self) -> None:
-        while len(self.in_flight) < self.cfg.slots and (event := self.planner.next(self.cfg.slots - len(self.in_flight))):
+        while len(self.in_flight) < self.cfg.slots and (
+            event := self.planner.next(self.cfg.slots - len(self.in_flight))
+        ):
             reason = self.planner.ledger.latest(event.global_step).reason
             self.in_flight.append(_InFlight(event, self.io.submit(event, reason), reason))
 
     def _apply_retention(self) -> None:
         sched = self.planner.cfg
-        doomed = checkpoints_to_delete(self.planner.events(), {e.step: e for e in self.planner.ledger.entries()},
-                                       self.cfg.retention, sched.metric, sched.higher_is_better, self.deleted)
+        doomed = checkpoints_to_delete(
+            self.planner.events(),
+            {e.step: e for e in self.planner.ledger.entries()},
+            self.cfg.retention,
+            sched.metric,
+            sched.higher_is_better,
+            self.deleted,
+        )
         if doomed:
             self.io.delete_checkpoints(doomed)
             self.deleted.update(e.global_step for e in doomed)

@@ -15,6 +15,20 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
+HUB_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""Models and tokenizers load from local paths only (nothing is fetched from a hub at run time),
+and progress bars would flood the job logs."""
+
+
+def stay_offline(env: dict | None = None) -> dict:
+    """Set :data:`HUB_OFFLINE_ENV` in ``env`` (default: this process's) where not already set."""
+    env = os.environ if env is None else env
+    for key, value in HUB_OFFLINE_ENV.items():
+        env.setdefault(key, value)
+    return env
+
 
 class WorkerError(RuntimeError):
     """A torchrun job failed or timed out; the message carries its reason and log tail."""
@@ -41,24 +55,38 @@ class NodeLayout:
         """Set by the work pool's job template (``infra/k8s``); unset means one node."""
         env = os.environ
         nproc = env.get(prefix + "NPROC_PER_NODE")
-        return cls(int(env.get(prefix + "NNODES", 1)), int(env.get(prefix + "NODE_RANK", 0)),
-                   env.get(prefix + "MASTER_ADDR", "127.0.0.1"), int(env.get(prefix + "MASTER_PORT", 29500)),
-                   int(nproc) if nproc else None)
+        return cls(
+            int(env.get(prefix + "NNODES", 1)),
+            int(env.get(prefix + "NODE_RANK", 0)),
+            env.get(prefix + "MASTER_ADDR", "127.0.0.1"),
+            int(env.get(prefix + "MASTER_PORT", 29500)),
+            int(nproc) if nproc else None,
+        )
 
     def torchrun_args(self) -> list[str]:
         if self.nnodes == 1:
             return ["--standalone"]
-        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}",
-                f"--master-addr={self.master_addr}", f"--master-port={self.master_port}"]
+        return [
+            f"--nnodes={self.nnodes}",
+            f"--node-rank={self.node_rank}",
+            f"--master-addr={self.master_addr}",
+            f"--master-port={self.master_port}",
+        ]
 
 
 def torchrun_command(module: str, args: list[str], nproc: int, nodes: NodeLayout = NodeLayout()) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        *nodes.torchrun_args(), f"--nproc-per-node={nproc}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *nodes.torchrun_args(),
+        f"--nproc-per-node={nproc}",
         # A failing rank brings the job down at once instead of being restarted.
-        "--max-restarts=0", "--monitor-interval=0.5",
-        "-m", module, *args,
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+        "-m",
+        module,
+        *args,
     ]
 
 
@@ -69,7 +97,7 @@ def failure_summary(path: Path) -> str:
         lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return ""
-    found = [l.split("] ", 1)[-1] for l in lines if "evaluation failed" in l or "Error:" in l]
+    found = [line.split("] ", 1)[-1] for line in lines if "evaluation failed" in line or "Error:" in line]
     rank = None
     for line in lines:
         field = line.strip()
@@ -147,8 +175,16 @@ HEAP_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD
 class TorchrunJob:
     """A running torchrun job; its output goes to ``log_path``."""
 
-    def __init__(self, module: str, args: list[str], nproc: int, log_path: str | Path, env: dict | None = None, nice: int = 0,
-                 nodes: NodeLayout = NodeLayout()):
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        nproc: int,
+        log_path: str | Path,
+        env: dict | None = None,
+        nice: int = 0,
+        nodes: NodeLayout = NodeLayout(),
+    ):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
@@ -156,15 +192,15 @@ class TorchrunJob:
         full_env.setdefault("OMP_NUM_THREADS", "1")
         for key, value in HEAP_SETTINGS.items():
             full_env.setdefault(key, value)
-        # Workers load local paths only, and progress bars would flood the job logs.
-        full_env.setdefault("HF_HUB_OFFLINE", "1")
-        full_env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        full_env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        stay_offline(full_env)
         _prctl()  # resolved here, before the fork
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 torchrun_command(module, args, nproc, nodes),
-                stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
                 preexec_fn=lambda: _start_job(nice),
             )
 
@@ -207,7 +243,8 @@ class TorchrunJob:
         except subprocess.TimeoutExpired:
             self.kill()
             raise WorkerError(
-                f"torchrun job timed out after {timeout_s:.0f}s and was killed; log {self.log_path}:\n{log_tail(self.log_path)}"
+                f"torchrun job timed out after {timeout_s:.0f}s and was killed; "
+                f"log {self.log_path}:\n{log_tail(self.log_path)}"
             ) from None
         self._reap_group()
         return code
@@ -226,15 +263,11 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie leader still counts; check for live members via /proc.
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    # A zombie leader still counts as a group; look for a live member.
+    for proc in psutil.process_iter(["status"]):
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                return True
+        except (ProcessLookupError, psutil.Error):
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
     return False

@@ -7,9 +7,10 @@ bad row with the file and line number, because a silently skipped row changes ev
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
+
+from areal_eval import jsonl
 
 
 class DataError(ValueError):
@@ -21,21 +22,19 @@ def read_pairs(path: str | Path) -> list[dict]:
     if not path.exists():
         raise DataError(f"{path}: no such preference file")
     pairs = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+    try:
+        for lineno, row in jsonl.rows(path):
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected an object with 'chosen' and 'rejected'")
             for key in ("chosen", "rejected"):
                 if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise DataError(f"{path}:{lineno}: field '{key}' must be a string with text in it (not empty, "
-                                    "not only white space)")
+                    raise DataError(
+                        f"{path}:{lineno}: field '{key}' must be a string with text in it (not empty, "
+                        "not only white space)"
+                    )
             pairs.append(row)
+    except jsonl.JsonlError as exc:
+        raise DataError(str(exc)) from exc
     if not pairs:
         raise DataError(f"{path}: no preference pairs")
     return pairs
@@ -49,13 +48,7 @@ def line_of_pair(path: str | Path, index: int) -> int:
 
 
 def write_pairs(path: str | Path, pairs: list[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for row in pairs:
-            fh.write(json.dumps(row) + "\n")
-    tmp.replace(path)
+    jsonl.write_rows(path, pairs)
 
 
 _TOPICS = "garden river music bread winter castle robot ocean violin market forest planet".split()
@@ -105,7 +98,9 @@ class SyntheticPreferences:
         distractors = rng.randint(0, 2)
         good = max(quality, 0) + distractors
         bad = max(-quality, 0) + distractors
-        length = self.config.response_words + (rng.randint(0, self.config.length_jitter) if self.config.length_jitter else 0)
+        length = self.config.response_words + (
+            rng.randint(0, self.config.length_jitter) if self.config.length_jitter else 0
+        )
         words = [rng.choice(_NEUTRAL) for _ in range(length)]
         slots = rng.sample(range(len(words)), k=min(len(words), good + bad))
         for i, slot in enumerate(slots):

@@ -27,9 +27,14 @@ def watch_over_children() -> str:
         return os.environ[OWNER_ENV]
     token = f"{os.getpid()}-{time.time_ns()}"
     env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}  # the reaper must not reap itself
-    subprocess.Popen([sys.executable, "-m", "areal_eval.reaper", token, str(os.getpid())], env=env,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)
+    subprocess.Popen(
+        [sys.executable, "-m", "areal_eval.reaper", token, str(os.getpid())],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     os.environ[OWNER_ENV] = token
     return token
 

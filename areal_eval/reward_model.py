@@ -35,8 +35,14 @@ class RewardModelConfig:
     """Vocabulary size of a locally trained tokenizer."""
 
     def __post_init__(self):
-        check_ranges(self, hidden_size=AT_LEAST_1, num_layers=AT_LEAST_1, num_heads=AT_LEAST_1, max_length=AT_LEAST_1,
-                     vocab_size=(16, None))
+        check_ranges(
+            self,
+            hidden_size=AT_LEAST_1,
+            num_layers=AT_LEAST_1,
+            num_heads=AT_LEAST_1,
+            max_length=AT_LEAST_1,
+            vocab_size=(16, None),
+        )
         if self.hidden_size % self.num_heads:
             raise FieldError("hidden_size", f"{self.hidden_size} must be divisible by num_heads ({self.num_heads})")
 
@@ -50,9 +56,7 @@ def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[EOS]"])
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
     fast.truncation_side = "left"
     fast.save_pretrained(str(out_dir))
     return fast
@@ -93,11 +97,11 @@ def load_model(path: str | Path, allow_pickle: bool = False):
 
     path = Path(path)
     if not allow_pickle and not any(path.glob("*.safetensors")):
-        raise CheckpointError(f"{path}: refused: no *.safetensors weights, and loading pickle weights "
-                              "can run code (opt in with eval.allow_pickle: true if you trust the checkpoint)")
-    return AutoModelForSequenceClassification.from_pretrained(
-        str(path), num_labels=1, use_safetensors=not allow_pickle
-    )
+        raise CheckpointError(
+            f"{path}: refused: no *.safetensors weights, and loading pickle weights "
+            "can run code (opt in with eval.allow_pickle: true if you trust the checkpoint)"
+        )
+    return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, use_safetensors=not allow_pickle)
 
 
 def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, source: str | Path | None = None) -> list[dict]:

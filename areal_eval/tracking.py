@@ -12,6 +12,7 @@ Logging is idempotent without rereading histories, so its cost stays flat over a
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -22,9 +23,13 @@ from areal_eval.runs.ledger import LedgerEntry
 RUN_ID_TAG = "areal.run_id"
 TRAIN_WATERMARK_TAG = "areal.train_logged_through"
 MAX_POINTS_WITH_WATERMARK = 999
-"""Metric points sent with one watermark tag: MLflow's client splits a ``log_batch`` past 1,000
-entities into several requests, and a watermark must land in the same request as its points."""
+"""Metric points sent with one watermark tag. This is not a re-chunking of MLflow's: its client
+splits a ``log_batch`` past 1,000 entities and sends the tags with the *first* request, so a crash
+between requests would leave a watermark over points never logged. One request each keeps both
+together."""
 EVAL_PREFIX = "eval/"
+BEST_ALIAS = "best"
+"""The registered model's alias that follows the best evaluated checkpoint."""
 TRAIN_PREFIX = "train/"
 
 
@@ -40,6 +45,11 @@ class TrackingConfig:
     ui_url: str | None = None
     """Where the MLflow UI is served, for links in the Prefect UI; None: the tracking URI when it
     is an ``http(s)`` server, else ``http://127.0.0.1:5000`` (``mlflow ui``'s default)."""
+    registered_model: str | None = "areal-eval-{run_id}"
+    """Register the run's best evaluated checkpoint (by ``scheduler.metric``, in its direction) as
+    a version of this MLflow registered model and point its ``best`` alias at it; ``{run_id}`` is
+    the training run's id. A name shared by several runs keeps the best of all of them. None:
+    register nothing."""
 
 
 def mlflow_run_url(cfg: TrackingConfig, tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -87,8 +97,7 @@ class Tracker:
             )
             run_id = run.info.run_id
             items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
-            for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
-                self.client.log_batch(run_id, params=items[i : i + 100])
+            self.client.log_batch(run_id, params=items)  # the client splits it into requests
         return run_id
 
     def train_logged_through(self, run_id: str) -> int:
@@ -115,8 +124,11 @@ class Tracker:
             step = int(row["step"])
             if step <= through:  # logged before a retry or a resume (or twice in ``rows``)
                 continue
-            points = [Metric(TRAIN_PREFIX + k, float(v), now, step) for k, v in row.items()
-                      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            points = [
+                Metric(TRAIN_PREFIX + k, float(v), now, step)
+                for k, v in row.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            ]
             if batch and len(batch) + len(points) > MAX_POINTS_WITH_WATERMARK:
                 self._log_train_batch(run_id, batch, through)
                 logged += len(batch)
@@ -137,7 +149,9 @@ class Tracker:
     def eval_steps(self, run_id: str, key: str = "n_pairs") -> set[int]:
         return {m.step for m in self.client.get_metric_history(run_id, EVAL_PREFIX + key)}
 
-    def log_evaluation(self, run_id: str, step: int, metrics: dict, tags: dict | None = None, marker: str = "n_pairs") -> bool:
+    def log_evaluation(
+        self, run_id: str, step: int, metrics: dict, tags: dict | None = None, marker: str = "n_pairs"
+    ) -> bool:
         """Log one checkpoint's metrics at ``step``; False (and nothing logged) if already there."""
         from mlflow.entities import Metric, RunTag
 
@@ -155,6 +169,45 @@ class Tracker:
         )
         logged.add(step)
         return True
+
+    def register_if_best(
+        self, name: str, run_id: str, step: int, source: str, metrics: dict, metric: str, higher_is_better: bool
+    ) -> str | None:
+        """Register ``source`` (the checkpoint at ``step``) as a new version of model ``name`` and
+        move the ``best`` alias to it, when ``metrics[metric]`` beats the version the alias points
+        at; returns the new version, or None. Calling it again for the same checkpoint does nothing.
+        Callers serialize calls for one model (a read, then a write)."""
+        from mlflow.exceptions import MlflowException
+
+        value = metrics.get(metric)
+        if value is None or not math.isfinite(value):
+            return None
+        try:
+            current = self.client.get_model_version_by_alias(name, BEST_ALIAS)
+        except MlflowException:  # no such model, or no alias yet
+            current = None
+        if current is not None:
+            if current.run_id == run_id and current.tags.get("global_step") == str(step):
+                return None  # this checkpoint is the best already
+            best = float(current.tags.get(EVAL_PREFIX + metric, "nan"))
+            better = value > best if higher_is_better else value < best
+            if math.isfinite(best) and not better:
+                return None
+        try:
+            self.client.create_registered_model(name, description="Best evaluated checkpoints (areal-eval).")
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        tags = {
+            "global_step": str(step),
+            "metric": metric,
+            **{EVAL_PREFIX + k: repr(float(v)) for k, v in metrics.items()},
+        }
+        version = self.client.create_model_version(
+            name, source, run_id=run_id, tags=tags, description=f"checkpoint at step {step}: {metric} = {value:.6g}"
+        )
+        self.client.set_registered_model_alias(name, BEST_ALIAS, version.version)
+        return str(version.version)
 
     def deleted_steps(self, run_id: str) -> set[int]:
         """Steps whose checkpoints retention deleted (tags ``deleted.<step>``)."""
@@ -201,13 +254,22 @@ def plot_curve(entries: list[LedgerEntry], metric: str, out: str | Path, title: 
     evaluated = [(e.step, e.metrics[metric]) for e in entries if e.status == "evaluated" and metric in e.metrics]
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
     if evaluated:
-        ax.plot(*zip(*evaluated), "o-", color="tab:blue", label=f"evaluated ({len(evaluated)})")
+        ax.plot(*zip(*evaluated, strict=False), "o-", color="tab:blue", label=f"evaluated ({len(evaluated)})")
     markers = {"skipped": ("|", "tab:gray"), "superseded": ("x", "tab:orange"), "failed": ("X", "tab:red")}
     for status, (marker, color) in markers.items():
         steps = [e.step for e in entries if e.status == status]
         if steps:
-            ax.plot(steps, [0.0] * len(steps), marker, color=color, markersize=9, transform=ax.get_xaxis_transform(),
-                    clip_on=False, linestyle="none", label=f"{status} ({len(steps)})")
+            ax.plot(
+                steps,
+                [0.0] * len(steps),
+                marker,
+                color=color,
+                markersize=9,
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+                linestyle="none",
+                label=f"{status} ({len(steps)})",
+            )
     ax.set_xlabel("global step")
     ax.set_ylabel(metric)
     ax.set_title(title)

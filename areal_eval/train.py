@@ -16,15 +16,15 @@ import math
 import os
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from areal_eval import distributed, reward_model
-from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
-from areal_eval.checkpoints.saving import CheckpointWriter, checkpoint_name, read_resume_state, resume_state_path
+from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
+from areal_eval.checkpoints.saving import CheckpointWriter, read_resume_state, resume_state_path
 from areal_eval.checkpoints.store import StorageConfig, open_store
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges, from_dict
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges
+from areal_eval.job_spec import read_spec
 from areal_eval.launcher import die_with_parent
 from areal_eval.preference_data import read_pairs
 from areal_eval.reward_model import RewardModelConfig
@@ -71,8 +71,17 @@ class TrainConfig:
     """When to save checkpoints."""
 
     def __post_init__(self):
-        check_ranges(self, nproc=AT_LEAST_1, epochs=AT_LEAST_1, max_steps=AT_LEAST_1, batch_size=AT_LEAST_1,
-                     lr=POSITIVE, warmup_steps=NON_NEGATIVE, log_every=AT_LEAST_1, collective_timeout_s=POSITIVE)
+        check_ranges(
+            self,
+            nproc=AT_LEAST_1,
+            epochs=AT_LEAST_1,
+            max_steps=AT_LEAST_1,
+            batch_size=AT_LEAST_1,
+            lr=POSITIVE,
+            warmup_steps=NON_NEGATIVE,
+            log_every=AT_LEAST_1,
+            collective_timeout_s=POSITIVE,
+        )
 
 
 @dataclasses.dataclass
@@ -115,8 +124,10 @@ def resume_point(run: RunDir, run_id: str) -> tuple[CheckpointEvent, dict] | Non
     if last is None:
         return None
     if not resume_state_path(run.resume_states, last.global_step).exists():
-        raise CheckpointError(f"{run.resume_states}: no resume state for step {last.global_step}, the newest "
-                              f"checkpoint of run {run_id}: it cannot be resumed (choose another run_name)")
+        raise CheckpointError(
+            f"{run.resume_states}: no resume state for step {last.global_step}, the newest "
+            f"checkpoint of run {run_id}: it cannot be resumed (choose another run_name)"
+        )
     return last, read_resume_state(run.resume_states, last.global_step)
 
 
@@ -154,24 +165,41 @@ def train(spec: TrainJobSpec) -> None:
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+        opt,
+        lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)),
     )
     ctl = EpochStepTimeFreqCtl(
-        freq_epochs=cfg.save.freq_epochs, freq_steps=cfg.save.freq_steps, freq_secs=cfg.save.freq_secs,
-        eval_before_train=cfg.save.eval_before_train, sync_elapsed=distributed.all_reduce_max_scalar,
+        freq_epochs=cfg.save.freq_epochs,
+        freq_steps=cfg.save.freq_steps,
+        freq_secs=cfg.save.freq_secs,
+        eval_before_train=cfg.save.eval_before_train,
+        sync_elapsed=distributed.all_reduce_max_scalar,
     )
     stop = StopSignal(run.stop_file)
     writer = None
     if rank == 0:
         store = open_store(spec.storage.run_root(spec.run_id), spec.storage.s3, spec.storage.keep_local_copy)
         store.mirror(run.valid_data, "data/valid.jsonl")  # so a sweep of the store can evaluate the run
-        writer = CheckpointWriter(model, tokenizer, run.checkpoints, Manifest(run.manifest), spec.run_id, store=store,
-                                  resume_dir=run.resume_states)
+        writer = CheckpointWriter(
+            model,
+            tokenizer,
+            run.checkpoints,
+            Manifest(run.manifest),
+            spec.run_id,
+            store=store,
+            resume_dir=run.resume_states,
+        )
     log = run.train_log.open("a") if rank == 0 else None
 
     def resume_state(next_epoch: int, next_epoch_step: int, global_step: int) -> dict:
-        return {"optimizer": opt.state_dict(), "schedule": sched.state_dict(), "trigger": ctl.state_dict(),
-                "next_epoch": next_epoch, "next_epoch_step": next_epoch_step, "global_step": global_step}
+        return {
+            "optimizer": opt.state_dict(),
+            "schedule": sched.state_dict(),
+            "trigger": ctl.state_dict(),
+            "next_epoch": next_epoch,
+            "next_epoch_step": next_epoch_step,
+            "global_step": global_step,
+        }
 
     global_step, metrics, start_epoch, start_epoch_step = 0, {}, 0, 0
     if resume:  # model, optimizer, schedule, trigger state and data position of the newest checkpoint
@@ -191,7 +219,9 @@ def train(spec: TrainJobSpec) -> None:
             if global_step >= total:
                 break
             base = (epoch_step * world + rank) * cfg.batch_size
-            batch = reward_model.collate_pairs([pairs[i] for i in order[base : base + cfg.batch_size]], tokenizer.pad_token_id)
+            batch = reward_model.collate_pairs(
+                [pairs[i] for i in order[base : base + cfg.batch_size]], tokenizer.pad_token_id
+            )
             batch = {k: v.to(dev) for k, v in batch.items()}
             chosen, rejected = reward_model.pair_scores(ddp, batch)
             loss = reward_model.bradley_terry_loss(chosen, rejected)
@@ -206,23 +236,49 @@ def train(spec: TrainJobSpec) -> None:
             metrics = {"loss": stats[0].item() / world, "lr": sched.get_last_lr()[0], "epoch": epoch}
             if log and global_step % cfg.log_every == 0:
                 elapsed = time.monotonic() - started
-                log.write(json.dumps({"step": global_step, **metrics, "samples_per_s": global_step * cfg.batch_size * world / elapsed}) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "step": global_step,
+                            **metrics,
+                            "samples_per_s": global_step * cfg.batch_size * world / elapsed,
+                        }
+                    )
+                    + "\n"
+                )
                 log.flush()
             if stats[1].item() > 0:
                 stop_reason = stop.requested() or "stop requested"
                 break
             is_last = global_step >= total
             if ctl.check(epochs=int(epoch_step == epoch_steps - 1), steps=1) and not is_last and writer:
-                writer.save(epoch, epoch_step, global_step, metrics,
-                            resume_state=resume_state(*next_position(epoch, epoch_step, epoch_steps), global_step))
+                writer.save(
+                    epoch,
+                    epoch_step,
+                    global_step,
+                    metrics,
+                    resume_state=resume_state(*next_position(epoch, epoch_step, epoch_steps), global_step),
+                )
         if stop_reason or global_step >= total:
             break
     if writer:
         # The final checkpoint is always published (and always evaluated downstream).
-        writer.save(epoch, epoch_step, global_step, {**metrics, **({"stopped": stop_reason} if stop_reason else {})}, final=True)
+        writer.save(
+            epoch, epoch_step, global_step, {**metrics, **({"stopped": stop_reason} if stop_reason else {})}, final=True
+        )
         writer.close()
-        log.write(json.dumps({"step": global_step, "done": True, "stopped": stop_reason, "blocked_s": writer.blocked_seconds,
-                              "train_s": time.monotonic() - started}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "step": global_step,
+                    "done": True,
+                    "stopped": stop_reason,
+                    "blocked_s": writer.blocked_seconds,
+                    "train_s": time.monotonic() - started,
+                }
+            )
+            + "\n"
+        )
         log.close()
     distributed.shutdown()
 
@@ -231,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="train_config.json written by the orchestrator")
     args = parser.parse_args(argv)
-    spec = from_dict(TrainJobSpec, json.loads(Path(args.config).read_text()))
+    spec = read_spec(TrainJobSpec, args.config)
     train(spec)
     return 0
 

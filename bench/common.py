@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+from areal_eval.launcher import stay_offline  # noqa: E402 (after the path is set)
+
+stay_offline()
 
 
 def prepared_run(name: str, work_dir: Path, **sections):
@@ -31,9 +30,14 @@ def trained_tiny_run(work_dir: Path, name: str = "trained"):
     ranks, about a minute): checkpoints at steps 0, 4, 8 and 12."""
     from areal_eval.launcher import TorchrunJob
 
-    cfg, run = prepared_run(name, work_dir, model={"hidden_size": 32, "num_layers": 1, "num_heads": 2},
-                            train={"max_steps": 12, "batch_size": 8, "log_every": 4, "save": {"freq_steps": 4}},
-                            data={"synthetic": {"train_pairs": 256, "valid_pairs": 101}}, eval={"batch_size": 16})
+    cfg, run = prepared_run(
+        name,
+        work_dir,
+        model={"hidden_size": 32, "num_layers": 1, "num_heads": 2},
+        train={"max_steps": 12, "batch_size": 8, "log_every": 4, "save": {"freq_steps": 4}},
+        data={"synthetic": {"train_pairs": 256, "valid_pairs": 101}},
+        eval={"batch_size": 16},
+    )
     job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
     job.wait(600)
     job.raise_for_status("training")

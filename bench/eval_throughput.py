@@ -53,31 +53,53 @@ def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_le
 
     def compute_metrics(pred):
         scores = np.asarray(pred.predictions)
-        return {"accuracy": float((scores[:, 0] > scores[:, 1]).mean()), "n_pairs": len(scores),
-                "padding_rows": int((scores == -100).all(axis=1).sum())}
+        return {
+            "accuracy": float((scores[:, 0] > scores[:, 1]).mean()),
+            "n_pairs": len(scores),
+            "padding_rows": int((scores == -100).all(axis=1).sum()),
+        }
 
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_eval_batch_size=batch_size, report_to=[],
-                                 use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-                                 remove_unused_columns=False)  # pairs are not forward() kwargs
-        trainer = PairwiseTrainer(model=model, args=args, eval_dataset=items, data_collator=collate, compute_metrics=compute_metrics)
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_eval_batch_size=batch_size,
+            report_to=[],
+            use_cpu=True,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            remove_unused_columns=False,
+        )  # pairs are not forward() kwargs
+        trainer = PairwiseTrainer(
+            model=model, args=args, eval_dataset=items, data_collator=collate, compute_metrics=compute_metrics
+        )
         start = time.perf_counter()
         metrics = trainer.evaluate()
         return time.perf_counter() - start, metrics
 
 
-def trainer_run(checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path,
-                heap_settings: bool) -> tuple[float, dict]:
+def trainer_run(
+    checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path, heap_settings: bool
+) -> tuple[float, dict]:
     """Trainer.evaluate in a fresh process: plain python for 1, torchrun (DDP over gloo) for more."""
     from areal_eval.launcher import HEAP_SETTINGS
 
     out = work / f"trainer-{nproc}.json"
     out.unlink(missing_ok=True)
     spec = json.dumps([str(checkpoint), str(pairs_path), batch_size, max_length, str(out)])
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    launch = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    )
     env = {k: v for k, v in os.environ.items() if k not in HEAP_SETTINGS}
     env.update({"OMP_NUM_THREADS": "1", **(HEAP_SETTINGS if heap_settings else {})})
-    subprocess.run([*launch, __file__, "--trainer-worker", spec], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    subprocess.run(
+        [*launch, __file__, "--trainer-worker", spec],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     result = json.loads(out.read_text())
     return result["seconds"], result
 
@@ -106,7 +128,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2001)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--length-jitter", type=int, default=100, help="extra words per response, 0..N (HH-RLHF-like spread)")
+    parser.add_argument(
+        "--length-jitter", type=int, default=100, help="extra words per response, 0..N (HH-RLHF-like spread)"
+    )
     parser.add_argument("--trainer-worker", help=argparse.SUPPRESS)  # one Trainer process of trainer_run
     args = parser.parse_args()
     if args.trainer_worker:
@@ -120,7 +144,9 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-eval-"))
     cfg, run = prepared_run(
-        "bench-eval", work, model={"max_length": 256},
+        "bench-eval",
+        work,
+        model={"max_length": 256},
         data={"synthetic": {"train_pairs": 200, "valid_pairs": args.pairs, "length_jitter": args.length_jitter}},
     )
     tok = reward_model.load_tokenizer(run.tokenizer)
@@ -148,20 +174,26 @@ def main() -> None:
     n = args.pairs
     rate = {key: round(n / median(values), 1) for key, values in seconds.items()}
     ratio = lambda a, b: round(median(seconds[b]) / median(seconds[a]), 2)  # noqa: E731
-    emit({
-        "benchmark": "eval_throughput",
-        "pairs": n, "batch_size": bs, "rounds": args.rounds, "length_jitter": args.length_jitter,
-        **{f"{key}_pairs_per_s": value for key, value in rate.items()},
-        "speedup_vs_trainer_1proc": ratio("areal_1", "trainer_1"),
-        "speedup_vs_trainer_2rank": ratio("areal_2", "trainer_2"),
-        "speedup_vs_trainer_same_heap_1proc": ratio("areal_1", "trainer_heap_1"),
-        "speedup_vs_trainer_same_heap_2rank": ratio("areal_2", "trainer_heap_2"),
-        "scaling_2_vs_1": ratio("areal_2", "areal_1"),
-        "identical_accuracy_1proc": len(accuracies[1]) == 1,
-        "identical_accuracy_2rank": len(accuracies[2]) == 1,
-        "accuracy": sorted(accuracies[1] | accuracies[2]),
-        "trainer_2rank_pairs_counted": counted[2][0], "trainer_2rank_padding_rows": counted[2][1],
-    })
+    emit(
+        {
+            "benchmark": "eval_throughput",
+            "pairs": n,
+            "batch_size": bs,
+            "rounds": args.rounds,
+            "length_jitter": args.length_jitter,
+            **{f"{key}_pairs_per_s": value for key, value in rate.items()},
+            "speedup_vs_trainer_1proc": ratio("areal_1", "trainer_1"),
+            "speedup_vs_trainer_2rank": ratio("areal_2", "trainer_2"),
+            "speedup_vs_trainer_same_heap_1proc": ratio("areal_1", "trainer_heap_1"),
+            "speedup_vs_trainer_same_heap_2rank": ratio("areal_2", "trainer_heap_2"),
+            "scaling_2_vs_1": ratio("areal_2", "areal_1"),
+            "identical_accuracy_1proc": len(accuracies[1]) == 1,
+            "identical_accuracy_2rank": len(accuracies[2]) == 1,
+            "accuracy": sorted(accuracies[1] | accuracies[2]),
+            "trainer_2rank_pairs_counted": counted[2][0],
+            "trainer_2rank_padding_rows": counted[2][1],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Event -> MLflow on a real Prefect server: how long a trainer outside the flow waits for feedback.
 
-    .venv/bin/python bench/event_latency.py [--events 6] [--every-s 25] [--path trigger:10 --path trigger:1 --path service]
+    .venv/bin/python bench/event_latency.py [--events 6] [--every-s 25]
+        [--path trigger:10 --path trigger:1 --path service]
 
 Trains the demo's reward model once (tiny size), then for each path starts the README's server
 set-up (``tests/prefect_services.py``: server on loopback, pools, ``gpu:0``,
@@ -30,8 +31,12 @@ STAGES = ("created", "started", "evaluating", "in_mlflow")
 
 
 def api(env: dict, path: str, body: dict) -> list | dict:
-    request = urllib.request.Request(env["PREFECT_API_URL"] + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        env["PREFECT_API_URL"] + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
@@ -49,8 +54,14 @@ def start_service(env: dict, home: Path):
 
     cli(env, "automation", "pause", "evaluate-published-checkpoint")
     log = home / "service.log"
-    service = subprocess.Popen([sys.executable, "-m", "flows.serve_evaluations", "--set", f"work_dir={home / 'work'}"],
-                               cwd=REPO, env=env, start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    service = subprocess.Popen(
+        [sys.executable, "-m", "flows.serve_evaluations", "--set", f"work_dir={home / 'work'}"],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 120
     while "listening" not in log.read_text():
         if service.poll() is not None or time.monotonic() > deadline:
@@ -78,15 +89,26 @@ def measure(work: Path, trained, events: int, every_s: float, path: str) -> dict
         posted = {}
         for i in range(events):  # step gaps of 100: the default scheduler evaluates each one
             started = time.monotonic()
-            publish_checkpoint(checkpoints[i % len(checkpoints)], manifest, run_id, global_step=100 * i,
-                               final=i == events - 1, valid_data=run.valid_data, api_url=env["PREFECT_API_URL"],
-                               train_metrics={"loss": 1.0 / (i + 1)})
+            publish_checkpoint(
+                checkpoints[i % len(checkpoints)],
+                manifest,
+                run_id,
+                global_step=100 * i,
+                final=i == events - 1,
+                valid_data=run.valid_data,
+                api_url=env["PREFECT_API_URL"],
+                train_metrics={"loss": 1.0 / (i + 1)},
+            )
             posted[100 * i] = time.time()
             time.sleep(max(0.0, every_s - (time.monotonic() - started)))
         deadline = time.monotonic() + 600
         while True:
-            flow_runs = [r for r in api(env, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("run_id") == run_id]
-            if len(flow_runs) >= events and all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") for r in flow_runs):
+            flow_runs = [
+                r for r in api(env, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("run_id") == run_id
+            ]
+            if len(flow_runs) >= events and all(
+                r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") for r in flow_runs
+            ):
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"flow runs not finished: {[r['state_type'] for r in flow_runs]}")
@@ -104,17 +126,34 @@ def measure(work: Path, trained, events: int, every_s: float, path: str) -> dict
         flow_run = next((r for r in flow_runs if r["parameters"].get("global_step") == step), None)
         if flow_run is None or step not in landed:
             continue
-        task = min((t for t in task_runs if t["flow_run_id"] == flow_run["id"] and t["name"] == f"evaluate-step-{step}"),
-                   key=lambda t: t["start_time"] or "", default=None)
-        rows.append({"step": step, "created": seconds(flow_run["created"]) - sent,
-                     "started": seconds(flow_run["start_time"]) - sent,
-                     "evaluating": seconds(task["start_time"]) - sent if task and task["start_time"] else None,
-                     "in_mlflow": landed[step] - sent})
-    summary = {stage: {"p50_s": round(percentile([r[stage] for r in rows if r[stage] is not None], 0.5), 1),
-                       "p99_s": round(percentile([r[stage] for r in rows if r[stage] is not None], 0.99), 1)}
-               for stage in STAGES}
-    return {"path": path, "events": events, "evaluated": len(rows),
-            "failed_flow_runs": sum(r["state_type"] != "COMPLETED" for r in flow_runs), "from_event": summary}
+        task = min(
+            (t for t in task_runs if t["flow_run_id"] == flow_run["id"] and t["name"] == f"score-step-{step}"),
+            key=lambda t: t["start_time"] or "",
+            default=None,
+        )
+        rows.append(
+            {
+                "step": step,
+                "created": seconds(flow_run["created"]) - sent,
+                "started": seconds(flow_run["start_time"]) - sent,
+                "evaluating": seconds(task["start_time"]) - sent if task and task["start_time"] else None,
+                "in_mlflow": landed[step] - sent,
+            }
+        )
+    summary = {
+        stage: {
+            "p50_s": round(percentile([r[stage] for r in rows if r[stage] is not None], 0.5), 1),
+            "p99_s": round(percentile([r[stage] for r in rows if r[stage] is not None], 0.99), 1),
+        }
+        for stage in STAGES
+    }
+    return {
+        "path": path,
+        "events": events,
+        "evaluated": len(rows),
+        "failed_flow_runs": sum(r["state_type"] != "COMPLETED" for r in flow_runs),
+        "from_event": summary,
+    }
 
 
 def main() -> None:
@@ -125,10 +164,15 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-event-latency-"))
     trained = trained_tiny_run(work)
-    results = [measure(work, trained, args.events, args.every_s, p) for p in (args.path or ["trigger:10", "trigger:1", "service"])]
+    results = [
+        measure(work, trained, args.events, args.every_s, p)
+        for p in (args.path or ["trigger:10", "trigger:1", "service"])
+    ]
     for r in results:
-        print(f"{r['path']}: " + ", ".join(
-            f"{stage} p50 {v['p50_s']}s p99 {v['p99_s']}s" for stage, v in r["from_event"].items()))
+        print(
+            f"{r['path']}: "
+            + ", ".join(f"{stage} p50 {v['p50_s']}s p99 {v['p99_s']}s" for stage, v in r["from_event"].items())
+        )
     emit({"benchmark": "event_latency", "results": results})
 
 

@@ -43,8 +43,12 @@ def main() -> None:
     from flows.train_and_evaluate import train_and_evaluate
 
     work = Path(tempfile.mkdtemp(prefix="bench-latency-"))
-    params = {"run_name": "latency", "work_dir": str(work), "train": {"max_steps": args.steps},
-              "tracking": {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}"}}
+    params = {
+        "run_name": "latency",
+        "work_dir": str(work),
+        "train": {"max_steps": args.steps},
+        "tracking": {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}"},
+    }
     summary = train_and_evaluate(params=params)
     run = RunDir(work / "latency")
     durable = {e.global_step: e.wall_time for e in Manifest(run.manifest).events()}
@@ -60,14 +64,22 @@ def main() -> None:
     tracker = Tracker(summary["tracking_uri"], "areal-eval")
     history = tracker.client.get_metric_history(summary["mlflow_run_id"], "eval/accuracy")
     visible = {m.step: m.timestamp / 1000 for m in history if m.step not in refined}
-    emit({
-        "benchmark": "feedback_latency",
-        "checkpoints": len(durable), "evaluated": len(history), "refined": len(refined),
-        "durable_to_decision": stats([decided[s] - t for s, t in durable.items() if s in decided]),
-        "decision_to_workers_started": stats([r["started_at"] - decided[s] for s, r in results.items() if "started_at" in r]),
-        "launch_to_workers_started": stats([r["started_at"] - r["launched_at"] for r in results.values() if "started_at" in r]),
-        "durable_to_mlflow": stats([visible[s] - durable[s] for s in visible]),
-    })
+    emit(
+        {
+            "benchmark": "feedback_latency",
+            "checkpoints": len(durable),
+            "evaluated": len(history),
+            "refined": len(refined),
+            "durable_to_decision": stats([decided[s] - t for s, t in durable.items() if s in decided]),
+            "decision_to_workers_started": stats(
+                [r["started_at"] - decided[s] for s, r in results.items() if "started_at" in r]
+            ),
+            "launch_to_workers_started": stats(
+                [r["started_at"] - r["launched_at"] for r in results.values() if "started_at" in r]
+            ),
+            "durable_to_mlflow": stats([visible[s] - durable[s] for s in visible]),
+        }
+    )
 
 
 if __name__ == "__main__":

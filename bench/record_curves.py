@@ -33,19 +33,29 @@ def record_run(work: Path, seed: int, noise: float, every: int) -> list[dict]:
     from areal_eval.launcher import TorchrunJob
 
     name = f"seed{seed}-noise{noise}-every{every}"
-    cfg, run = prepared_run(name, work, train={"seed": seed, "save": {"freq_steps": every}},
-                            data={"synthetic": {"seed": seed, "label_noise": noise}})
+    cfg, run = prepared_run(
+        name,
+        work,
+        train={"seed": seed, "save": {"freq_steps": every}},
+        data={"synthetic": {"seed": seed, "label_noise": noise}},
+    )
     job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
     job.wait(1800)
     job.raise_for_status("training")
     points: dict[str, list[dict]] = {"accuracy": [], "loss": []}
     with WarmEvalWorkers(cfg.eval.nproc, run.evals) as workers:
         for event in Manifest(run.manifest).events():
-            metrics = run_evaluation_job(event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length, workers=workers).metrics
+            metrics = run_evaluation_job(
+                event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length, workers=workers
+            ).metrics
             for metric in points:
-                points[metric].append({"step": event.global_step, "value": metrics[metric], "stderr": metrics[f"{metric}_stderr"]})
-    return [{"curve": f"areal-demo/{name}/{metric}", "higher_is_better": metric == "accuracy", "points": pts}
-            for metric, pts in points.items()]
+                points[metric].append(
+                    {"step": event.global_step, "value": metrics[metric], "stderr": metrics[f"{metric}_stderr"]}
+                )
+    return [
+        {"curve": f"areal-demo/{name}/{metric}", "higher_is_better": metric == "accuracy", "points": pts}
+        for metric, pts in points.items()
+    ]
 
 
 def main() -> None:
@@ -61,8 +71,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(c) + "\n" for c in curves))
     policies = [replay.parse_policy(p) for p in ("adaptive", "fixed:1", "fixed:2", "fixed:3", "fixed:4")]
-    emit({"benchmark": "record_curves", "out": str(out), "curves": len(curves),
-          "replay_injected": replay.replay(replay.read_curves(out), policies, regression=True)["policies"]})
+    emit(
+        {
+            "benchmark": "record_curves",
+            "out": str(out),
+            "curves": len(curves),
+            "replay_injected": replay.replay(replay.read_curves(out), policies, regression=True)["policies"],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def schedule(rng: random.Random, n: int) -> list[int]:
     if kind == "even":
         return [i * 100 for i in range(n)]
     if kind == "geometric":
-        return sorted({0} | {int(10 * 1.08 ** i) for i in range(n * 2)})[:n]
+        return sorted({0} | {int(10 * 1.08**i) for i in range(n * 2)})[:n]
     steps, step = [], 0
     for _ in range(n):
         steps.append(step)
@@ -45,11 +45,17 @@ def write_curves(path: Path, curves: int, points: int, seed: int = 0) -> None:
             ceiling, rate, se = rng.uniform(0.5, 0.9), rng.uniform(2, 8), rng.uniform(0.005, 0.02)
             drop_at = rng.randrange(points // 2, points) if rng.random() < 0.3 else points
             values = []
-            for i, step in enumerate(steps):
+            for i in range(len(steps)):
                 v = ceiling * (1 - math.exp(-rate * i / points)) + rng.gauss(0, se)
                 values.append(v - (5 * se if i >= drop_at else 0.0))
-            row = {"curve": f"synthetic-{c}", "higher_is_better": True,
-                   "points": [{"step": s, "value": round(v, 5), "stderr": round(se, 5)} for s, v in zip(steps, values)]}
+            row = {
+                "curve": f"synthetic-{c}",
+                "higher_is_better": True,
+                "points": [
+                    {"step": s, "value": round(v, 5), "stderr": round(se, 5)}
+                    for s, v in zip(steps, values, strict=False)
+                ],
+            }
             fh.write(json.dumps(row) + "\n")
 
 
@@ -62,12 +68,25 @@ def main() -> None:
     write_curves(path, args.curves, args.points)
     cli = Path(sys.executable).parent / "areal-eval"
     start = time.monotonic()
-    out = subprocess.run([str(cli), "replay", str(path), "--policy", "adaptive", "--policy", "fixed:2", "--json"],
-                         check=True, capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [str(cli), "replay", str(path), "--policy", "adaptive", "--policy", "fixed:2", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     seconds = time.monotonic() - start
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    emit({"benchmark": "replay_speed", "curves": args.curves, "points": args.points, "seconds": round(seconds, 1),
-          "peak_rss_mb": round(peak_kb / 1024, 1), "replay": json.loads(out.stdout.strip().splitlines()[-1])})
+    emit(
+        {
+            "benchmark": "replay_speed",
+            "curves": args.curves,
+            "points": args.points,
+            "seconds": round(seconds, 1),
+            "peak_rss_mb": round(peak_kb / 1024, 1),
+            "replay": json.loads(out.stdout.strip().splitlines()[-1]),
+        }
+    )
 
 
 if __name__ == "__main__":

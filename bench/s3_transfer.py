@@ -123,19 +123,27 @@ def main() -> None:
     finally:
         server.stop()
     rate = lambda key: median(mb / r[key] for r in rounds)  # noqa: E731
-    emit({
-        "benchmark": "s3_transfer", "checkpoint_mb": mb, "files": args.files + 1, "rounds": args.rounds,
-        "upload_mb_s_store": round(rate("store_up"), 1), "upload_mb_s_plain_boto3": round(rate("plain_up"), 1),
-        "upload_ratio_store_plain": round(rate("store_up") / rate("plain_up"), 3),
-        "download_mb_s_store": round(rate("store_down"), 1), "download_mb_s_plain_boto3": round(rate("plain_down"), 1),
-        "download_ratio_store_plain": round(rate("store_down") / rate("plain_down"), 3),
-        "note": "store timings include verification: HEAD per object after upload, sha256 of every file after download",
-        "train_steps": args.steps,
-        "blocked_share_s3": round(max(r["blocked_share"] for r in s3_runs), 5),
-        "blocked_share_local": round(max(r["blocked_share"] for r in local_runs), 5),
-        "train_samples_per_s_s3": round(median(r["samples_per_s"] for r in s3_runs), 1),
-        "train_samples_per_s_local": round(median(r["samples_per_s"] for r in local_runs), 1),
-    })
+    emit(
+        {
+            "benchmark": "s3_transfer",
+            "checkpoint_mb": mb,
+            "files": args.files + 1,
+            "rounds": args.rounds,
+            "upload_mb_s_store": round(rate("store_up"), 1),
+            "upload_mb_s_plain_boto3": round(rate("plain_up"), 1),
+            "upload_ratio_store_plain": round(rate("store_up") / rate("plain_up"), 3),
+            "download_mb_s_store": round(rate("store_down"), 1),
+            "download_mb_s_plain_boto3": round(rate("plain_down"), 1),
+            "download_ratio_store_plain": round(rate("store_down") / rate("plain_down"), 3),
+            "note": "store timings include verification: HEAD per object after upload, "
+            "sha256 of every file after download",
+            "train_steps": args.steps,
+            "blocked_share_s3": round(max(r["blocked_share"] for r in s3_runs), 5),
+            "blocked_share_local": round(max(r["blocked_share"] for r in local_runs), 5),
+            "train_samples_per_s_s3": round(median(r["samples_per_s"] for r in s3_runs), 1),
+            "train_samples_per_s_local": round(median(r["samples_per_s"] for r in local_runs), 1),
+        }
+    )
     shutil.rmtree(work, ignore_errors=True)
 
 

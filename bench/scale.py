@@ -2,21 +2,22 @@
 
     .venv/bin/python bench/scale.py [--checkpoints 5000] [--rows 200000] [--tracking sqlite|server|both] [--prefect]
 
-A synthetic training run (a process of its own, as training is) publishes ``--checkpoints`` real checkpoints (a safetensors file each,
-published with ``publish_checkpoint``: sizes, sha256, manifest) and writes ``--rows`` training-log
-rows, at an even pace. The library's follow loop (``FollowLoop``: manifest follower, decision
-thread, planner, ledger, alert rules, the tracker on MLflow) follows it exactly as the
-``train-and-evaluate`` flow does; evaluations are answered by a minimal real evaluator (verify the
-files, load the weights, score 400 labelled points, with a standard error) in one slot.
+A synthetic training run (a process of its own, as training is) publishes ``--checkpoints`` real
+checkpoints (a safetensors file each, published with ``publish_checkpoint``: sizes, sha256,
+manifest) and writes ``--rows`` training-log rows, at an even pace. The library's follow loop
+(``FollowLoop``: manifest follower, decision thread, planner, ledger, alert rules, the tracker on
+MLflow) follows it exactly as the ``train-and-evaluate`` flow does; evaluations are answered by a
+minimal real evaluator (verify the files, load the weights, score 400 labelled points, with a
+standard error) in one slot.
 
 At 10%, 50% and 100% of the run it reports, each over the last 5% of the checkpoints before that
 mark: durable->decision p50/p99 (from the moment the manifest line is fsynced, so a decision made
 while the writer is still in fsync counts as negative), the decision itself (``planner.offer``),
 time per train-metric flush and per evaluation log, flow-loop iteration time, and the process's
-resident memory; the ratios of 100% to 10% (p50s, and the p99 of durable->decision); with ``--prefect`` the loop runs inside a
-Prefect flow behind the flow's own task wiring, and the task runs created so far are counted on
-the Prefect API. Then it checks MLflow for duplicate or missing points and relogs the whole
-training log as a resumed flow would (nothing may be logged twice).
+resident memory; the ratios of 100% to 10% (p50s, and the p99 of durable->decision); with
+``--prefect`` the loop runs inside a Prefect flow behind the flow's own task wiring, and the task
+runs created so far are counted on the Prefect API. Then it checks MLflow for duplicate or missing
+points and relogs the whole training log as a resumed flow would (nothing may be logged twice).
 
 Prints one JSON line per tracking store.
 """
@@ -129,7 +130,11 @@ class TinyEvaluator:
         w = load_file(str(Path(event.uri) / "model.safetensors"))["w"]
         correct = ((self.x @ w > 0) == self.y).double()
         p = correct.mean().item()
-        metrics = {"accuracy": p, "accuracy_stderr": math.sqrt(max(p * (1 - p), 1e-4) / POINTS), "n_pairs": float(POINTS)}
+        metrics = {
+            "accuracy": p,
+            "accuracy_stderr": math.sqrt(max(p * (1 - p), 1e-4) / POINTS),
+            "n_pairs": float(POINTS),
+        }
         return EvalResult(event.global_step, event.uri, metrics, time.monotonic() - start)
 
 
@@ -174,8 +179,9 @@ class PlainIO:
 
     def log_result(self, result, reason):
         tags = {f"checkpoint.{result.global_step}.uri": result.uri, f"decision.{result.global_step}": reason}
-        self.timings.timed("evaluation_log", self.tracker.log_evaluation, self.mlflow_run_id, result.global_step,
-                           result.metrics, tags)
+        self.timings.timed(
+            "evaluation_log", self.tracker.log_evaluation, self.mlflow_run_id, result.global_step, result.metrics, tags
+        )
 
     def send_alert(self, alert):
         self.alerts += 1
@@ -195,8 +201,11 @@ class PlainIO:
 
 
 def stats_ms(values: list[float]) -> dict:
-    return {"p50_ms": round(percentile(values, 0.5) * 1000, 2), "p99_ms": round(percentile(values, 0.99) * 1000, 2),
-            "n": len(values)}
+    return {
+        "p50_ms": round(percentile(values, 0.5) * 1000, 2),
+        "p99_ms": round(percentile(values, 0.99) * 1000, 2),
+        "n": len(values),
+    }
 
 
 def run_once(args, tracking: str, work: Path) -> dict:
@@ -223,15 +232,18 @@ def run_once(args, tracking: str, work: Path) -> dict:
         training = SyntheticTraining(work / "run", args.checkpoints, args.rows, every_ms / 1000)
         timings = Timings(training)
         evaluator = TinyEvaluator(training.target)
+
         class TimedPlanner(EvaluationPlanner):
             def offer(self, event):  # the decision itself: the per-checkpoint cost of the scheduler
                 return timings.timed("decision", super().offer, event)
 
         planner = TimedPlanner(SchedulerConfig(), Ledger(work / "run" / "ledger.jsonl"))
-        rules = AlertsConfig(rules=[
-            AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0),
-            AlertRule(name="accuracy-regression", kind="regression", metric="accuracy", tolerance=0.1),
-        ])
+        rules = AlertsConfig(
+            rules=[
+                AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0),
+                AlertRule(name="accuracy-regression", kind="regression", metric="accuracy", tolerance=0.1),
+            ]
+        )
         process = psutil.Process()
         memory: dict[float, int] = {}
         task_runs: dict[float, int] = {}
@@ -252,14 +264,33 @@ def run_once(args, tracking: str, work: Path) -> dict:
         writer = training.start()
         start = time.monotonic()
         if args.prefect:
-            ledger, io = run_in_flow(planner, training, ProcessJob(writer), rules, loop_cfg, tracker, mlflow_run_id,
-                                     evaluator, timings, observe, counters)
+            ledger, io = run_in_flow(
+                planner,
+                training,
+                ProcessJob(writer),
+                rules,
+                loop_cfg,
+                tracker,
+                mlflow_run_id,
+                evaluator,
+                timings,
+                observe,
+                counters,
+            )
             alerts = io.alerts
             task_runs[1.0] = counters["task_runs"]()
         else:
             io = PlainIO(tracker, mlflow_run_id, evaluator, timings)
-            loop = FollowLoop(planner, Manifest(training.manifest), training.train_log, AlertEngine(rules), io, loop_cfg,
-                              ProcessJob(writer), on_iteration=observe)
+            loop = FollowLoop(
+                planner,
+                Manifest(training.manifest),
+                training.train_log,
+                AlertEngine(rules),
+                io,
+                loop_cfg,
+                ProcessJob(writer),
+                on_iteration=observe,
+            )
             ledger = loop.run()
             io.pool.shutdown()
             alerts = io.alerts
@@ -270,7 +301,7 @@ def run_once(args, tracking: str, work: Path) -> dict:
         memory.setdefault(1.0, process.memory_info().rss)
 
         steps = [e.global_step for e in Manifest(training.manifest).events()]
-        durable = dict(zip(steps, training.durable_at))
+        durable = dict(zip(steps, training.durable_at, strict=False))
         decided, published_at = {}, {}
         for line in (work / "run" / "ledger.jsonl").read_text().splitlines():
             row = json.loads(line)
@@ -294,8 +325,9 @@ def run_once(args, tracking: str, work: Path) -> dict:
             marks[f"{int(mark * 100)}%"] = {
                 "durable_to_decision": stats_ms([s for at, s in latency if lo < at <= hi]),
                 "decision": stats_ms(timings.window("decision", mark)),
-                "slowest_decisions": sorted(((round(s * 1000, 1), at) for at, s in latency if lo < at <= hi),
-                                            reverse=True)[:3],
+                "slowest_decisions": sorted(
+                    ((round(s * 1000, 1), at) for at, s in latency if lo < at <= hi), reverse=True
+                )[:3],
                 "train_flush": stats_ms(timings.window("train_flush", mark)),
                 "evaluation_log": stats_ms(timings.window("evaluation_log", mark)),
                 "loop_iteration": stats_ms(timings.window("loop_iteration", mark)),
@@ -303,14 +335,25 @@ def run_once(args, tracking: str, work: Path) -> dict:
                 **({"task_runs": task_runs.get(mark)} if args.prefect else {}),
             }
         first, last = marks["10%"], marks["100%"]
-        ratio = {op: round(last[op]["p50_ms"] / first[op]["p50_ms"], 2) if first[op]["p50_ms"] else None
-                 for op in ("decision", "train_flush", "evaluation_log", "loop_iteration")}
-        ratio["durable_to_decision_p99"] = round(last["durable_to_decision"]["p99_ms"]
-                                                 / first["durable_to_decision"]["p99_ms"], 2)
+        ratio = {
+            op: round(last[op]["p50_ms"] / first[op]["p50_ms"], 2) if first[op]["p50_ms"] else None
+            for op in ("decision", "train_flush", "evaluation_log", "loop_iteration")
+        }
+        ratio["durable_to_decision_p99"] = round(
+            last["durable_to_decision"]["p99_ms"] / first["durable_to_decision"]["p99_ms"], 2
+        )
         return {
-            "benchmark": "scale", "tracking": tracking, "prefect": args.prefect,
-            "checkpoints": n, "rows": len(all_rows), "every_ms": every_ms, "seconds": round(elapsed, 1),
-            "ledger": counts, "alerts": alerts, "marks": marks, "p50_ratio_100_vs_10": ratio,
+            "benchmark": "scale",
+            "tracking": tracking,
+            "prefect": args.prefect,
+            "checkpoints": n,
+            "rows": len(all_rows),
+            "every_ms": every_ms,
+            "seconds": round(elapsed, 1),
+            "ledger": counts,
+            "alerts": alerts,
+            "marks": marks,
+            "p50_ratio_100_vs_10": ratio,
             "durable_to_decision_p99_ms_at_100": last["durable_to_decision"]["p99_ms"],
             "bytes_per_checkpoint": round((memory[1.0] - memory[0.1]) / (0.9 * n)),
             "train_points_duplicated": len(train_steps) - len(set(train_steps)),
@@ -329,9 +372,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoints", type=int, default=5000)
     parser.add_argument("--rows", type=int, default=200_000)
-    parser.add_argument("--every-ms", type=float, default=None,
-                        help="time between checkpoints (default: 40 on SQLite, 100 on a server, which takes a training "
-                             "row in about 1 ms against 0.2 ms: the run is paced so that MLflow keeps up)")
+    parser.add_argument(
+        "--every-ms",
+        type=float,
+        default=None,
+        help="time between checkpoints (default: 40 on SQLite, 100 on a server, which takes a training "
+        "row in about 1 ms against 0.2 ms: the run is paced so that MLflow keeps up)",
+    )
     parser.add_argument("--flush-every-s", type=float, default=2.0, help="training-metric flush interval")
     parser.add_argument("--tracking", choices=("sqlite", "server", "both"), default="both")
     parser.add_argument("--prefect", action="store_true", help="run the loop inside a Prefect flow (task runs counted)")

@@ -61,10 +61,23 @@ def run_in_flow(planner, training, job, rules, loop_cfg, tracker, mlflow_run_id,
     def follow_in_flow():
         state["flow_run_id"] = get_run_context().flow_run.id
         counters["task_runs"] = count_task_runs
-        io = BenchIO(cfg, RunDir(training.root), mlflow_run_id, planner.ledger,
-                     training.checkpoints * training.rows_per_checkpoint)
-        loop = FollowLoop(planner, Manifest(training.manifest), training.train_log, AlertEngine(rules), io, loop_cfg,
-                          job, on_iteration=observe)
+        io = BenchIO(
+            cfg,
+            RunDir(training.root),
+            mlflow_run_id,
+            planner.ledger,
+            training.checkpoints * training.rows_per_checkpoint,
+        )
+        loop = FollowLoop(
+            planner,
+            Manifest(training.manifest),
+            training.train_log,
+            AlertEngine(rules),
+            io,
+            loop_cfg,
+            job,
+            on_iteration=observe,
+        )
         return loop.run(), io
 
     ledger, io = follow_in_flow()
@@ -79,9 +92,23 @@ def mlflow_server(db: Path, artifacts: Path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(artifacts), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{db}",
+            "--default-artifact-root",
+            str(artifacts),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     import urllib.request

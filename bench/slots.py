@@ -29,7 +29,9 @@ def publish(manifest: Path, checkpoints: list[str], count: int, every_s: float, 
 
     for i in range(count):
         started = time.monotonic()
-        publish_checkpoint(checkpoints[i % len(checkpoints)], manifest, "slots", global_step=10 * i, final=i == count - 1)
+        publish_checkpoint(
+            checkpoints[i % len(checkpoints)], manifest, "slots", global_step=10 * i, final=i == count - 1
+        )
         durable[10 * i] = time.time()
         time.sleep(max(0.0, every_s - (time.monotonic() - started)))
 
@@ -46,8 +48,9 @@ class TimedIO:
         from areal_eval.evaluation.jobs import run_evaluation_job
 
         with self.groups.lease() as group:
-            return run_evaluation_job(event, self.run.valid_data, self.cfg.eval, self.run.evals, self.cfg.model.max_length,
-                                       workers=group)
+            return run_evaluation_job(
+                event, self.run.valid_data, self.cfg.eval, self.run.evals, self.cfg.model.max_length, workers=group
+            )
 
     def submit(self, event, reason):
         return self.pool.submit(self._evaluate, event)
@@ -83,8 +86,9 @@ def warm_up(groups, cfg, run, slots: int) -> None:
     leases = [groups.lease() for _ in range(slots)]
     for i, lease in enumerate(leases):
         with lease as group:
-            run_evaluation_job(event, run.valid_data, cfg.eval, run.evals / f"warm-up-{i}", cfg.model.max_length,
-                                workers=group)
+            run_evaluation_job(
+                event, run.valid_data, cfg.eval, run.evals / f"warm-up-{i}", cfg.model.max_length, workers=group
+            )
 
 
 def run_round(work: Path, trained, slots: int, args) -> dict:
@@ -105,24 +109,37 @@ def run_round(work: Path, trained, slots: int, args) -> dict:
     tracker = Tracker(f"sqlite:///{work / 'mlflow.db'}", "slots")
     mlflow_run_id = tracker.start_run(f"slots-{slots}", {"slots": slots})
     durable = multiprocessing.Manager().dict()
-    publisher = multiprocessing.Process(target=publish, args=(manifest, checkpoints, args.checkpoints, args.every_s, durable))
-    planner = EvaluationPlanner(SchedulerConfig(policy="fixed", fixed_interval_steps=1, queue_capacity=1),
-                                Ledger(work / "ledger.jsonl"))
+    publisher = multiprocessing.Process(
+        target=publish, args=(manifest, checkpoints, args.checkpoints, args.every_s, durable)
+    )
+    planner = EvaluationPlanner(
+        SchedulerConfig(policy="fixed", fixed_interval_steps=1, queue_capacity=1), Ledger(work / "ledger.jsonl")
+    )
     with WarmWorkerGroups(slots, 1, run.evals / f"slots-{slots}-{work.name}") as groups:
         io = TimedIO(cfg, run, groups, tracker, mlflow_run_id)
         warm_up(groups, cfg, run, slots)  # every group's ranks up before the clock runs
         publisher.start()
         started = time.monotonic()
-        ledger = FollowLoop(planner, Manifest(manifest), work / "train_log.jsonl", AlertEngine(AlertsConfig()), io,
-                            LoopConfig(poll_interval_s=0.05, slots=slots), ProcessJob(publisher)).run()
+        ledger = FollowLoop(
+            planner,
+            Manifest(manifest),
+            work / "train_log.jsonl",
+            AlertEngine(AlertsConfig()),
+            io,
+            LoopConfig(poll_interval_s=0.05, slots=slots),
+            ProcessJob(publisher),
+        ).run()
         elapsed = time.monotonic() - started
         io.pool.shutdown()
     publisher.join()
     latency = [io.landed[s] - durable[s] for s in io.landed]
     counts = ledger.counts()
     return {
-        "slots": slots, "seconds": round(elapsed, 1), "evaluated": counts.get("evaluated", 0),
-        "superseded": counts.get("superseded", 0), "failed": counts.get("failed", 0),
+        "slots": slots,
+        "seconds": round(elapsed, 1),
+        "evaluated": counts.get("evaluated", 0),
+        "superseded": counts.get("superseded", 0),
+        "failed": counts.get("failed", 0),
         "durable_to_mlflow_p50_s": round(percentile(latency, 0.5), 2),
         "durable_to_mlflow_p99_s": round(percentile(latency, 0.99), 2),
         "mlflow_steps_match_ledger": sorted(tracker.eval_steps(mlflow_run_id))
@@ -138,19 +155,27 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-slots-"))
     cfg, run = trained_tiny_run(work)
-    rounds = [run_round(work / f"round-{i}-slots-{slots}", (cfg, run), slots, args)
-              for i in range(args.rounds) for slots in (1, 2)]
+    rounds = [
+        run_round(work / f"round-{i}-slots-{slots}", (cfg, run), slots, args)
+        for i in range(args.rounds)
+        for slots in (1, 2)
+    ]
     for r in rounds:
         print(r)
     by = {s: [r for r in rounds if r["slots"] == s] for s in (1, 2)}
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-    emit({
-        "benchmark": "slots", "checkpoints": args.checkpoints, "every_s": args.every_s, "rounds": rounds,
-        "superseded_2_vs_1": round(mean(by[2], "superseded") / max(mean(by[1], "superseded"), 1e-9), 2),
-        "evaluated_2_vs_1": round(mean(by[2], "evaluated") / mean(by[1], "evaluated"), 2),
-        "p50_2_vs_1": round(mean(by[2], "durable_to_mlflow_p50_s") / mean(by[1], "durable_to_mlflow_p50_s"), 2),
-        "p99_2_vs_1": round(mean(by[2], "durable_to_mlflow_p99_s") / mean(by[1], "durable_to_mlflow_p99_s"), 2),
-    })
+    emit(
+        {
+            "benchmark": "slots",
+            "checkpoints": args.checkpoints,
+            "every_s": args.every_s,
+            "rounds": rounds,
+            "superseded_2_vs_1": round(mean(by[2], "superseded") / max(mean(by[1], "superseded"), 1e-9), 2),
+            "evaluated_2_vs_1": round(mean(by[2], "evaluated") / mean(by[1], "evaluated"), 2),
+            "p50_2_vs_1": round(mean(by[2], "durable_to_mlflow_p50_s") / mean(by[1], "durable_to_mlflow_p50_s"), 2),
+            "p99_2_vs_1": round(mean(by[2], "durable_to_mlflow_p99_s") / mean(by[1], "durable_to_mlflow_p99_s"), 2),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -54,10 +54,14 @@ def run_training(cfg, run, with_pipeline: bool, nice: int = 0) -> dict:
     job.wait(900)
     job.raise_for_status("training")
     done = json.loads(run.train_log.read_text().splitlines()[-1])
-    steps = max(json.loads(l)["step"] for l in run.train_log.read_text().splitlines())
+    steps = max(json.loads(line)["step"] for line in run.train_log.read_text().splitlines())
     samples = steps * cfg.train.batch_size * cfg.train.nproc
-    return {"samples_per_s": samples / done["train_s"], "blocked_share": done["blocked_s"] / done["train_s"],
-            "checkpoints": len(Manifest(run.manifest).events()), "evaluated": evaluated}
+    return {
+        "samples_per_s": samples / done["train_s"],
+        "blocked_share": done["blocked_s"] / done["train_s"],
+        "checkpoints": len(Manifest(run.manifest).events()),
+        "evaluated": evaluated,
+    }
 
 
 def main() -> None:
@@ -72,17 +76,26 @@ def main() -> None:
         off.append(run_training(cfg, run, with_pipeline=False))
         on.append(run_training(cfg, run, with_pipeline=True))
         on_nice.append(run_training(cfg, run, with_pipeline=True, nice=19))
-    emit({
-        "benchmark": "training_overhead", "steps": args.steps, "rounds": args.rounds,
-        "samples_per_s_off": round(median(r["samples_per_s"] for r in off), 1),
-        "samples_per_s_on": round(median(r["samples_per_s"] for r in on), 1),
-        "throughput_ratio_on_off": round(median(r["samples_per_s"] for r in on) / median(r["samples_per_s"] for r in off), 3),
-        "samples_per_s_on_eval_nice19": round(median(r["samples_per_s"] for r in on_nice), 1),
-        "throughput_ratio_on_nice19_off": round(median(r["samples_per_s"] for r in on_nice) / median(r["samples_per_s"] for r in off), 3),
-        "blocked_share_on": round(max(r["blocked_share"] for r in on + on_nice), 5),
-        "checkpoints_per_run": on[0]["checkpoints"],
-        "evaluated_per_run": [r["evaluated"] for r in on], "evaluated_per_run_nice19": [r["evaluated"] for r in on_nice],
-    })
+    emit(
+        {
+            "benchmark": "training_overhead",
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "samples_per_s_off": round(median(r["samples_per_s"] for r in off), 1),
+            "samples_per_s_on": round(median(r["samples_per_s"] for r in on), 1),
+            "throughput_ratio_on_off": round(
+                median(r["samples_per_s"] for r in on) / median(r["samples_per_s"] for r in off), 3
+            ),
+            "samples_per_s_on_eval_nice19": round(median(r["samples_per_s"] for r in on_nice), 1),
+            "throughput_ratio_on_nice19_off": round(
+                median(r["samples_per_s"] for r in on_nice) / median(r["samples_per_s"] for r in off), 3
+            ),
+            "blocked_share_on": round(max(r["blocked_share"] for r in on + on_nice), 5),
+            "checkpoints_per_run": on[0]["checkpoints"],
+            "evaluated_per_run": [r["evaluated"] for r in on],
+            "evaluated_per_run_nice19": [r["evaluated"] for r in on_nice],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -101,8 +101,9 @@ def evaluate_checkpoint(
     logger.info("step %d: %s (%s)", global_step, "evaluate" if claim.evaluate else "nothing to do", claim.reason)
     summary = {"global_step": global_step, "evaluated": claim.evaluate, "reason": claim.reason, "refined": []}
     if claim.evaluate:
-        summary["metrics"] = evaluate_and_record(cfg, record, event, claim.reason, data_path, run, mlflow_run_id,
-                                                 gpu_slot).metrics
+        summary["metrics"] = evaluate_and_record(
+            cfg, record, event, claim.reason, data_path, run, mlflow_run_id, gpu_slot
+        ).metrics
     for refined in record.refinements(me, tracker_for(cfg).deleted_steps(mlflow_run_id)):
         reason_now = Ledger(run.ledger).latest(refined.global_step).reason
         logger.info("step %d: %s", refined.global_step, reason_now)
@@ -116,8 +117,9 @@ def evaluate_checkpoint(
     return summary
 
 
-def report_run(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger,
-               status: str | None) -> dict:
+def report_run(
+    cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger, status: str | None
+) -> dict:
     """The curve, the decision log and the counts in MLflow (the run ended with ``status``, or
     left as it is), and the run's summary artifact."""
     plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run_id)
@@ -138,9 +140,14 @@ def validation_data(data_path: str | None, event: CheckpointEvent, run: RunDir) 
     """The validation data: the parameter, else what was published with the checkpoint, else
     ``data/valid.jsonl`` beside the manifest; checked now, before any worker starts."""
     chosen = data_path or event.valid_data or run.valid_data
-    return check_validation_data(chosen, "the data_path parameter" if data_path else
-                                 "publish_checkpoint(valid_data=...)" if event.valid_data else
-                                 "the default beside the manifest")
+    return check_validation_data(
+        chosen,
+        "the data_path parameter"
+        if data_path
+        else "publish_checkpoint(valid_data=...)"
+        if event.valid_data
+        else "the default beside the manifest",
+    )
 
 
 def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[CheckpointEvent], record: RunRecord) -> None:
@@ -150,24 +157,36 @@ def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[Checkpo
         return
     tracker = tracker_for(cfg)
     entries = Ledger(record.run.ledger)
-    tracker.set_tags(mlflow_run_id, {f"decision.{e.global_step}": entries.latest(e.global_step).reason for e in decided})
+    tracker.set_tags(
+        mlflow_run_id, {f"decision.{e.global_step}": entries.latest(e.global_step).reason for e in decided}
+    )
     rows = [{"step": e.global_step, **e.train_metrics} for e in decided if e.train_metrics]
     if rows:
         tracker.log_train_metrics(mlflow_run_id, rows)
 
 
-def evaluate_one(cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None) -> EvalResult:
+def evaluate_one(
+    cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None
+) -> EvalResult:
     with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
         return score_now(event, data, cfg, run.evals)
 
 
-def evaluate_and_record(cfg: PipelineConfig, record: RunRecord, event: CheckpointEvent, reason: str,
-                        data_path: str | None, run: RunDir, mlflow_run_id: str, gpu_slot: str | None) -> EvalResult:
+def evaluate_and_record(
+    cfg: PipelineConfig,
+    record: RunRecord,
+    event: CheckpointEvent,
+    reason: str,
+    data_path: str | None,
+    run: RunDir,
+    mlflow_run_id: str,
+    gpu_slot: str | None,
+) -> EvalResult:
     """Evaluate, log to MLflow, record in the run's ledger and send what the alert rules fire.
     A failure (missing data included) is recorded and alerted on, then raised."""
     try:
         result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot)
-        log_evaluation(cfg, mlflow_run_id, result, reason)
+        log_evaluation(cfg, mlflow_run_id, result, reason, (run, event.run_id))
     except Exception as exc:
         for alert in record.record(event, None, str(exc)):
             send_alert(alert, cfg, mlflow_run_id, run)
@@ -177,4 +196,3 @@ def evaluate_and_record(cfg: PipelineConfig, record: RunRecord, event: Checkpoin
     for alert in alerts:
         send_alert(alert, cfg, mlflow_run_id, run)
     return result
-

@@ -42,8 +42,13 @@ PUBLISHED = EventFilter(
 def evaluate_published(cfg: PipelineConfig, payload: dict, gpu_slot: str | None) -> None:
     """One checkpoint, as the deployment trigger would start it; a failure is the flow run's."""
     state = evaluate_checkpoint(
-        global_step=int(payload["global_step"]), manifest=payload["manifest"], run_id=payload.get("run_id"),
-        checkpoint_uri=payload.get("uri"), params=to_dict(cfg), gpu_slot=gpu_slot, return_state=True,
+        global_step=int(payload["global_step"]),
+        manifest=payload["manifest"],
+        run_id=payload.get("run_id"),
+        checkpoint_uri=payload.get("uri"),
+        params=to_dict(cfg),
+        gpu_slot=gpu_slot,
+        return_state=True,
     )
     print(f"{payload.get('run_id')}@{payload['global_step']}: {state.name}", flush=True)
 
@@ -51,12 +56,17 @@ def evaluate_published(cfg: PipelineConfig, payload: dict, gpu_slot: str | None)
 async def serve(cfg: PipelineConfig, gpu_slot: str | None, ready: asyncio.Event | None = None) -> None:
     """Evaluate each published checkpoint until cancelled."""
     loop = asyncio.get_running_loop()
-    with serve_warm_workers(cfg, Path(cfg.work_dir) / "serve-evaluations") as workers, \
-            ThreadPoolExecutor(cfg.eval.slots, thread_name_prefix="evaluate") as pool:
+    with (
+        serve_warm_workers(cfg, Path(cfg.work_dir) / "serve-evaluations") as workers,
+        ThreadPoolExecutor(cfg.eval.slots, thread_name_prefix="evaluate") as pool,
+    ):
         workers.start()  # up before the first checkpoint arrives
         async with get_events_subscriber(filter=PUBLISHED, reconnect_on_clean_close=True) as events:
-            print(f"serve-evaluations: listening to {PREFECT_API_URL.value()} for {CHECKPOINT_SAVED} "
-                  f"({cfg.eval.slots} slot(s))", flush=True)
+            print(
+                f"serve-evaluations: listening to {PREFECT_API_URL.value()} for {CHECKPOINT_SAVED} "
+                f"({cfg.eval.slots} slot(s))",
+                flush=True,
+            )
             if ready is not None:
                 ready.set()
             async for event in events:
@@ -67,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Evaluate checkpoints published to a Prefect server, warm.")
     parser.add_argument("--config", help="JSON or YAML pipeline config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    parser.add_argument("--gpu-slot", default="gpu:0", help="global concurrency limit held while evaluating ('' for none)")
+    parser.add_argument(
+        "--gpu-slot", default="gpu:0", help="global concurrency limit held while evaluating ('' for none)"
+    )
     args = parser.parse_args(argv)
     if not PREFECT_API_URL.value():
         print("error: set PREFECT_API_URL to the server the trainers publish to", file=sys.stderr)

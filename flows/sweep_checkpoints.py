@@ -28,7 +28,9 @@ def find_manifests(store: str, s3: S3Config) -> list[str]:
     """Manifests of the runs in ``store``: a run directory or prefix, or a directory or prefix of them."""
     if is_s3(store):
         root = store.rstrip("/")
-        return [f"{root}/{p}/manifest.jsonl" if p else f"{root}/manifest.jsonl" for p in S3Store(root, s3).run_prefixes()]
+        return [
+            f"{root}/{p}/manifest.jsonl" if p else f"{root}/manifest.jsonl" for p in S3Store(root, s3).run_prefixes()
+        ]
     if (Path(store) / "manifest.jsonl").exists():
         return [str(Path(store) / "manifest.jsonl")]
     return [str(p) for p in sorted(Path(store).glob("*/manifest.jsonl"))]
@@ -41,7 +43,9 @@ def end_if_abandoned(tracker, mlflow_run_id: str, run: RunDir) -> bool:
         return False
     if owned_by_live_process(run):
         return False  # its flow is alive
-    tracker.set_tags(mlflow_run_id, {"areal.failure": "its flow died: found RUNNING with no live owner by sweep-checkpoints"})
+    tracker.set_tags(
+        mlflow_run_id, {"areal.failure": "its flow died: found RUNNING with no live owner by sweep-checkpoints"}
+    )
     tracker.finish(mlflow_run_id, "KILLED")
     return True
 
@@ -88,9 +92,9 @@ def sweep_checkpoints(store: str, params: PipelineParams | None = None, reevalua
         if not steps and finals and mlflow_run and tracker.client.get_run(mlflow_run).info.status == "RUNNING":
             steps = finals[-1:]  # everything is evaluated, but the run's refinement and end never happened
         for step in steps:
-            state = evaluate_checkpoint(step, manifest, run_id=events[0].run_id, params=params, reason="sweep",
-                                        return_state=True)
+            state = evaluate_checkpoint(
+                step, manifest, run_id=events[0].run_id, params=params, reason="sweep", return_state=True
+            )
             (evaluated if state.is_completed() else failed).append(f"{events[0].run_id}@{step}")
     logger.info("sweep: evaluated %d, failed %d", len(evaluated), len(failed))
     return {"evaluated": evaluated, "failed": failed}
-

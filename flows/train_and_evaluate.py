@@ -48,14 +48,17 @@ def training_run_name() -> str:
     """The run's ``run_name`` (what its directory and MLflow run are called)."""
     params = flow_run.parameters
     try:
-        return load_pipeline_config(params.get("config_path"), set_fields(params.get("params")), params.get("overrides")).run_name
+        return load_pipeline_config(
+            params.get("config_path"), set_fields(params.get("params")), params.get("overrides")
+        ).run_name
     except Exception:  # noqa: BLE001 - a bad config fails the run itself, with its message
         return "train-and-evaluate"
 
 
 @flow(name="train-and-evaluate", flow_run_name=training_run_name, log_prints=True)
-def train_and_evaluate(params: PipelineParams | None = None, config_path: str | None = None,
-                       overrides: list[str] | None = None) -> dict:
+def train_and_evaluate(
+    params: PipelineParams | None = None, config_path: str | None = None, overrides: list[str] | None = None
+) -> dict:
     """Run the whole pipeline for one training run, or resume it (same ``run_name``); returns a summary.
 
     The flow owns the run directory while it runs (a second flow on it is refused, naming this
@@ -109,12 +112,24 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     a run whose training is already over (or happens elsewhere).
     """
     planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger))
-    loop_cfg = LoopConfig(poll_interval_s=cfg.poll_interval_s, slots=cfg.eval.slots,
-                          results_logged_by_evaluator=bool(cfg.eval.deployment), retention=cfg.storage.retention)
+    loop_cfg = LoopConfig(
+        poll_interval_s=cfg.poll_interval_s,
+        slots=cfg.eval.slots,
+        results_logged_by_evaluator=bool(cfg.eval.deployment),
+        retention=cfg.storage.retention,
+    )
     with warm_workers(cfg, run.evals) as workers:
         io = PrefectLoopIO(cfg, run, mlflow_run_id, planner.ledger, total_train_steps(run, cfg), workers)
-        ledger = FollowLoop(planner, Manifest(run.manifest), run.train_log, AlertEngine(cfg.alerts), io, loop_cfg,
-                            training, run_id=run.run_id).run()
+        ledger = FollowLoop(
+            planner,
+            Manifest(run.manifest),
+            run.train_log,
+            AlertEngine(cfg.alerts),
+            io,
+            loop_cfg,
+            training,
+            run_id=run.run_id,
+        ).run()
         io.set_progress(1.0)
     return ledger
 
@@ -137,11 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)
     minutes = (time.monotonic() - start) / 60
     curve = ", ".join(f"{s}:{v}" for s, v in summary["curve"])
-    print(f"\nDone in {minutes:.1f} min. Checkpoints: {summary['checkpoints']} "
-          f"(evaluated {summary['evaluated']}, skipped {summary['skipped']}, superseded {summary['superseded']}, failed {summary['failed']})")
+    print(
+        f"\nDone in {minutes:.1f} min. Checkpoints: {summary['checkpoints']} "
+        f"(evaluated {summary['evaluated']}, skipped {summary['skipped']}, "
+        f"superseded {summary['superseded']}, failed {summary['failed']})"
+    )
     print(f"Accuracy by step: {curve}")
     print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")
-    print(f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}   then open http://127.0.0.1:5000")
+    print(
+        f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}   then open http://127.0.0.1:5000"
+    )
     print(f"Run files: {summary['run_dir']}")
     return 0
 

@@ -40,16 +40,25 @@ def webhook_url(cfg: AlertsConfig) -> str | None:
 def notification_blocks(cfg: AlertsConfig) -> list:
     blocks = []
     if url := webhook_url(cfg):
-        blocks.append(CustomWebhookNotificationBlock(
-            name="areal-eval-alerts", url=url, json_data={"subject": "{{subject}}", "body": "{{body}}"},
-        ))
+        blocks.append(
+            CustomWebhookNotificationBlock(
+                name="areal-eval-alerts",
+                url=url,
+                json_data={"subject": "{{subject}}", "body": "{{body}}"},
+            )
+        )
     if cfg.notification_block:
         blocks.append(Block.load(cfg.notification_block))
     return blocks
 
 
-@task(cache_policy=NO_CACHE, name="send-alert", task_run_name="alert-{alert.rule}-step-{alert.step}",
-      retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1))
+@task(
+    cache_policy=NO_CACHE,
+    name="send-alert",
+    task_run_name="alert-{alert.rule}-step-{alert.step}",
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=1),
+)
 def send_alert(alert: Alert, pipeline_cfg, run_id: str, run: RunDir) -> None:
     """Logs the alert, stops training if asked, notifies unless throttled, records it in MLflow.
 

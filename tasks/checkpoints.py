@@ -20,22 +20,28 @@ from tasks.mlflow_logging import tracker_for
 def announce_checkpoint(event: CheckpointEvent, manifest: Path) -> None:
     """Emit ``areal.checkpoint.saved`` so automations and the UI see the durable checkpoint (an
     event, not a task run: the flow's task runs grow with evaluations, not with checkpoints)."""
-    emit_event(CHECKPOINT_SAVED, resource=checkpoint_resource(event, source="flow"), payload=event_payload(event, manifest))
+    emit_event(
+        CHECKPOINT_SAVED, resource=checkpoint_resource(event, source="flow"), payload=event_payload(event, manifest)
+    )
 
 
 @task(cache_policy=NO_CACHE, name="apply-retention")
-def apply_retention(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger,
-                    doomed: list[CheckpointEvent]) -> list[int]:
+def apply_retention(
+    cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, doomed: list[CheckpointEvent]
+) -> list[int]:
     """Delete the checkpoints retention let go (``retention.checkpoints_to_delete``) and record
     each as an MLflow tag ``deleted.<step>``; returns their steps."""
     store = open_store(cfg.storage.run_root(run.run_id), cfg.storage.s3)
     for event in doomed:
         store.delete(event.uri)
-    tracker_for(cfg).set_tags(mlflow_run_id, {
-        f"deleted.{e.global_step}": f"retention: {ledger.status(e.global_step)}, not among the last "
-                                    f"{cfg.storage.retention.keep_last} or best {cfg.storage.retention.keep_best}"
-        for e in doomed
-    })
+    tracker_for(cfg).set_tags(
+        mlflow_run_id,
+        {
+            f"deleted.{e.global_step}": f"retention: {ledger.status(e.global_step)}, not among the last "
+            f"{cfg.storage.retention.keep_last} or best {cfg.storage.retention.keep_best}"
+            for e in doomed
+        },
+    )
     return [e.global_step for e in doomed]
 
 

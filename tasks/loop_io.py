@@ -41,8 +41,15 @@ class TaskHandle:
 
 
 class PrefectLoopIO:
-    def __init__(self, cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, total_steps: int,
-                 workers: WarmWorkerGroups | None = None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        run: RunDir,
+        mlflow_run_id: str,
+        ledger: Ledger,
+        total_steps: int,
+        workers: WarmWorkerGroups | None = None,
+    ):
         self.cfg, self.run, self.mlflow_run_id, self.ledger = cfg, run, mlflow_run_id, ledger
         self.total_steps, self.workers = max(1, total_steps), workers
         self.logger = get_run_logger()
@@ -57,7 +64,7 @@ class PrefectLoopIO:
         return TaskHandle(submit_scoring(event, self.run.valid_data, self.cfg, self.run.evals, self.workers))
 
     def log_result(self, result: EvalResult, reason: str) -> None:
-        log_evaluation(self.cfg, self.mlflow_run_id, result, reason)
+        log_evaluation(self.cfg, self.mlflow_run_id, result, reason, (self.run, self.run.run_id))
         update_evaluation_table(self.cfg, self.run.run_id, self.ledger)
 
     def send_alert(self, alert: Alert) -> None:

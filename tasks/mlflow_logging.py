@@ -6,21 +6,23 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from areal_eval.alerts import recorded_config
 from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.evaluation.jobs import EvalResult
-from areal_eval.runs.directory import RunDir
+from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import Tracker, resolve_tracking_uri
+from areal_eval.tracking import BEST_ALIAS, Tracker, resolve_tracking_uri
 
 
 def tracker_for(cfg: PipelineConfig) -> Tracker:
     """One tracker per store and experiment in this process: it keeps what it has logged (the
     training watermark, the evaluated steps), so logging never rereads a run's history."""
-    return _tracker(resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment, cfg.tracking.artifact_location)
+    return _tracker(
+        resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment, cfg.tracking.artifact_location
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -32,8 +34,9 @@ def _tracker(tracking_uri: str, experiment: str, artifact_location: str | None) 
 def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str, reopen: bool = False) -> str:
     """The MLflow run of a training run (created once), with the whole config as params;
     ``reopen`` marks it RUNNING again (a resumed run)."""
-    return tracker_for(cfg).start_run(training_run_id, recorded_config(dataclasses.asdict(cfg)), tags={"areal.run_dir": run_dir},
-                                      reopen=reopen)
+    return tracker_for(cfg).start_run(
+        training_run_id, recorded_config(dataclasses.asdict(cfg)), tags={"areal.run_dir": run_dir}, reopen=reopen
+    )
 
 
 def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
@@ -42,18 +45,61 @@ def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
 
 
 @task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")
-def log_evaluation(cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str) -> bool:
-    """Metrics at ``step=global_step`` plus checkpoint tags; False if the step was already logged."""
+def log_evaluation(
+    cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str, recorded_in: tuple[RunDir, str] | None = None
+) -> bool:
+    """Metrics at ``step=global_step`` plus checkpoint tags; False if the step was already logged.
+    Given where the result is recorded (the run directory and training run id), the checkpoint is
+    also registered if it is the best."""
     step = result.global_step
-    return tracker_for(cfg).log_evaluation(
-        run_id, step, result.metrics,
+    tracker = tracker_for(cfg)
+    logged = tracker.log_evaluation(
+        run_id,
+        step,
+        result.metrics,
         tags={f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason, "last_evaluated_step": step},
     )
+    if recorded_in is not None and cfg.tracking.registered_model:
+        register_best(cfg, tracker, run_id, *recorded_in, result)
+    return logged
+
+
+def register_best(
+    cfg: PipelineConfig, tracker: Tracker, run_id: str, run: RunDir, training_run_id: str, result: EvalResult
+) -> None:
+    """Move the registered model's ``best`` alias to this checkpoint if it beats the best so far.
+    Flow runs of one run take turns (a lock in the run directory); a refusal is logged, never
+    raised: the result is in MLflow already."""
+    name = cfg.tracking.registered_model.format(run_id=training_run_id)
+    try:
+        with file_lock(run.registry_lock):
+            version = tracker.register_if_best(
+                name,
+                run_id,
+                result.global_step,
+                result.uri,
+                result.metrics,
+                cfg.scheduler.metric,
+                cfg.scheduler.higher_is_better,
+            )
+    except Exception as exc:  # noqa: BLE001 - e.g. an MLflow server that refuses a local path as source
+        get_run_logger().warning("step %d: not registered in model %r: %s", result.global_step, name, exc)
+        return
+    if version is not None:
+        get_run_logger().info(
+            "step %d: the best so far: model %r version %s (alias %r)", result.global_step, name, version, BEST_ALIAS
+        )
 
 
 @task(cache_policy=NO_CACHE, name="finish-tracking")
-def finish_tracking(cfg: PipelineConfig, run_id: str, ledger: Ledger, plot: Path, status: str | None = "FINISHED",
-                    failure: str | None = None) -> None:
+def finish_tracking(
+    cfg: PipelineConfig,
+    run_id: str,
+    ledger: Ledger,
+    plot: Path,
+    status: str | None = "FINISHED",
+    failure: str | None = None,
+) -> None:
     """Scheduler decisions and the curve plot as artifacts, counts as tags, the run ended with
     ``status`` (and ``failure`` as the tag ``areal.failure``); ``status`` None refreshes them on
     a run that already ended."""

@@ -24,10 +24,16 @@ def artifact_key(kind: str, run_id: str) -> str:
 
 def update_evaluation_table(cfg: PipelineConfig, run_id: str, ledger: Ledger) -> None:
     """The run's evaluations so far, one row each, as one artifact that each result updates."""
-    rows = [{"step": e.step, **{k: round(v, 6) for k, v in sorted(e.metrics.items())}, "decision": e.reason}
-            for e in ledger.entries() if e.status == "evaluated"]
-    create_table_artifact(key=artifact_key("evaluations", run_id), table=rows,
-                          description=f"Evaluations of {run_id} ({cfg.scheduler.metric} and the rest, by step)")
+    rows = [
+        {"step": e.step, **{k: round(v, 6) for k, v in sorted(e.metrics.items())}, "decision": e.reason}
+        for e in ledger.entries()
+        if e.status == "evaluated"
+    ]
+    create_table_artifact(
+        key=artifact_key("evaluations", run_id),
+        table=rows,
+        description=f"Evaluations of {run_id} ({cfg.scheduler.metric} and the rest, by step)",
+    )
 
 
 def summarize(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:
@@ -51,9 +57,11 @@ def summarize(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str,
     create_markdown_artifact(
         key=artifact_key("summary", run_id),
         description=f"Summary of {run_id}",
-        markdown=(f"# {run_id}\n\nMLflow run: [{mlflow_run_id}]({url}) (tracking URI `{tracking_uri}`)\n\n"
-                  f"| checkpoints | {summary['checkpoints']} |\n|---|---|\n{counts_table}\n\n"
-                  f"![evaluation curve](data:image/png;base64,{image})\n\n"
-                  f"| step | {cfg.scheduler.metric} |\n|---|---|\n{curve_table}\n"),
+        markdown=(
+            f"# {run_id}\n\nMLflow run: [{mlflow_run_id}]({url}) (tracking URI `{tracking_uri}`)\n\n"
+            f"| checkpoints | {summary['checkpoints']} |\n|---|---|\n{counts_table}\n\n"
+            f"![evaluation curve](data:image/png;base64,{image})\n\n"
+            f"| step | {cfg.scheduler.metric} |\n|---|---|\n{curve_table}\n"
+        ),
     )
     return summary

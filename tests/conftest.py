@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+from areal_eval.launcher import stay_offline
+
+stay_offline()
 
 TINY = {
     "data": {"synthetic": {"train_pairs": 256, "valid_pairs": 101}},
@@ -28,7 +28,9 @@ def tiny_config(tmp_path: Path, **sections):
     from areal_eval.config.parsing import merge
     from areal_eval.config.pipeline import load_pipeline_config
 
-    params = merge(TINY, {"work_dir": str(tmp_path), "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}})
+    params = merge(
+        TINY, {"work_dir": str(tmp_path), "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
+    )
     return load_pipeline_config(params=merge(params, sections))
 
 

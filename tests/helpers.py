@@ -50,3 +50,16 @@ class TinyModel(torch.nn.Module):
 class NoTokenizer:
     def save_pretrained(self, path):
         (Path(path) / "tokenizer.json").write_text("{}")
+
+
+def assert_best_is_registered(tracker, name, mlflow_run_id, ledger, metric="accuracy"):
+    """The registered model's ``best`` alias is on the best evaluated checkpoint (the earliest of
+    ties: a tie does not move it), sourced from its URI, with its step and metrics as tags."""
+    evaluated = [e for e in ledger.entries() if e.status == "evaluated"]
+    best = max(evaluated, key=lambda e: (e.metrics[metric], -e.step))
+    version = tracker.client.get_model_version_by_alias(name, "best")
+    assert (version.source, version.run_id, version.tags["global_step"]) == (best.uri, mlflow_run_id, str(best.step))
+    assert float(version.tags[f"eval/{metric}"]) == best.metrics[metric]
+    versions = tracker.client.search_model_versions(f"name='{name}'")
+    values = [float(v.tags[f"eval/{metric}"]) for v in sorted(versions, key=lambda v: int(v.version))]
+    assert values == sorted(values) and len(set(values)) == len(values)  # each version beat the last

@@ -58,8 +58,13 @@ def prefect_server(home: Path, worker_query_s: float | None = None) -> Iterator[
         **({"PREFECT_WORKER_QUERY_SECONDS": str(worker_query_s)} if worker_query_s else {}),
     }
     log = (home / "server.log").open("w")
-    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     workers: list[subprocess.Popen] = []
     try:
         deadline = time.monotonic() + 120
@@ -69,17 +74,25 @@ def prefect_server(home: Path, worker_query_s: float | None = None) -> Iterator[
                 break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}"
+                    ) from None
                 time.sleep(0.5)
         for pool in ("areal-train", "areal-eval"):  # pools first: a worker started first makes its own
             cli(env, "work-pool", "create", pool, "--type", "process")
         cli(env, "gcl", "create", "gpu:0", "--limit", "1")
         cli(env, "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all")
         for pool in ("areal-train", "areal-eval"):
-            workers.append(subprocess.Popen(
-                [PREFECT, "worker", "start", "--pool", pool], cwd=REPO, env=env, start_new_session=True,
-                stdout=(home / f"worker-{pool}.log").open("w"), stderr=subprocess.STDOUT,
-            ))
+            workers.append(
+                subprocess.Popen(
+                    [PREFECT, "worker", "start", "--pool", pool],
+                    cwd=REPO,
+                    env=env,
+                    start_new_session=True,
+                    stdout=(home / f"worker-{pool}.log").open("w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
         yield env
     finally:
         for p in workers + [proc]:

@@ -33,7 +33,8 @@ class MotoServer:
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
         while True:
@@ -42,7 +43,7 @@ class MotoServer:
                 return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start (see {log_path})")
+                    raise RuntimeError(f"moto server did not start (see {log_path})") from None
                 time.sleep(0.2)
 
     def stop(self) -> None:
@@ -61,13 +62,20 @@ FAULT_REPLIES = {
 
 
 class FaultProxy:
-    """Forwards HTTP to ``upstream``; every ``every``-th request whose method is in ``methods``
-    (and whose path contains ``match``) gets the next fault of ``kinds`` ("503" SlowDown, "500" InternalError, "reset": the connection
-    is reset without a reply, "stall": no reply for a minute, then a reset), until ``limit``
-    faults have been injected."""
+    """Forwards HTTP to ``upstream``; every ``every``-th request whose method is in ``methods`` (and
+    whose path contains ``match``) gets the next fault of ``kinds`` ("503" SlowDown, "500"
+    InternalError, "reset": the connection is reset without a reply, "stall": no reply for a minute,
+    then a reset), until ``limit`` faults have been injected."""
 
-    def __init__(self, upstream: str, kinds=("503", "500", "reset"), every: int = 3, limit: int = 0,
-                 methods=("PUT", "POST", "GET", "HEAD"), match: str = ""):
+    def __init__(
+        self,
+        upstream: str,
+        kinds=("503", "500", "reset"),
+        every: int = 3,
+        limit: int = 0,
+        methods=("PUT", "POST", "GET", "HEAD"),
+        match: str = "",
+    ):
         self.upstream = upstream.removeprefix("http://")
         self.every, self.limit, self.methods, self.match = every, limit, set(methods), match
         self._kinds = itertools.cycle(kinds)
@@ -82,7 +90,7 @@ class FaultProxy:
             def _body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
                     chunks = []
-                    while (size := int(self.rfile.readline().split(b";")[0], 16)):
+                    while size := int(self.rfile.readline().split(b";")[0], 16):
                         chunks.append(self.rfile.read(size))
                         self.rfile.readline()
                     while self.rfile.readline() not in (b"\r\n", b""):
@@ -110,17 +118,26 @@ class FaultProxy:
                     self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=120)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length")}
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length")
+                }
                 headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None,
-                             headers=headers)
+                conn.request(
+                    self.command,
+                    self.path,
+                    body=body if body or self.command in ("PUT", "POST") else None,
+                    headers=headers,
+                )
                 reply = conn.getresponse()
                 data = reply.read()
                 self.send_response(reply.status)
                 for key, value in reply.getheaders():
                     if key.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                         self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)) if self.command != "HEAD" else reply.getheader("Content-Length", "0"))
+                self.send_header(
+                    "Content-Length",
+                    str(len(data)) if self.command != "HEAD" else reply.getheader("Content-Length", "0"),
+                )
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

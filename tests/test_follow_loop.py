@@ -45,7 +45,9 @@ class ReversingIO:
                 if step in self.fail_steps:
                     future.set_exception(EvaluationFailed(f"step {step}: worker died"))
                 else:
-                    future.set_result(EvalResult(step, f"/c/{step}", {"accuracy": accuracy_at(step), "accuracy_stderr": 0.01}, 0.0))
+                    future.set_result(
+                        EvalResult(step, f"/c/{step}", {"accuracy": accuracy_at(step), "accuracy_stderr": 0.01}, 0.0)
+                    )
             time.sleep(0.005)
 
     def announce(self, event):
@@ -84,19 +86,27 @@ def write_run(tmp_path, steps):
     for step in steps:
         manifest.append(CheckpointEvent("r", f"/c/{step}", 0, step, step, time.time(), {}, final=step == steps[-1]))
     train_log = tmp_path / "train_log.jsonl"
-    train_log.write_text("".join(json.dumps({"step": s, "loss": 1.0 / (s + 1)}) + "\n" for s in range(1, steps[-1] + 1)))
+    train_log.write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0 / (s + 1)}) + "\n" for s in range(1, steps[-1] + 1))
+    )
     return manifest, train_log
 
 
-def run_loop(tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=AlertsConfig(), delivery_timeout_s=60.0):
+def run_loop(tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=None, delivery_timeout_s=60.0):
+    alerts = alerts or AlertsConfig()
     if not (tmp_path / "manifest.jsonl").exists():
         write_run(tmp_path, list(steps))
     manifest, train_log = Manifest(tmp_path / "manifest.jsonl"), tmp_path / "train_log.jsonl"
     cfg = SchedulerConfig(policy="fixed", fixed_interval_steps=1, coalesce=False)
     planner = EvaluationPlanner(cfg, Ledger(tmp_path / "ledger.jsonl"))
-    loop = FollowLoop(planner, manifest, train_log, AlertEngine(alerts), io,
-                      LoopConfig(poll_interval_s=0.01, train_log_every_s=0.0, slots=slots,
-                                 delivery_timeout_s=delivery_timeout_s))
+    loop = FollowLoop(
+        planner,
+        manifest,
+        train_log,
+        AlertEngine(alerts),
+        io,
+        LoopConfig(poll_interval_s=0.01, train_log_every_s=0.0, slots=slots, delivery_timeout_s=delivery_timeout_s),
+    )
     try:
         return loop.run()
     finally:

@@ -39,9 +39,16 @@ def test_template_is_an_indexed_gpu_job_with_valid_fields(prefect_server):
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
     assert spec["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}  # done when the flow's pod is
     [container] = pod["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4 == container["resources"]["requests"]["nvidia.com/gpu"]
-    assert container["args"] == ["prefect", "flow-run", "execute"] and container["image"] == "registry.local/areal-eval:1"
-    assert pod["subdomain"] == "areal-eval-nodes" and job["spec"]["template"]["metadata"]["labels"]["areal-eval/role"] == "eval-node"
+    assert (
+        container["resources"]["limits"]["nvidia.com/gpu"] == 4 == container["resources"]["requests"]["nvidia.com/gpu"]
+    )
+    assert (
+        container["args"] == ["prefect", "flow-run", "execute"] and container["image"] == "registry.local/areal-eval:1"
+    )
+    assert (
+        pod["subdomain"] == "areal-eval-nodes"
+        and job["spec"]["template"]["metadata"]["labels"]["areal-eval/role"] == "eval-node"
+    )
     assert "AREAL_EVAL_NNODES=3 AREAL_EVAL_NPROC_PER_NODE=4" in container["command"][2]
 
     # Field names are Kubernetes' own: a round trip through the API models keeps everything
@@ -58,7 +65,9 @@ def test_template_is_an_indexed_gpu_job_with_valid_fields(prefect_server):
         async with ApiClient() as api:
             return api.sanitize_for_serialization(api.deserialize(Response(), "V1Job"))
 
-    assert asyncio.run(through_models()) == json.loads(json.dumps(expected).replace('"nvidia.com/gpu": 4', '"nvidia.com/gpu": "4"'))
+    assert asyncio.run(through_models()) == json.loads(
+        json.dumps(expected).replace('"nvidia.com/gpu": 4', '"nvidia.com/gpu": "4"')
+    )
 
 
 @pytest.mark.integration
@@ -69,20 +78,33 @@ def test_pod_command_runs_torchrun_across_two_nodes(prefect_server, trained_run,
     job = render({"nnodes": 2, "gpus_per_node": 1, "master_port": port, "cache_dir": str(tmp_path / "cache")})
     container = job["spec"]["template"]["spec"]["containers"][0]
     flow_side = tmp_path / "flow_run.py"  # stands in for `prefect flow-run execute` on pod 0
-    flow_side.write_text(textwrap.dedent(f"""
+    flow_side.write_text(
+        textwrap.dedent(f"""
         import json
         from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
         from areal_eval.checkpoints.manifest import Manifest
         event = Manifest({str(run.manifest)!r}).find({event.global_step})
-        result = run_evaluation_job(event, {str(run.valid_data)!r}, EvalConfig(nproc=1, batch_size=16), {str(tmp_path / "evals")!r})
+        cfg = EvalConfig(nproc=1, batch_size=16)
+        result = run_evaluation_job(event, {str(run.valid_data)!r}, cfg, {str(tmp_path / "evals")!r})
         print("RESULT", json.dumps(result.metrics))
-    """))
-    env = {**os.environ, "JOB_NAME": "eval-run-x7k2p", "AREAL_EVAL_MASTER_ADDR": "127.0.0.1",  # no cluster DNS here
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(Path.cwd())}
+    """)
+    )
+    env = {
+        **os.environ,
+        "JOB_NAME": "eval-run-x7k2p",
+        "AREAL_EVAL_MASTER_ADDR": "127.0.0.1",  # no cluster DNS here
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(Path.cwd()),
+    }
     pods, logs = {}, {i: tmp_path / f"pod-{i}.log" for i in (0, 1)}
     for index, args in ((1, container["args"]), (0, [sys.executable, str(flow_side)])):
-        pods[index] = subprocess.Popen([*container["command"], *args], env={**env, "JOB_COMPLETION_INDEX": str(index)},
-                                       stdout=logs[index].open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        pods[index] = subprocess.Popen(
+            [*container["command"], *args],
+            env={**env, "JOB_COMPLETION_INDEX": str(index)},
+            stdout=logs[index].open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         pods[0].wait(timeout=180)
         deadline = time.monotonic() + 60  # node 1's agent reports its job's end just after node 0's

@@ -7,7 +7,11 @@ def test_lower_priority_reaches_the_scheduler():
     # Run in a new session as the launcher does: with autogroup on, the group's nice is what counts.
     out = subprocess.run(
         ["sh", "-c", "nice; cat /proc/self/autogroup 2>/dev/null || true"],
-        start_new_session=True, preexec_fn=lambda: lower_priority(7), capture_output=True, text=True, check=True,
+        start_new_session=True,
+        preexec_fn=lambda: lower_priority(7),
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split("\n")
     assert out[0] == "7"
     if out[1]:
@@ -32,12 +36,22 @@ def test_node_layout_from_the_pool_environment(monkeypatch):
     from areal_eval.launcher import NodeLayout, torchrun_command
 
     assert NodeLayout.from_env() == NodeLayout() and "--standalone" in torchrun_command("m", [], 2)
-    for key, value in {"NNODES": "4", "NODE_RANK": "2", "MASTER_ADDR": "job-0.areal-eval-rdzv", "MASTER_PORT": "29400"}.items():
+    for key, value in {
+        "NNODES": "4",
+        "NODE_RANK": "2",
+        "MASTER_ADDR": "job-0.areal-eval-rdzv",
+        "MASTER_PORT": "29400",
+    }.items():
         monkeypatch.setenv(f"AREAL_EVAL_{key}", value)
     command = torchrun_command("areal_eval.evaluation.worker", ["--follow"], 8, NodeLayout.from_env())
     assert "--standalone" not in command
-    assert {"--nnodes=4", "--node-rank=2", "--master-addr=job-0.areal-eval-rdzv", "--master-port=29400",
-            "--nproc-per-node=8"} <= set(command)
+    assert {
+        "--nnodes=4",
+        "--node-rank=2",
+        "--master-addr=job-0.areal-eval-rdzv",
+        "--master-port=29400",
+        "--nproc-per-node=8",
+    } <= set(command)
 
 
 def test_jobs_get_the_heap_settings_unless_the_caller_set_them(tmp_path, monkeypatch):

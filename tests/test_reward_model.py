@@ -31,8 +31,12 @@ def test_right_padding_does_not_change_scores(tokenizer):
     model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer).eval()
     short = {"chosen": "kind words", "rejected": "rude"}
     long = {"chosen": "kind words here there hello", "rejected": "rude wrong answer here there"}
-    alone = reward_model.pair_scores(model, reward_model.collate_pairs(reward_model.tokenize_pairs(tokenizer, [short], 64), 0))
-    padded = reward_model.pair_scores(model, reward_model.collate_pairs(reward_model.tokenize_pairs(tokenizer, [short, long], 64), 0))
+    alone = reward_model.pair_scores(
+        model, reward_model.collate_pairs(reward_model.tokenize_pairs(tokenizer, [short], 64), 0)
+    )
+    padded = reward_model.pair_scores(
+        model, reward_model.collate_pairs(reward_model.tokenize_pairs(tokenizer, [short, long], 64), 0)
+    )
     assert torch.allclose(alone[0], padded[0][:1], atol=1e-5)
 
 
@@ -75,7 +79,9 @@ def test_tokenizer_trained_locally_covers_the_synthetic_vocabulary(tmp_path):
     SyntheticPreferences(SyntheticPreferences.Config(train_pairs=50, valid_pairs=3)).generate(tmp_path)
     from areal_eval.preference_data import read_pairs
 
-    tok = reward_model.train_tokenizer(SyntheticPreferences.corpus(read_pairs(tmp_path / "train.jsonl")), tmp_path / "tok")
+    tok = reward_model.train_tokenizer(
+        SyntheticPreferences.corpus(read_pairs(tmp_path / "train.jsonl")), tmp_path / "tok"
+    )
     ids = tok("tell me about the garden please", add_special_tokens=False)["input_ids"]
     assert tok.unk_token_id not in ids
 

@@ -89,3 +89,30 @@ def test_plot_marks_evaluated_and_skipped(tmp_path):
     ]
     out = plot_curve(entries, "accuracy", tmp_path / "curve.png", "run")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_the_best_checkpoint_is_registered_and_the_alias_follows_improvements(tracker):
+    run_id = tracker.start_run("demo-1", {})
+    name = "areal-eval-demo-1"
+    accuracy = {0: 0.55, 4: 0.71, 8: 0.68, 12: 0.74, 16: 0.74}
+    registered = {
+        s: tracker.register_if_best(
+            name, run_id, s, f"/ckpt/global_step_{s}", {"accuracy": a, "n_pairs": 101}, "accuracy", True
+        )
+        for s, a in accuracy.items()
+    }
+    assert registered == {0: "1", 4: "2", 8: None, 12: "3", 16: None}  # a tie does not move it
+    best = tracker.client.get_model_version_by_alias(name, "best")
+    assert (str(best.version), best.source, best.run_id) == ("3", "/ckpt/global_step_12", run_id)
+    assert best.tags["global_step"] == "12" and float(best.tags["eval/accuracy"]) == 0.74
+    assert best.tags["eval/n_pairs"] == "101.0" and best.tags["metric"] == "accuracy"
+    assert (
+        tracker.register_if_best(name, run_id, 12, "/ckpt/global_step_12", {"accuracy": 0.74}, "accuracy", True) is None
+    )
+    assert tracker.register_if_best(name, run_id, 20, "/c", {"accuracy": float("nan")}, "accuracy", True) is None
+    # Lower is better: the direction comes from the monitored metric.
+    losses = [
+        tracker.register_if_best("loss-model", run_id, s, f"/c{s}", {"loss": v}, "loss", False)
+        for s, v in ((0, 0.9), (4, 0.95), (8, 0.5))
+    ]
+    assert losses == ["1", None, "2"]

@@ -32,7 +32,7 @@ def test_training_publishes_durable_checkpoints(trained_run):
 
 def test_training_log_has_loss_at_global_steps(trained_run):
     _, run = trained_run
-    rows = [json.loads(l) for l in run.train_log.read_text().splitlines()]
+    rows = [json.loads(line) for line in run.train_log.read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6, 8, 10, 12]
     done = rows[-1]
     assert done["done"] and done["blocked_s"] < done["train_s"]

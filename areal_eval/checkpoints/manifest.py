@@ -14,10 +14,16 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
+from areal_eval import jsonl
+
 log = logging.getLogger(__name__)
+
+
+def checkpoint_name(global_step: int) -> str:
+    """The directory name of the checkpoint at ``global_step`` (sorts by step)."""
+    return f"global_step_{global_step:08d}"
 
 
 class CheckpointError(RuntimeError):
@@ -64,20 +70,6 @@ class CheckpointEvent:
         return data
 
 
-def _last_byte(path: Path) -> bytes:
-    with path.open("rb") as fh:
-        fh.seek(-1, os.SEEK_END)
-        return fh.read(1)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclasses.dataclass
 class ManifestChunk:
     """What one read of the manifest found."""
@@ -98,16 +90,7 @@ class Manifest:
         self.path = Path(path)
 
     def append(self, event: CheckpointEvent) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.path.exists()
-        with self.path.open("ab") as fh:
-            torn = fh.tell() > 0 and _last_byte(self.path) != b"\n"
-            # After a writer crashed mid-line, start a fresh line: the torn one stays skippable.
-            fh.write((b"\n" if torn else b"") + event.to_json().encode() + b"\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        if new:
-            _fsync_dir(self.path.parent)
+        jsonl.append(self.path, event.to_json())
 
     def read(self, offset: int = 0, line: int = 1, run_id: str | None = None) -> ManifestChunk:
         """Complete lines after byte ``offset`` (line number ``line``).
@@ -115,28 +98,22 @@ class Manifest:
         A line still being written (no newline yet) is left for the next call. A line that is not
         an entry, or whose ``run_id`` is not ``run_id`` (when given), is skipped and reported.
         """
-        if not self.path.exists():
-            return ManifestChunk([], offset, line, [])
-        with self.path.open("rb") as fh:
-            fh.seek(offset)
-            data = fh.read()
-        end = data.rfind(b"\n") + 1
+        chunk = jsonl.read_complete(self.path, offset, line)
         events, problems = [], []
-        lines = data[:end].split(b"\n")[:-1]
-        for lineno, raw in enumerate(lines, start=line):
-            if not raw.strip():
-                continue
+        for lineno, raw in chunk.lines:
             try:
                 event = CheckpointEvent.from_dict(json.loads(raw))
             except (ValueError, TypeError) as exc:
                 problems.append(f"{self.path}:{lineno}: not a manifest entry, skipped (torn or corrupt line): {exc}")
                 continue
             if run_id is not None and event.run_id != run_id:
-                problems.append(f"{self.path}:{lineno}: entry for run {event.run_id!r}, not this run's {run_id!r}: "
-                                f"step {event.global_step} rejected")
+                problems.append(
+                    f"{self.path}:{lineno}: entry for run {event.run_id!r}, not this run's {run_id!r}: "
+                    f"step {event.global_step} rejected"
+                )
                 continue
             events.append(event)
-        return ManifestChunk(events, offset + end, line + len(lines), problems)
+        return ManifestChunk(events, chunk.offset, chunk.line, problems)
 
     def events(self) -> list[CheckpointEvent]:
         """Every entry, in order; lines that are not entries are skipped with a logged warning."""

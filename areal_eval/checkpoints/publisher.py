@@ -8,8 +8,8 @@ Call it after the checkpoint's files are written. It records sizes and sha256, u
 verifies the files when ``store`` is an ``s3://`` prefix, appends the checkpoint to the manifest
 (the durable log; mirrored beside the checkpoints on S3), then posts an
 ``areal.checkpoint.saved`` event to the Prefect API at ``$PREFECT_API_URL`` if one is set.
-Plain HTTP: the training process needs no Prefect client and starts no temporary server. A deployment trigger on that event starts
-``evaluate-checkpoint``.
+Plain HTTP: the training process needs no Prefect client and starts no temporary server. A
+deployment trigger on that event starts ``evaluate-checkpoint``.
 """
 
 from __future__ import annotations
@@ -46,16 +46,20 @@ def event_payload(event: CheckpointEvent, manifest: str | Path) -> dict:
 
 def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float = 10.0) -> None:
     """POST one ``areal.checkpoint.saved`` event to a Prefect API (``.../api``)."""
-    body = [{
-        "id": str(uuid.uuid4()),
-        "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "event": CHECKPOINT_SAVED,
-        "resource": checkpoint_resource(event),
-        "related": [],
-        "payload": event_payload(event, manifest),
-    }]
+    body = [
+        {
+            "id": str(uuid.uuid4()),
+            "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "event": CHECKPOINT_SAVED,
+            "resource": checkpoint_resource(event),
+            "related": [],
+            "payload": event_payload(event, manifest),
+        }
+    ]
     request = urllib.request.Request(
-        api_url.rstrip("/") + "/events", data=json.dumps(body).encode(), method="POST",
+        api_url.rstrip("/") + "/events",
+        data=json.dumps(body).encode(),
+        method="POST",
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -93,8 +97,15 @@ def publish_checkpoint(
     root = StorageConfig(checkpoint_uri=store).run_root(run_id)
     checkpoint_store = open_store(root, s3)
     event = CheckpointEvent(
-        run_id=run_id, uri=checkpoint_store.publish(directory, files), epoch=epoch, epoch_step=epoch_step,
-        global_step=global_step, wall_time=time.time(), train_metrics=dict(train_metrics or {}), files=files, final=final,
+        run_id=run_id,
+        uri=checkpoint_store.publish(directory, files),
+        epoch=epoch,
+        epoch_step=epoch_step,
+        global_step=global_step,
+        wall_time=time.time(),
+        train_metrics=dict(train_metrics or {}),
+        files=files,
+        final=final,
         valid_data=str(Path(valid_data).resolve()) if valid_data else None,
     )
     Manifest(manifest).append(event)

@@ -46,15 +46,20 @@ def checkpoints_to_delete(
         return []
     by_step = {c.global_step: c for c in checkpoints}
     steps = sorted(by_step)
-    keep = set(steps[-cfg.keep_last:])
-    scored = [(e.metrics[metric], step) for step, e in ledger.items()
-              if e.status == "evaluated" and isinstance(e.metrics.get(metric), (int, float))]
+    keep = set(steps[-cfg.keep_last :])
+    scored = [
+        (e.metrics[metric], step)
+        for step, e in ledger.items()
+        if e.status == "evaluated" and isinstance(e.metrics.get(metric), (int, float))
+    ]
     scored.sort(reverse=higher_is_better)
     best = {step for _, step in scored[: max(1, cfg.keep_best)]}
     keep |= {step for _, step in scored[: cfg.keep_best]}
     for i, step in enumerate(steps):  # refinement candidates
         if step in best:
-            keep |= {s for s in steps[max(0, i - 1): i + 2] if s in ledger and ledger[s].status in ("skipped", "superseded")}
+            keep |= {
+                s for s in steps[max(0, i - 1) : i + 2] if s in ledger and ledger[s].status in ("skipped", "superseded")
+            }
     keep |= {s for s in steps if s not in ledger or ledger[s].status not in FINAL_STATES}
     keep |= {s for s in steps if by_step[s].final}
     return [by_step[s] for s in steps if s not in keep and s not in deleted]

@@ -18,12 +18,8 @@ from pathlib import Path
 
 import torch
 
-from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, describe_files
+from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name, describe_files
 from areal_eval.checkpoints.store import LocalStore
-
-
-def checkpoint_name(global_step: int) -> str:
-    return f"global_step_{global_step:08d}"
 
 
 def save_clean_tokenizer(tokenizer, directory: Path) -> None:
@@ -115,8 +111,15 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def save(self, epoch: int, epoch_step: int, global_step: int, train_metrics: dict, final: bool = False,
-             resume_state: dict | None = None) -> None:
+    def save(
+        self,
+        epoch: int,
+        epoch_step: int,
+        global_step: int,
+        train_metrics: dict,
+        final: bool = False,
+        resume_state: dict | None = None,
+    ) -> None:
         if self._error:
             raise CheckpointError(f"an earlier checkpoint write failed: {self._error}") from self._error
         start = time.perf_counter()

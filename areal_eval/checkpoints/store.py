@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
@@ -69,8 +68,10 @@ class StorageConfig:
 
     def __post_init__(self):
         if self.checkpoint_uri is not None and not is_s3(self.checkpoint_uri):
-            raise ValueError(f"storage.checkpoint_uri: {self.checkpoint_uri!r} is not s3://bucket/prefix "
-                             "(leave it unset to keep checkpoints in the run directory)")
+            raise ValueError(
+                f"storage.checkpoint_uri: {self.checkpoint_uri!r} is not s3://bucket/prefix "
+                "(leave it unset to keep checkpoints in the run directory)"
+            )
         if self.checkpoint_uri is not None:
             split_s3_uri(self.checkpoint_uri)
 
@@ -87,7 +88,7 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> (``bucket``, ``a/b``); keys that leave their prefix are refused."""
     if not is_s3(uri):
         raise ValueError(f"{uri}: not an s3:// URI")
-    bucket, _, key = uri[len(S3_SCHEME):].partition("/")
+    bucket, _, key = uri[len(S3_SCHEME) :].partition("/")
     if not bucket:
         raise ValueError(f"{uri}: no bucket in the URI")
     key = key.strip("/")
@@ -145,14 +146,21 @@ class S3Store:
         self.keep_local_copy = keep_local_copy
         self.bucket, self.prefix = split_s3_uri(self.root)
         self.client = boto3.client(
-            "s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region_name,
-            config=Config(retries={"max_attempts": cfg.max_attempts, "mode": cfg.retry_mode},
-                          connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
-                          max_pool_connections=max(10, cfg.max_concurrency)),
+            "s3",
+            endpoint_url=cfg.endpoint_url,
+            region_name=cfg.region_name,
+            config=Config(
+                retries={"max_attempts": cfg.max_attempts, "mode": cfg.retry_mode},
+                connect_timeout=cfg.connect_timeout_s,
+                read_timeout=cfg.read_timeout_s,
+                max_pool_connections=max(10, cfg.max_concurrency),
+            ),
         )
         self.transfer_config = TransferConfig(
-            multipart_threshold=cfg.multipart_threshold_mb << 20, multipart_chunksize=cfg.multipart_chunksize_mb << 20,
-            max_concurrency=cfg.max_concurrency, use_threads=True,
+            multipart_threshold=cfg.multipart_threshold_mb << 20,
+            multipart_chunksize=cfg.multipart_chunksize_mb << 20,
+            max_concurrency=cfg.max_concurrency,
+            use_threads=True,
         )
 
     def _key(self, *parts: str) -> str:
@@ -168,8 +176,12 @@ class S3Store:
         staged_dir = Path(staged_dir)
         with create_transfer_manager(self.client, self.transfer_config) as manager:
             futures = [
-                manager.upload(str(staged_dir / f.name), self.bucket, self._key(staged_dir.name, f.name),
-                               extra_args={"Metadata": {SHA256_METADATA: f.sha256}})
+                manager.upload(
+                    str(staged_dir / f.name),
+                    self.bucket,
+                    self._key(staged_dir.name, f.name),
+                    extra_args={"Metadata": {SHA256_METADATA: f.sha256}},
+                )
                 for f in files
             ]
             for future in futures:
@@ -180,7 +192,8 @@ class S3Store:
             if head["ContentLength"] != entry.size or head.get("Metadata", {}).get(SHA256_METADATA) != entry.sha256:
                 raise CheckpointError(
                     f"{self._uri(key)}: uploaded object has size {head['ContentLength']} and sha256 "
-                    f"{head.get('Metadata', {}).get(SHA256_METADATA)}, recorded {entry.size} / {entry.sha256}")
+                    f"{head.get('Metadata', {}).get(SHA256_METADATA)}, recorded {entry.size} / {entry.sha256}"
+                )
         if not self.keep_local_copy:
             shutil.rmtree(staged_dir, ignore_errors=True)
         return self._uri(self._key(staged_dir.name))
@@ -206,8 +219,10 @@ class S3Store:
         partial.mkdir(parents=True)
         try:
             with create_transfer_manager(self.client, self.transfer_config) as manager:
-                futures = [(f, manager.download(bucket, f"{key}/{safe_relative_key(f.name, uri)}", str(partial / f.name)))
-                           for f in files]
+                futures = [
+                    (f, manager.download(bucket, f"{key}/{safe_relative_key(f.name, uri)}", str(partial / f.name)))
+                    for f in files
+                ]
                 for entry, future in futures:
                     try:
                         future.result()
@@ -240,7 +255,7 @@ class S3Store:
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=(self.prefix + "/") if self.prefix else ""):
             for obj in page.get("Contents", []):
-                relative = obj["Key"][len(self.prefix) + 1 if self.prefix else 0:]
+                relative = obj["Key"][len(self.prefix) + 1 if self.prefix else 0 :]
                 if relative.endswith("/manifest.jsonl") and relative.count("/") == 1:
                     found.append(safe_relative_key(relative.split("/")[0], self.root))
                 elif relative == "manifest.jsonl":
@@ -280,7 +295,3 @@ def localize_manifest(manifest: str, s3: S3Config, work_dir: str | Path) -> Path
 RUN_RECORD_FILES = ("ledger.jsonl", "evaluation_state.json")
 """What a flow that owned an S3 run mirrors beside its manifest when it ends, so a sweep on
 another machine knows its decisions. A local record, once there, is the one that counts."""
-
-
-def s3_config_json(cfg: S3Config) -> str:
-    return json.dumps(dataclasses.asdict(cfg))

@@ -74,13 +74,22 @@ class PipelineConfig:
             raise FieldError("eval.evaluator", f"{self.eval.evaluator!r} cannot be loaded: {exc}") from exc
         if produced is None:
             return
-        watched = [("scheduler.metric", self.scheduler.metric), ("scheduler.stderr_metric", self.scheduler.stderr_metric)]
-        watched += [(f"alerts.rules[{i}].metric", r.metric) for i, r in enumerate(self.alerts.rules)
-                    if r.kind in ("threshold", "regression")]
+        watched = [
+            ("scheduler.metric", self.scheduler.metric),
+            ("scheduler.stderr_metric", self.scheduler.stderr_metric),
+        ]
+        watched += [
+            (f"alerts.rules[{i}].metric", r.metric)
+            for i, r in enumerate(self.alerts.rules)
+            if r.kind in ("threshold", "regression")
+        ]
         for field, metric in watched:
             if metric is not None and metric not in produced:
-                raise FieldError(field, f"{metric!r} is not a metric of evaluator {self.eval.evaluator!r} "
-                                        f"(it produces {', '.join(produced)})")
+                raise FieldError(
+                    field,
+                    f"{metric!r} is not a metric of evaluator {self.eval.evaluator!r} "
+                    f"(it produces {', '.join(produced)})",
+                )
 
     @property
     def run_root(self) -> Path:

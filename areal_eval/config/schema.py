@@ -31,9 +31,14 @@ def field_docs(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body
     docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+    for node, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
@@ -78,8 +83,11 @@ def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
             continue
         if defaults is not None:
             default = _plain(getattr(defaults, f.name))
-            spec = Field(default_factory=lambda d=default: d, description=docs.get(f.name),
-                         json_schema_extra={"default": default})
+            spec = Field(
+                default_factory=lambda d=default: d,
+                description=docs.get(f.name),
+                json_schema_extra={"default": default},
+            )
         elif f.default is not dataclasses.MISSING:
             spec = Field(default=_plain(f.default), description=docs.get(f.name))
         elif f.default_factory is not dataclasses.MISSING:
@@ -88,8 +96,12 @@ def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
             spec = Field(description=docs.get(f.name))
         fields[f.name] = (_model_type(hints[f.name]), spec)
     doc = inspect.getdoc(cls)
-    return create_model(cls.__name__, __config__=ConfigDict(extra="forbid", strict=True, protected_namespaces=()),
-                        __doc__=doc if doc and not doc.startswith(f"{cls.__name__}(") else None, **fields)
+    return create_model(
+        cls.__name__,
+        __config__=ConfigDict(extra="forbid", strict=True, protected_namespaces=()),
+        __doc__=doc if doc and not doc.startswith(f"{cls.__name__}(") else None,
+        **fields,
+    )
 
 
 PipelineParams = config_model(PipelineConfig)

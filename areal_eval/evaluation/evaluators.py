@@ -54,8 +54,16 @@ class RewardModelEvaluator(BaseEvaluator):
     """Pairwise accuracy, Bradley-Terry loss, chosen/rejected scores and margin."""
 
     name = "reward_model"
-    metric_names = ("accuracy", "accuracy_stderr", "loss", "loss_stderr", "chosen_score", "rejected_score", "margin",
-                    "n_pairs")
+    metric_names = (
+        "accuracy",
+        "accuracy_stderr",
+        "loss",
+        "loss_stderr",
+        "chosen_score",
+        "rejected_score",
+        "margin",
+        "n_pairs",
+    )
 
     def __init__(self, max_length: int = 64):
         self.max_length = max_length
@@ -72,7 +80,9 @@ class RewardModelEvaluator(BaseEvaluator):
     def batches(self, shard, shards, batch_size):
         indices = shard_range(len(self.pairs), shard, shards)
         # Length-grouped batches: less padding, and scores do not depend on the grouping.
-        ordered = sorted(indices, key=lambda i: max(len(self.pairs[i]["chosen_ids"]), len(self.pairs[i]["rejected_ids"])))
+        ordered = sorted(
+            indices, key=lambda i: max(len(self.pairs[i]["chosen_ids"]), len(self.pairs[i]["rejected_ids"]))
+        )
         for start in range(0, len(ordered), batch_size):
             items = [self.pairs[i] for i in ordered[start : start + batch_size]]
             yield reward_model.collate_pairs(items, self.tokenizer.pad_token_id)

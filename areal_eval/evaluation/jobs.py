@@ -9,10 +9,11 @@ import re
 import time
 from pathlib import Path
 
-from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.checkpoints.store import S3Config, s3_config_json
+from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name
+from areal_eval.checkpoints.store import S3Config
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
+from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, write_spec
 from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary
 
 
@@ -32,7 +33,8 @@ def check_validation_data(path: str | Path, given_by: str) -> Path:
     if not path.is_file():
         raise CorruptCheckpoint(
             f"{path}: no such validation data file (from {given_by}); pass data_path, or register "
-            "the run's data when publishing: publish_checkpoint(..., valid_data=PATH)")
+            "the run's data when publishing: publish_checkpoint(..., valid_data=PATH)"
+        )
     return path
 
 
@@ -47,7 +49,7 @@ class EvalConfig:
     """Pairs per batch."""
     evaluator: str = "reward_model"
     """Registered evaluator name or ``module:Class``."""
-    collective_timeout_s: float = 60.0
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     """Timeout of every collective: a dead or hung rank fails the evaluation."""
     job_timeout_s: float = 600.0
     """Wall-clock limit for one evaluation, start-up included."""
@@ -70,8 +72,17 @@ class EvalConfig:
     evaluations are bounded by the ``gpu_slot`` concurrency limit as well."""
 
     def __post_init__(self):
-        check_ranges(self, nproc=AT_LEAST_1, slots=AT_LEAST_1, mp_size=AT_LEAST_1, batch_size=AT_LEAST_1, collective_timeout_s=POSITIVE,
-                     job_timeout_s=POSITIVE, retries=NON_NEGATIVE, nice=(0, 19))
+        check_ranges(
+            self,
+            nproc=AT_LEAST_1,
+            slots=AT_LEAST_1,
+            mp_size=AT_LEAST_1,
+            batch_size=AT_LEAST_1,
+            collective_timeout_s=POSITIVE,
+            job_timeout_s=POSITIVE,
+            retries=NON_NEGATIVE,
+            nice=(0, 19),
+        )
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
 
@@ -92,8 +103,14 @@ class EvalResult:
 
 
 def run_evaluation_job(
-    event: CheckpointEvent, data_path: str | Path, cfg: EvalConfig, work_dir: str | Path, max_length: int = 64,
-    s3: S3Config | None = None, cache_dir: str | Path | None = None, workers: WarmEvalWorkers | None = None,
+    event: CheckpointEvent,
+    data_path: str | Path,
+    cfg: EvalConfig,
+    work_dir: str | Path,
+    max_length: int = 64,
+    s3: S3Config | None = None,
+    cache_dir: str | Path | None = None,
+    workers: WarmEvalWorkers | None = None,
 ) -> EvalResult:
     """Evaluate ``event``'s checkpoint on ``cfg.nproc`` torchrun ranks: the ``workers`` kept warm
     between evaluations, or a fresh torchrun job.
@@ -103,34 +120,48 @@ def run_evaluation_job(
     """
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"global_step_{event.global_step:08d}"
+    stem = checkpoint_name(event.global_step)
     out = work_dir / f"{stem}.json"
     out.unlink(missing_ok=True)
-    files = work_dir / f"{stem}.files.json"
-    files.write_text(json.dumps([dataclasses.asdict(f) for f in event.files]))
-    args = [
-        "--checkpoint", event.uri, "--data", str(data_path), "--out", str(out), "--files", str(files),
-        "--evaluator", cfg.evaluator, "--batch-size", str(cfg.batch_size), "--max-length", str(max_length),
-        "--mp-size", str(cfg.mp_size), "--timeout", str(cfg.collective_timeout_s),
-        "--cache-dir", str(Path(cache_dir or work_dir / "checkpoint-cache").resolve()),
-    ] + (["--allow-pickle"] if cfg.allow_pickle else []) + (["--s3-config", s3_config_json(s3)] if s3 else [])
-    start, launched_at = time.monotonic(), time.time()
-    args += ["--launched-at", repr(launched_at)]
+    start = time.monotonic()
+    spec = EvalJobSpec(
+        checkpoint=event.uri,
+        data=str(data_path),
+        out=str(out),
+        files=list(event.files),
+        cache_dir=str(Path(cache_dir or work_dir / "checkpoint-cache").resolve()),
+        evaluator=cfg.evaluator,
+        batch_size=cfg.batch_size,
+        max_length=max_length,
+        mp_size=cfg.mp_size,
+        collective_timeout_s=cfg.collective_timeout_s,
+        allow_pickle=cfg.allow_pickle,
+        s3=s3,
+        launched_at=time.time(),
+    )
     # On a multi-node pool (infra/k8s) the other nodes run ``eval_worker --follow`` and get this job from rank 0.
     nodes = NodeLayout.from_env()
     job = None
     try:
         if workers is not None and nodes.nnodes == 1:
-            code, log_path = workers.run(args, out, cfg.job_timeout_s)
+            code, log_path = workers.run(spec, cfg.job_timeout_s)
         else:
-            job = TorchrunJob("areal_eval.evaluation.worker", args, nodes.nproc_per_node or cfg.nproc, work_dir / f"{stem}.log",
-                              nice=cfg.nice, nodes=nodes)
+            spec_file = write_spec(work_dir / f"{stem}.job.json", spec)
+            job = TorchrunJob(
+                "areal_eval.evaluation.worker",
+                ["--spec", str(spec_file)],
+                nodes.nproc_per_node or cfg.nproc,
+                work_dir / f"{stem}.log",
+                nice=cfg.nice,
+                nodes=nodes,
+            )
             code, log_path = job.wait(cfg.job_timeout_s), job.log_path
         result = json.loads(out.read_text()) if out.exists() else {}
         if code or "error" in result or "metrics" not in result:
             summary = failure_summary(log_path)
             reason = result.get("error") or (
-                "workers exited abnormally" if "metrics" in result else "worker wrote no result")
+                "workers exited abnormally" if "metrics" in result else "worker wrote no result"
+            )
             cause = re.sub(r"^rank \d+: ", "", reason)
             failure = CorruptCheckpoint if cause.startswith(("CheckpointError", "DataError")) else EvaluationFailed
             raise failure(
@@ -143,5 +174,10 @@ def run_evaluation_job(
         if job is not None and job.poll() is None:
             job.kill()
     return EvalResult(
-        event.global_step, event.uri, result["metrics"], time.monotonic() - start, launched_at, result.get("started_at", 0.0)
+        event.global_step,
+        event.uri,
+        result["metrics"],
+        time.monotonic() - start,
+        spec.launched_at,
+        result.get("started_at", 0.0),
     )

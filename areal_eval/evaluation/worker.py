@@ -1,10 +1,10 @@
 """Evaluation worker: the torchrun entry point that evaluates one checkpoint.
 
-    torchrun --nproc-per-node M -m areal_eval.evaluation.worker --checkpoint DIR --data valid.jsonl --out result.json
+    torchrun --nproc-per-node M -m areal_eval.evaluation.worker --spec job.json
 
 On more than one node, node 0's agent runs that command and the others run
 ``torchrun ... -m areal_eval.evaluation.worker --follow``: after joining the group they receive the job
-(arguments, file list, validation data) from global rank 0, so only node 0 needs to be told what
+(its spec and the validation data) from global rank 0, so only node 0 needs to be told what
 to evaluate. Each node's local rank 0 fetches the checkpoint into its own cache.
 
 Runs in its own processes, never in training's. Data-parallel heads read their exact shard and
@@ -16,6 +16,7 @@ and in the result file's ``error`` field.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from areal_eval import distributed
-from areal_eval.checkpoints.manifest import FileEntry
-from areal_eval.checkpoints.store import S3Config, open_store
+from areal_eval import distributed, jsonl
+from areal_eval.checkpoints.store import open_store
 from areal_eval.evaluation.evaluators import BaseEvaluator, make_evaluator
+from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
 from areal_eval.launcher import die_with_parent
 
 FAULT_ENV = "AREAL_EVAL_INJECT_FAULT"
@@ -53,7 +54,9 @@ def _inject_fault(done_batches: int) -> None:
         time.sleep(3600)
 
 
-def compute_metrics(evaluator: BaseEvaluator, layout: distributed.ParallelLayout, batch_size: int, mp_group=None) -> dict:
+def compute_metrics(
+    evaluator: BaseEvaluator, layout: distributed.ParallelLayout, batch_size: int, mp_group=None
+) -> dict:
     """Run ``evaluator`` over its shard; returns metrics (identical on every rank)."""
     keys: list[str] | None = None
     local: dict[str, float] = {}
@@ -76,7 +79,7 @@ def compute_metrics(evaluator: BaseEvaluator, layout: distributed.ParallelLayout
     keys = _agreed_keys(keys)
     totals = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64, device=distributed.device())
     distributed.all_reduce_sum(totals)
-    return evaluator.metrics(dict(zip(keys, totals.tolist())))
+    return evaluator.metrics(dict(zip(keys, totals.tolist(), strict=False)))
 
 
 def _agreed_keys(keys: list[str] | None) -> list[str]:
@@ -88,33 +91,26 @@ def _agreed_keys(keys: list[str] | None) -> list[str]:
     return union
 
 
-def receive_job(args: argparse.Namespace) -> argparse.Namespace:
-    """On a multi-node job, every rank takes global rank 0's job; node-local paths are rewritten
-    into this rank's ``cache_dir``."""
+def receive_job(spec: EvalJobSpec | None, cache_dir: str) -> EvalJobSpec:
+    """On a multi-node job, every rank takes global rank 0's job; its node-local paths are
+    rewritten into this rank's ``cache_dir``."""
     if not distributed.spans_nodes():
-        if args.follow:
+        if spec is None:
             raise ValueError("--follow needs a multi-node torchrun job (--nnodes > 1)")
-        return args
+        return spec
     job = None
     if distributed.rank() == 0:
-        job = {"args": vars(args), "files": Path(args.files).read_text(), "data": Path(args.data).read_bytes()}
+        job = {"spec": to_json(spec), "data": Path(spec.data).read_bytes()}
     job = distributed.broadcast_object(job)
     if distributed.rank() == 0:
-        return args
-    local = Path(args.cache_dir) / "jobs" / f"rank-{distributed.rank()}"
+        return spec
+    local = Path(cache_dir) / "jobs" / f"rank-{distributed.rank()}"
     local.mkdir(parents=True, exist_ok=True)
-    (local / "files.json").write_text(job["files"])
     (local / "valid.jsonl").write_bytes(job["data"])
-    received = argparse.Namespace(**job["args"])
-    received.files, received.data, received.cache_dir = str(local / "files.json"), str(local / "valid.jsonl"), args.cache_dir
-    received.out, received.follow = str(local / "unused-result.json"), True
-    return received
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
+    received = parse_spec(EvalJobSpec, job["spec"], "job from rank 0")
+    return dataclasses.replace(
+        received, data=str(local / "valid.jsonl"), cache_dir=cache_dir, out=str(local / "unused-result.json")
+    )
 
 
 def _create_json(path: Path, data: dict) -> None:
@@ -131,50 +127,49 @@ def _create_json(path: Path, data: dict) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", help="checkpoint directory or s3:// URI")
-    parser.add_argument("--data", help="validation pairs (JSONL)")
-    parser.add_argument("--out", help="result JSON, written by rank 0")
-    parser.add_argument("--files", help="JSON list of {name,size,sha256} to verify before loading")
-    parser.add_argument("--follow", action="store_true", help="a node other than 0: take the job from global rank 0")
-    parser.add_argument("--serve", metavar="INBOX", help="stay up and evaluate each job file put in INBOX (warm workers)")
-    parser.add_argument("--cache-dir", default="checkpoint-cache", help="node-local cache of downloaded checkpoints")
-    parser.add_argument("--s3-config", help="S3Config as JSON (endpoint, retries, transfer settings)")
-    parser.add_argument("--evaluator", default="reward_model")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--mp-size", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
-    parser.add_argument("--allow-pickle", action="store_true")
-    parser.add_argument("--launched-at", type=float, default=0.0, help="launcher's wall time, for latency records")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--spec", help="the job: an EvalJobSpec JSON file (areal_eval.job_spec)")
+    mode.add_argument("--follow", action="store_true", help="a node other than 0: take the job from global rank 0")
+    mode.add_argument("--serve", metavar="INBOX", help="stay up and evaluate each job file put in INBOX (warm workers)")
+    parser.add_argument("--cache-dir", default="checkpoint-cache", help="--follow: node-local cache and job files")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=COLLECTIVE_TIMEOUT_S,
+        help="--follow, --serve: collective timeout of the group, seconds (a --spec job sets its own)",
+    )
     return parser
 
 
-def run_job(args: argparse.Namespace, started_at: float) -> None:
+def run_job(spec: EvalJobSpec, started_at: float) -> None:
     """Fetch, load and evaluate one checkpoint on every rank; rank 0 writes the result file."""
-    layout = distributed.ParallelLayout(distributed.world_size(), distributed.rank(), args.mp_size)
+    layout = distributed.ParallelLayout(distributed.world_size(), distributed.rank(), spec.mp_size)
     mp_group = distributed.new_mp_group(layout)
-    files = tuple(FileEntry(**f) for f in json.loads(Path(args.files).read_text()))
-    store = open_store(args.checkpoint, S3Config(**json.loads(args.s3_config)) if args.s3_config else None)
-    cache_dir = Path(args.cache_dir)
+    store = open_store(spec.checkpoint, spec.s3)
+    files = tuple(spec.files)
+    cache_dir = Path(spec.cache_dir)
     if distributed.local_rank() == 0:  # one download and verification per node
-        store.fetch(args.checkpoint, files, cache_dir)
+        store.fetch(spec.checkpoint, files, cache_dir)
     if distributed.world_size() > 1:
         torch.distributed.barrier()  # nobody loads before the node's copy is verified
-    evaluator = make_evaluator(args.evaluator, max_length=args.max_length)
-    evaluator.load(store.local_path(args.checkpoint, files, cache_dir), Path(args.data), allow_pickle=args.allow_pickle)
+    evaluator = make_evaluator(spec.evaluator, max_length=spec.max_length)
+    evaluator.load(store.local_path(spec.checkpoint, files, cache_dir), Path(spec.data), allow_pickle=spec.allow_pickle)
     loop_start = time.time()
-    metrics = compute_metrics(evaluator, layout, args.batch_size, mp_group)
+    metrics = compute_metrics(evaluator, layout, spec.batch_size, mp_group)
     if layout.rank == 0:
-        _write_json(Path(args.out), {
-            "checkpoint": args.checkpoint,
-            "metrics": metrics,
-            "world_size": layout.world_size,
-            "mp_size": layout.mp_size,
-            "launched_at": args.launched_at,
-            "started_at": started_at,
-            "seconds": time.time() - started_at,
-            "eval_loop_seconds": time.time() - loop_start,
-        })
+        jsonl.write_json(
+            Path(spec.out),
+            {
+                "checkpoint": spec.checkpoint,
+                "metrics": metrics,
+                "world_size": layout.world_size,
+                "mp_size": layout.mp_size,
+                "launched_at": spec.launched_at,
+                "started_at": started_at,
+                "seconds": time.time() - started_at,
+                "eval_loop_seconds": time.time() - loop_start,
+            },
+        )
 
 
 def next_job(inbox: Path, done: set[str], poll_s: float = 0.01) -> Path:
@@ -187,85 +182,69 @@ def next_job(inbox: Path, done: set[str], poll_s: float = 0.01) -> Path:
         time.sleep(poll_s)
 
 
-def serve(parser: argparse.ArgumentParser, inbox: Path) -> None:
+def serve(inbox: Path) -> None:
     """Warm workers: evaluate job after job from ``inbox`` until a stop job (see worker_pool).
 
-    Whatever fails while a job is handled (its file, its arguments, the evaluation, the barrier
+    Whatever fails while a job is handled (its file, its spec, the evaluation, the barrier
     after it) is reported against that job: in its result file and this rank's log.
     """
     done: set[str] = set()
     while True:
         path = next_job(inbox, done)
-        args = None
+        raw = None
         try:
-            argv = json.loads(path.read_text())["argv"]
-            if argv is None:
+            raw = jsonl.read_json(path)["spec"]
+            if raw is None:
                 return
-            args = parse_job(parser, argv)
-            run_job(args, started_at=time.time())
+            run_job(parse_spec(EvalJobSpec, raw, f"job {path.name}"), started_at=time.time())
             done.add(path.name)
             if distributed.world_size() > 1:
                 torch.distributed.barrier()  # every rank has read the job before it is removed
             if distributed.rank() == 0:
                 path.unlink()
         except Exception as exc:
-            _fail(args or job_outline(argv if "argv" in locals() else None), exc, job=path.name)
+            outline = raw if isinstance(raw, dict) else {}
+            _fail(outline.get("out"), outline.get("checkpoint"), exc, job=path.name)
             exc.reported = True  # against the job that failed: main() need not report it again
             raise
 
 
-def job_outline(argv: list[str] | None) -> argparse.Namespace:
-    """Where a job that could not be parsed wanted its result, so its failure lands there."""
-    argv = argv if isinstance(argv, list) else []
-
-    def value(flag: str) -> str | None:
-        return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
-
-    return argparse.Namespace(out=value("--out"), checkpoint=value("--checkpoint"))
-
-
-def parse_job(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """A job's arguments; a bad one raises (argparse would exit the rank with only a usage line)."""
-    try:
-        return parser.parse_args(argv)
-    except SystemExit as exc:
-        raise ValueError(f"bad job arguments {argv!r} (argparse exit {exc.code})") from None
-
-
-def _fail(args: argparse.Namespace, exc: Exception, job: str | None = None) -> None:
+def _fail(out: str | None, checkpoint: str | None, exc: Exception, job: str | None = None) -> None:
     """Log the failure and record it in the job's result file, whichever rank it hit: the first
     rank to fail writes the file (its cause), and peers that fail after it, often only because
     it is gone, leave it alone."""
     cause = f"{type(exc).__name__}: {exc}"
     where = f" (job {job})" if job else ""
     print(f"[rank {distributed.rank()}] evaluation failed{where}: {cause}", file=sys.stderr, flush=True)
-    if getattr(args, "out", None):
+    if isinstance(out, str) and out:
         error = cause if distributed.rank() == 0 else f"rank {distributed.rank()}: {cause}"
-        _create_json(Path(args.out), {"checkpoint": args.checkpoint, "error": error})
+        _create_json(Path(out), {"checkpoint": checkpoint, "error": error})
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    missing = [a for a in ("checkpoint", "data", "out", "files") if getattr(args, a) is None]
-    if missing and not (args.follow or args.serve):
-        parser.error(f"--{', --'.join(missing)} required (or --follow on nodes other than 0, or --serve)")
-
+    args = build_parser().parse_args(argv)
+    try:
+        spec = read_spec(EvalJobSpec, args.spec) if args.spec else None
+    except Exception as exc:  # a result file still says why, where the spec names one
+        outline = jsonl.read_json(args.spec, {}) if Path(args.spec).exists() else {}
+        outline = outline if isinstance(outline, dict) else {}
+        _fail(outline.get("out"), outline.get("checkpoint"), exc)
+        return 1
     torch.set_num_threads(int(os.environ.get("AREAL_EVAL_THREADS", "1")))
     start = time.time()  # workers are up (interpreter, torch imported): start-up latency ends here
-    distributed.init(timeout_s=args.timeout)
+    distributed.init(timeout_s=spec.collective_timeout_s if spec else args.timeout)
     ok = False
     try:
         if args.serve:
-            serve(parser, Path(args.serve))
+            serve(Path(args.serve))
         else:
-            args = receive_job(args)
-            run_job(args, start)
+            spec = receive_job(spec, args.cache_dir)
+            run_job(spec, start)
         ok = True
         return 0
     except Exception as exc:
         if not getattr(exc, "reported", False):  # serve() reports a job's failure against that job
-            _fail(args, exc)
+            _fail(spec.out if spec else None, spec.checkpoint if spec else None, exc)
         return 1
     finally:
         # After a failure peers may be gone: skip the barrier; the launcher's kill is the backstop.

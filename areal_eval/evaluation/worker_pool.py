@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from areal_eval import jsonl
+from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json
 from areal_eval.launcher import TorchrunJob, WorkerError, log_tail
 
 STOP = "stop"
@@ -28,8 +30,14 @@ STOP = "stop"
 class WarmEvalWorkers:
     """Evaluation ranks kept between evaluations (single node). Close it when done."""
 
-    def __init__(self, nproc: int, work_dir: str | Path, nice: int = 0, collective_timeout_s: float = 120.0,
-                 poll_s: float = 0.01):
+    def __init__(
+        self,
+        nproc: int,
+        work_dir: str | Path,
+        nice: int = 0,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        poll_s: float = 0.01,
+    ):
         self.nproc, self.nice, self.poll_s = nproc, nice, poll_s
         self.collective_timeout_s = collective_timeout_s
         self.work_dir = Path(work_dir)
@@ -51,15 +59,22 @@ class WarmEvalWorkers:
                 stale.unlink()
             self.started_jobs += 1
             args = ["--serve", str(self.inbox), "--timeout", str(self.collective_timeout_s)]
-            self.job = TorchrunJob("areal_eval.evaluation.worker", args, self.nproc,
-                                   self.work_dir / f"warm-workers-{self.started_jobs}.log", nice=self.nice)
+            self.job = TorchrunJob(
+                "areal_eval.evaluation.worker",
+                args,
+                self.nproc,
+                self.work_dir / f"warm-workers-{self.started_jobs}.log",
+                nice=self.nice,
+            )
         return self.job
 
-    def run(self, argv: list[str], result_path: Path, timeout_s: float) -> tuple[int, Path]:
-        """Evaluate with worker arguments ``argv`` (as for a one-shot job); returns the torchrun
-        exit code (0 while the ranks live on) and the log to read on failure."""
+    def run(self, spec: EvalJobSpec | dict, timeout_s: float) -> tuple[int, Path]:
+        """Evaluate ``spec`` (as a one-shot job would; a dict is posted as it is); returns the
+        torchrun exit code (0 while the ranks live on) and the log to read on failure."""
         job = self._ensure_running()
-        self._post(f"{time.time_ns()}-{uuid.uuid4().hex[:8]}.json", argv)
+        raw = spec if isinstance(spec, dict) else to_json(spec)
+        result_path = Path(raw["out"])
+        self._post(f"{time.time_ns()}-{uuid.uuid4().hex[:8]}.json", raw)
         deadline = time.monotonic() + timeout_s
         while not result_path.exists():
             if job.poll() is not None:
@@ -67,19 +82,19 @@ class WarmEvalWorkers:
                 return job.proc.returncode or 1, job.log_path
             if time.monotonic() > deadline:
                 job.kill()
-                raise WorkerError(f"warm evaluation workers timed out after {timeout_s:.0f}s and were killed; "
-                                  f"log {job.log_path}:\n{log_tail(job.log_path)}")
+                raise WorkerError(
+                    f"warm evaluation workers timed out after {timeout_s:.0f}s and were killed; "
+                    f"log {job.log_path}:\n{log_tail(job.log_path)}"
+                )
             time.sleep(self.poll_s)
         if "error" in json.loads(result_path.read_text()):
             job.wait(30)  # a failed evaluation ends the ranks; the next one starts fresh ones
             return job.proc.returncode or 1, job.log_path
         return 0, job.log_path
 
-    def _post(self, name: str, argv: list[str] | None) -> None:
-        """Put a job in the inbox whole: ranks glob for ``*.json`` while it is being written."""
-        tmp = self.inbox / f".{name}.partial"
-        tmp.write_text(json.dumps({"argv": argv}))
-        tmp.rename(self.inbox / name)
+    def _post(self, name: str, spec: dict | None) -> None:
+        """Put a job in the inbox whole (ranks glob for ``*.json``); ``None`` stops the ranks."""
+        jsonl.write_json(self.inbox / name, {"spec": spec})
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self.job is not None and self.job.poll() is None:
@@ -102,10 +117,19 @@ class WarmWorkerGroups:
     group for its duration, so N evaluations run at once on N groups of ranks. Group 0 works in
     ``work_dir`` itself, group i in ``work_dir/slot-i``."""
 
-    def __init__(self, slots: int, nproc: int, work_dir: str | Path, nice: int = 0, collective_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        slots: int,
+        nproc: int,
+        work_dir: str | Path,
+        nice: int = 0,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    ):
         work_dir = Path(work_dir)
-        self.groups = [WarmEvalWorkers(nproc, work_dir / f"slot-{i}" if i else work_dir, nice, collective_timeout_s)
-                       for i in range(slots)]
+        self.groups = [
+            WarmEvalWorkers(nproc, work_dir / f"slot-{i}" if i else work_dir, nice, collective_timeout_s)
+            for i in range(slots)
+        ]
         self._free: queue.Queue[WarmEvalWorkers] = queue.Queue()
         for group in self.groups:
             self._free.put(group)

@@ -3,12 +3,16 @@ every stage, owned by one flow at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from areal_eval import jsonl
 
 
 class RunDir:
@@ -33,6 +37,7 @@ class RunDir:
     run_id_file = property(lambda self: self.root / "run_id")
     lock_file = property(lambda self: self.root / "owner.lock")
     decisions_lock = property(lambda self: self.root / "decisions.lock")
+    registry_lock = property(lambda self: self.root / "registry.lock")
     """Held while one of the flow runs sharing a run (triggered, manual, sweep) decides or records."""
     record_state = property(lambda self: self.root / "evaluation_state.json")
     """What those flow runs share beyond the ledger: alert throttling, refinement and the end."""
@@ -114,10 +119,7 @@ class StopSignal:
         self.path = Path(path)
 
     def request(self, reason: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"reason": reason, "time": time.time()}))
-        tmp.replace(self.path)
+        jsonl.write_json(self.path, {"reason": reason, "time": time.time()})
 
     def requested(self) -> str | None:
         """The stop reason, or None. Cheap enough to call every step (one stat)."""
@@ -127,3 +129,13 @@ class StopSignal:
             return json.loads(self.path.read_text())["reason"]
         except (OSError, ValueError, KeyError):
             return "stop requested"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing): released when the block
+    ends or its process dies, so a crash never leaves it held."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from areal_eval import jsonl
 from areal_eval.scheduling.policy import HistoryEntry
 
 FINAL_STATES = ("evaluated", "skipped", "superseded", "failed")
@@ -50,24 +51,18 @@ class Ledger:
         self.path = Path(path)
         self._lock = threading.RLock()
         self._latest: dict[int, LedgerEntry] = {}
-        if self.path.exists():
-            for lineno, line in enumerate(self.path.read_text().splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    entry = LedgerEntry(**json.loads(line))
-                except (ValueError, TypeError) as exc:
-                    raise ValueError(f"{self.path}:{lineno}: bad ledger entry: {exc}") from exc
-                self._latest[entry.step] = entry
+        for lineno, row in jsonl.rows(self.path) if self.path.exists() else ():
+            try:
+                entry = LedgerEntry(**row)
+            except TypeError as exc:
+                raise jsonl.JsonlError(f"{self.path}:{lineno}: bad ledger entry: {exc}") from exc
+            self._latest[entry.step] = entry
 
     def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
                delivered: bool = False, owner: str | None = None) -> LedgerEntry:
         entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered, owner=owner)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock, self.path.open("a") as fh:
-            fh.write(json.dumps(dataclasses.asdict(entry), sort_keys=True) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        with self._lock:
+            jsonl.append(self.path, dataclasses.asdict(entry), sort_keys=True)
             self._latest[step] = entry
         return entry
 

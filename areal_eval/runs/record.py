@@ -24,12 +24,12 @@ import json
 import time
 from typing import Callable, Iterator
 
+from areal_eval import jsonl
 from areal_eval.alerts import Alert, AlertEngine, AlertsConfig
 from areal_eval.runs.ledger import Ledger
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.scheduling.planner import EvaluationPlanner
-from areal_eval.runs.directory import RunDir
-from areal_eval.runs.setup import atomic_write_text
+from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.scheduling.policy import SchedulerConfig
 
 
@@ -51,9 +51,7 @@ class RunRecord:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[EvaluationPlanner]:
         """The run's planner, read fresh from the ledger, while this process holds the lock."""
-        self.run.root.mkdir(parents=True, exist_ok=True)
-        with self.run.decisions_lock.open("a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        with file_lock(self.run.decisions_lock):
             yield EvaluationPlanner(self.scheduler, Ledger(self.run.ledger))
 
     def _state(self) -> dict:
@@ -172,9 +170,8 @@ def mark_over(run: RunDir) -> None:
 
 def read_state(run: RunDir) -> dict:
     """The run's record state (alert throttling, refined, finished); empty before any."""
-    path = run.record_state
-    return json.loads(path.read_text()) if path.exists() else {}
+    return jsonl.read_json(run.record_state, {})
 
 
 def write_state(run: RunDir, state: dict) -> None:
-    atomic_write_text(run.record_state, json.dumps(state, indent=1, sort_keys=True))
+    jsonl.write_json(run.record_state, state)

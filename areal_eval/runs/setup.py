@@ -7,8 +7,10 @@ import json
 import time
 from pathlib import Path
 
+from areal_eval import jsonl
 from areal_eval.alerts import recorded_config
 from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.job_spec import write_spec
 from areal_eval.preference_data import SyntheticPreferences, read_pairs, write_pairs
 from areal_eval.reward_model import train_tokenizer
 from areal_eval.runs.directory import RunDir
@@ -32,8 +34,8 @@ def prepare_run(cfg: PipelineConfig) -> RunDir:
     if model.tokenizer_path is None and model.pretrained_path is not None:
         model = dataclasses.replace(model, tokenizer_path=model.pretrained_path)
     spec = TrainJobSpec(run_id=run_id, run_dir=str(run.root), model=model, train=cfg.train, storage=cfg.storage)
-    atomic_write_text(run.train_config, json.dumps(dataclasses.asdict(spec), indent=1))
-    atomic_write_text(run.root / "pipeline_config.json", json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
+    write_spec(run.train_config, spec)
+    jsonl.write_atomic(run.root / "pipeline_config.json", json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
     return run
 
 
@@ -54,14 +56,8 @@ def _new_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> 
     # One id per training run: MLflow run, manifest entries and events all carry it. Written last:
     # a directory without it was never started, and is laid out again.
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    atomic_write_text(run.run_id_file, run_id)
+    jsonl.write_atomic(run.run_id_file, run_id)
     return run_id
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int:

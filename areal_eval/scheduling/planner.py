@@ -8,7 +8,6 @@ skipped, superseded or failed, with a reason.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import queue
 import threading
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
@@ -120,17 +120,12 @@ class JsonlFollower:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._offset = 0
+        self._offset, self._line = 0, 1
 
     def poll(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as fh:
-            fh.seek(self._offset)
-            data = fh.read()
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        chunk = jsonl.read_complete(self.path, self._offset, self._line)
+        self._offset, self._line = chunk.offset, chunk.line
+        return [jsonl.loads(raw, self.path, lineno) for lineno, raw in chunk.lines]
 
 
 def _locked(method):
@@ -160,8 +155,16 @@ class EvaluationPlanner:
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_metric)
 
-    def _record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
-                delivered: bool = False, owner: str | None = None) -> None:
+    def _record(
+        self,
+        step: int,
+        uri: str,
+        status: str,
+        reason: str = "",
+        metrics: dict | None = None,
+        delivered: bool = False,
+        owner: str | None = None,
+    ) -> None:
         entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner)
         self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_metric))
 
@@ -225,7 +228,9 @@ class EvaluationPlanner:
         return event
 
     def _supersede(self, old: CheckpointEvent, by: CheckpointEvent) -> None:
-        self._record(old.global_step, old.uri, "superseded", f"evaluation behind training: coalesced to step {by.global_step}")
+        self._record(
+            old.global_step, old.uri, "superseded", f"evaluation behind training: coalesced to step {by.global_step}"
+        )
 
     @_locked
     def evaluated(self, event: CheckpointEvent, metrics: dict, delivered: bool = False) -> None:

@@ -95,16 +95,26 @@ class SchedulerConfig:
     ones as superseded. False evaluates every scheduled checkpoint in order (offline sweeps)."""
 
     def __post_init__(self):
-        check_ranges(self, fixed_interval_steps=AT_LEAST_1, min_interval_steps=NON_NEGATIVE,
-                     max_interval_steps=AT_LEAST_1, max_interval_checkpoints=POSITIVE, drift_tolerance=NON_NEGATIVE,
-                     noise_discount=NON_NEGATIVE, refine_stderrs=NON_NEGATIVE, regression_z=POSITIVE,
-                     default_stderr=POSITIVE, queue_capacity=AT_LEAST_1)
+        check_ranges(
+            self,
+            fixed_interval_steps=AT_LEAST_1,
+            min_interval_steps=NON_NEGATIVE,
+            max_interval_steps=AT_LEAST_1,
+            max_interval_checkpoints=POSITIVE,
+            drift_tolerance=NON_NEGATIVE,
+            noise_discount=NON_NEGATIVE,
+            refine_stderrs=NON_NEGATIVE,
+            regression_z=POSITIVE,
+            default_stderr=POSITIVE,
+            queue_capacity=AT_LEAST_1,
+        )
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
             raise FieldError("max_interval_steps", f"must be >= min_interval_steps ({self.min_interval_steps})")
 
 
-def decide(event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConfig,
-           offered_steps: Sequence[int] = ()) -> Decision:
+def decide(
+    event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConfig, offered_steps: Sequence[int] = ()
+) -> Decision:
     """Evaluate this checkpoint? ``offered_steps``: every checkpoint offered before it, evaluated or
     not (their spacing sets the cover bound)."""
     step = event.global_step
@@ -137,8 +147,8 @@ SPACING_WINDOW = 8
 def checkpoint_spacing(step: int, offered_steps: Sequence[int], window: int = SPACING_WINDOW) -> float | None:
     """The median step gap between the last ``window`` checkpoints up to ``step``: the run's
     checkpoint cadence, robust to a few uneven saves."""
-    steps = sorted({s for s in offered_steps if s < step} | {step})[-(window + 1):]
-    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    steps = sorted({s for s in offered_steps if s < step} | {step})[-(window + 1) :]
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
     return statistics.median(gaps) if gaps else None
 
 
@@ -185,8 +195,12 @@ def _adaptive(step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cf
     return Decision(False, f"plateau: predicted drift {drift:.3g} < {cfg.drift_tolerance} stderr ({se_latest:.3g})")
 
 
-def refine(history: Sequence[HistoryEntry], skipped_steps: Sequence[int], cfg: SchedulerConfig,
-           deleted_steps: Collection[int] = ()) -> list[tuple[int, str]]:
+def refine(
+    history: Sequence[HistoryEntry],
+    skipped_steps: Sequence[int],
+    cfg: SchedulerConfig,
+    deleted_steps: Collection[int] = (),
+) -> list[tuple[int, str]]:
     """After the final checkpoint: the skipped checkpoints worth evaluating, with their reasons.
 
     These are the skipped neighbours of the best result whose value, interpolated in steps between
@@ -202,7 +216,7 @@ def refine(history: Sequence[HistoryEntry], skipped_steps: Sequence[int], cfg: S
     known = sorted({h.step for h in history} | set(skipped_steps))
     at = known.index(best.step)
     out = []
-    for step in known[at - 1: at] + known[at + 1: at + 2]:
+    for step in known[at - 1 : at] + known[at + 1 : at + 2]:
         if step not in skipped_steps or step in deleted_steps:
             continue
         below = [h for h in done if h.step < step]
@@ -213,8 +227,13 @@ def refine(history: Sequence[HistoryEntry], skipped_steps: Sequence[int], cfg: S
             guess = lo.metric + (hi.metric - lo.metric) * (step - lo.step) / (hi.step - lo.step)
         margin = sign * (guess - best.metric) + cfg.refine_stderrs * _stderr(best, cfg)
         if margin >= 0:
-            out.append((step, f"refine: next to the best (step {best.step}), interpolated {guess:.4g} "
-                              f"within {cfg.refine_stderrs} stderr of {best.metric:.4g}"))
+            out.append(
+                (
+                    step,
+                    f"refine: next to the best (step {best.step}), interpolated {guess:.4g} "
+                    f"within {cfg.refine_stderrs} stderr of {best.metric:.4g}",
+                )
+            )
     return out
 
 
@@ -250,7 +269,7 @@ class DecisionHistory:
     def offered_before(self, step: int, window: int = SPACING_WINDOW) -> list[int]:
         """The last ``window + 1`` offered steps before ``step``: all that the cover bound reads."""
         i = bisect.bisect_left(self._offered, step)
-        return self._offered[max(0, i - window - 1): i]
+        return self._offered[max(0, i - window - 1) : i]
 
     def set(self, step: int, entry: HistoryEntry | None) -> None:
         """``step``'s entry is now ``entry`` (None: not in the history, e.g. superseded or failed)."""

@@ -22,6 +22,7 @@ import random
 import statistics
 from pathlib import Path
 
+from areal_eval import jsonl
 from areal_eval.config.parsing import from_dict
 from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, SchedulerConfig, decide, refine
 
@@ -52,18 +53,16 @@ class _Event:
 def read_curves(path: str | Path) -> list[Curve]:
     """Curves JSONL (``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``)."""
     curves = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for lineno, row in jsonl.rows(path):
         try:
-            row = json.loads(line)
             points = tuple(
-                Point(int(p["step"]), float(p["value"]), float(p.get("stderr") or DEFAULT_STDERR)) for p in row["points"]
+                Point(int(p["step"]), float(p["value"]), float(p.get("stderr") or DEFAULT_STDERR))
+                for p in row["points"]
             )
             curve = Curve(str(row["curve"]), bool(row.get("higher_is_better", True)), points)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: bad curve: {exc!r}") from exc
-        if not points or any(b.step <= a.step for a, b in zip(points, points[1:])):
+        if not points or any(b.step <= a.step for a, b in zip(points, points[1:], strict=False)):
             raise ValueError(f"{path}:{lineno}: points must be non-empty and sorted by step")
         curves.append(curve)
     if not curves:

@@ -18,10 +18,21 @@ def written_checkpoint(tmp_path):
 
 def test_publish_local_appends_the_manifest_then_posts_the_event(tmp_path, webhook):
     directory = written_checkpoint(tmp_path)
-    event = publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 40, epoch=1, epoch_step=15,
-                               train_metrics={"loss": 0.4}, api_url=webhook.url.removesuffix("/hook"))
+    event = publish_checkpoint(
+        directory,
+        tmp_path / "manifest.jsonl",
+        "run-7",
+        40,
+        epoch=1,
+        epoch_step=15,
+        train_metrics={"loss": 0.4},
+        api_url=webhook.url.removesuffix("/hook"),
+    )
     assert Manifest(tmp_path / "manifest.jsonl").events() == [event]
-    assert event.uri == str(directory) and {f.name: f.size for f in event.files} == {"config.json": 2, "model.safetensors": 700}
+    assert event.uri == str(directory) and {f.name: f.size for f in event.files} == {
+        "config.json": 2,
+        "model.safetensors": 700,
+    }
     [request] = webhook.requests
     assert request["path"] == "/events"
     [posted] = request["json"]
@@ -31,9 +42,22 @@ def test_publish_local_appends_the_manifest_then_posts_the_event(tmp_path, webho
 
 def test_publish_to_s3_uploads_verifies_and_mirrors_the_manifest(s3_server, s3_bucket, tmp_path, webhook):
     directory = written_checkpoint(tmp_path)
-    event = publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 40, store=f"s3://{s3_bucket}/ckpts",
-                               s3=S3Config(endpoint_url=s3_server.url), api_url=webhook.url.removesuffix("/hook"))
+    event = publish_checkpoint(
+        directory,
+        tmp_path / "manifest.jsonl",
+        "run-7",
+        40,
+        store=f"s3://{s3_bucket}/ckpts",
+        s3=S3Config(endpoint_url=s3_server.url),
+        api_url=webhook.url.removesuffix("/hook"),
+    )
     assert event.uri == f"s3://{s3_bucket}/ckpts/run-7/step-40"
-    keys = {o["Key"] for o in boto3.client("s3", endpoint_url=s3_server.url).list_objects_v2(Bucket=s3_bucket)["Contents"]}
-    assert keys == {"ckpts/run-7/step-40/model.safetensors", "ckpts/run-7/step-40/config.json", "ckpts/run-7/manifest.jsonl"}
+    keys = {
+        o["Key"] for o in boto3.client("s3", endpoint_url=s3_server.url).list_objects_v2(Bucket=s3_bucket)["Contents"]
+    }
+    assert keys == {
+        "ckpts/run-7/step-40/model.safetensors",
+        "ckpts/run-7/step-40/config.json",
+        "ckpts/run-7/manifest.jsonl",
+    }
     assert webhook.requests[0]["json"][0]["payload"]["manifest"] == f"s3://{s3_bucket}/ckpts/run-7/manifest.jsonl"

@@ -8,17 +8,29 @@ def ckpt(step, final=False):
 
 
 def entry(step, status, accuracy=None):
-    return LedgerEntry(step, f"s3://b/run/global_step_{step:08d}", status, "", {"accuracy": accuracy} if accuracy is not None else {})
+    return LedgerEntry(
+        step, f"s3://b/run/global_step_{step:08d}", status, "", {"accuracy": accuracy} if accuracy is not None else {}
+    )
 
 
 def deletable(ledger, cfg, checkpoints=None, **kw):
     checkpoints = checkpoints or [ckpt(s) for s in range(0, 80, 10)]
-    return [c.global_step for c in checkpoints_to_delete(checkpoints, {e.step: e for e in ledger}, cfg, "accuracy", **kw)]
+    return [
+        c.global_step for c in checkpoints_to_delete(checkpoints, {e.step: e for e in ledger}, cfg, "accuracy", **kw)
+    ]
 
 
 def test_keeps_last_k_and_best_n_and_deletes_the_rest_oldest_first():
-    ledger = [entry(0, "evaluated", 0.5), entry(10, "skipped"), entry(20, "evaluated", 0.9), entry(30, "superseded"),
-              entry(40, "evaluated", 0.7), entry(50, "failed"), entry(60, "evaluated", 0.8), entry(70, "evaluated", 0.6)]
+    ledger = [
+        entry(0, "evaluated", 0.5),
+        entry(10, "skipped"),
+        entry(20, "evaluated", 0.9),
+        entry(30, "superseded"),
+        entry(40, "evaluated", 0.7),
+        entry(50, "failed"),
+        entry(60, "evaluated", 0.8),
+        entry(70, "evaluated", 0.6),
+    ]
     # 10 and 30 are the skipped neighbours of the best (20): kept for the end-of-run refinement.
     assert deletable(ledger, RetentionConfig(keep_last=2, keep_best=1)) == [0, 40, 50]
     assert deletable(ledger, RetentionConfig(keep_last=2, keep_best=2)) == [0, 40, 50]  # 60 is in last 2

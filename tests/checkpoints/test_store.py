@@ -48,7 +48,8 @@ def test_upload_retries_injected_faults_then_download_is_verified_once_per_cache
     assert any("uploadId" in path for _, path in proxy.requests)  # the big file went up in parts
     assert not staged.exists()  # the staging copy is gone once the upload is verified
     head = boto3.client("s3", endpoint_url=s3_server.url).head_object(
-        Bucket=s3_bucket, Key="runs/r1/global_step_00000010/model.safetensors")
+        Bucket=s3_bucket, Key="runs/r1/global_step_00000010/model.safetensors"
+    )
     assert head["ContentLength"] == 12 << 20 and head["Metadata"]["sha256"] == files[1].sha256
 
     local = store.fetch(uri, files, tmp_path / "cache")
@@ -85,7 +86,7 @@ def test_a_crash_mid_upload_announces_nothing(s3_server, s3_bucket, tmp_path):
         store = S3Store("s3://{s3_bucket}/r", S3Config(endpoint_url="{proxy.url}", **{SMALL_PARTS!r}))
         staged = Path("{staged}")
         uri = store.publish(staged, describe_files(staged))
-        Manifest("{tmp_path / 'manifest.jsonl'}").append(CheckpointEvent("run", uri, 0, 0, 10, 0.0, {{}}))
+        Manifest("{tmp_path / "manifest.jsonl"}").append(CheckpointEvent("run", uri, 0, 0, 10, 0.0, {{}}))
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()})
     deadline = time.monotonic() + 60

@@ -48,22 +48,28 @@ def test_overrides_and_flatten():
     assert flatten({"a": {"b": 1}, "c": 2}) == {"a.b": 1, "c": 2}
 
 
-@pytest.mark.parametrize("override, named", [
-    ("train.max_steps=-5", r"train\.max_steps: must be >= 1, got -5"),
-    ("train.max_steps=0", r"train\.max_steps: must be >= 1, got 0"),  # 0 never means "all"
-    ("train.nproc=0", r"train\.nproc: must be >= 1"),
-    ("train.batch_size=0", r"train\.batch_size: must be >= 1"),
-    ("train.epochs=-1", r"train\.epochs: must be >= 1"),
-    ("train.save.freq_steps=0", r"train\.save\.freq_steps: must be >= 1"),
-    ("eval.batch_size=0", r"eval\.batch_size: must be >= 1"),
-    ("eval.retries=-1", r"eval\.retries: must be >= 0"),
-    ("scheduler.min_interval_steps=-1", r"scheduler\.min_interval_steps: must be >= 0"),
-    ("scheduler.min_interval_steps=50 scheduler.max_interval_steps=10", r"scheduler\.max_interval_steps: must be >= min_"),
-    ("storage.retention.keep_last=0", r"storage\.retention\.keep_last: must be >= 1"),
-    ("model.num_heads=3", r"model\.hidden_size: 128 must be divisible by num_heads"),
-    ("poll_interval_s=0", r"poll_interval_s: must be >="),
-    ('run_name="../elsewhere"', r"run_name: '\.\./elsewhere' must be a plain directory name"),
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("train.max_steps=-5", r"train\.max_steps: must be >= 1, got -5"),
+        ("train.max_steps=0", r"train\.max_steps: must be >= 1, got 0"),  # 0 never means "all"
+        ("train.nproc=0", r"train\.nproc: must be >= 1"),
+        ("train.batch_size=0", r"train\.batch_size: must be >= 1"),
+        ("train.epochs=-1", r"train\.epochs: must be >= 1"),
+        ("train.save.freq_steps=0", r"train\.save\.freq_steps: must be >= 1"),
+        ("eval.batch_size=0", r"eval\.batch_size: must be >= 1"),
+        ("eval.retries=-1", r"eval\.retries: must be >= 0"),
+        ("scheduler.min_interval_steps=-1", r"scheduler\.min_interval_steps: must be >= 0"),
+        (
+            "scheduler.min_interval_steps=50 scheduler.max_interval_steps=10",
+            r"scheduler\.max_interval_steps: must be >= min_",
+        ),
+        ("storage.retention.keep_last=0", r"storage\.retention\.keep_last: must be >= 1"),
+        ("model.num_heads=3", r"model\.hidden_size: 128 must be divisible by num_heads"),
+        ("poll_interval_s=0", r"poll_interval_s: must be >="),
+        ('run_name="../elsewhere"', r"run_name: '\.\./elsewhere' must be a plain directory name"),
+    ],
+)
 def test_numbers_are_range_checked_naming_the_field(override, named):
     with pytest.raises(ConfigError, match=named):
         load_pipeline_config(overrides=override.split())
@@ -75,8 +81,12 @@ def test_rules_on_metrics_the_evaluator_never_produces_are_refused():
         load_pipeline_config(params={"alerts": {"rules": [typo]}})
     with pytest.raises(ConfigError, match=r"scheduler\.metric: 'acc'"):
         load_pipeline_config(overrides=["scheduler.metric=acc"])
-    custom = load_pipeline_config(params={"eval": {"evaluator": "tests.custom_evaluator:MarginOver"},
-                                          "alerts": {"rules": [{**typo, "metric": "margin_over_0.1"}]}})
+    custom = load_pipeline_config(
+        params={
+            "eval": {"evaluator": "tests.custom_evaluator:MarginOver"},
+            "alerts": {"rules": [{**typo, "metric": "margin_over_0.1"}]},
+        }
+    )
     assert custom.alerts.rules[0].metric == "margin_over_0.1"  # undeclared metrics are not checked
     with pytest.raises(ConfigError, match=r"eval\.evaluator: 'nowhere:Nothing' cannot be loaded"):
         load_pipeline_config(overrides=["eval.evaluator=nowhere:Nothing"])

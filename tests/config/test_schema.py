@@ -16,12 +16,15 @@ def test_every_field_has_its_docstring_as_description():
     assert schema["properties"]["scheduler"]["default"]["min_interval_steps"] == 25  # the pipeline's default
 
 
-@pytest.mark.parametrize("params, where", [
-    ({"eval": {"nproc": True}}, "eval.nproc"),  # a bool is not an int
-    ({"eval": {"nproc": "2"}}, "eval.nproc"),
-    ({"eval": {"nprocs": 2}}, "eval.nprocs"),  # unknown, refused by its dotted path
-    ({"alerts": {"rules": [{"name": "x", "kind": "sometimes"}]}}, "alerts.rules.0.kind"),
-])
+@pytest.mark.parametrize(
+    "params, where",
+    [
+        ({"eval": {"nproc": True}}, "eval.nproc"),  # a bool is not an int
+        ({"eval": {"nproc": "2"}}, "eval.nproc"),
+        ({"eval": {"nprocs": 2}}, "eval.nprocs"),  # unknown, refused by its dotted path
+        ({"alerts": {"rules": [{"name": "x", "kind": "sometimes"}]}}, "alerts.rules.0.kind"),
+    ],
+)
 def test_bad_params_are_refused_naming_the_field(params, where):
     with pytest.raises(ValidationError) as info:
         PipelineParams.model_validate(params)

@@ -50,7 +50,11 @@ def test_distributed_equals_single_process(final_checkpoint, tmp_path, world, mp
     reference = single_process_metrics(event, run.valid_data)
     result = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=world, mp_size=mp, batch_size=16), tmp_path)
     assert result.metrics["n_pairs"] == reference["n_pairs"] == 101  # each pair exactly once
-    assert set(result.metrics) == set(reference) >= {"accuracy", "loss", "chosen_score", "rejected_score", "margin", "n_pairs"}
+    assert (
+        set(result.metrics)
+        == set(reference)
+        >= {"accuracy", "loss", "chosen_score", "rejected_score", "margin", "n_pairs"}
+    )
     for key, value in reference.items():
         assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
 
@@ -110,8 +114,14 @@ def test_s3_checkpoint_is_fetched_once_per_node_and_matches_local(final_checkpoi
     s3 = S3Config(endpoint_url=proxy.url)
     uri = S3Store(f"s3://{s3_bucket}/run", s3, keep_local_copy=False).publish(staged, event.files)
     remote = dataclasses.replace(event, uri=uri)
-    result = run_evaluation_job(remote, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "out", s3=s3,
-                                 cache_dir=tmp_path / "cache")
+    result = run_evaluation_job(
+        remote,
+        run.valid_data,
+        EvalConfig(nproc=2, batch_size=16),
+        tmp_path / "out",
+        s3=s3,
+        cache_dir=tmp_path / "cache",
+    )
     local = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "local")
     assert result.metrics == pytest.approx(local.metrics, abs=1e-9)
     weight_gets = [p for m, p in proxy.requests if m == "GET" and p.split("?")[0].endswith("model.safetensors")]
@@ -139,13 +149,23 @@ def test_pickle_checkpoint_on_s3_is_refused_without_opt_in(final_checkpoint, s3_
     uri = S3Store(f"s3://{s3_bucket}/run", s3).publish(staged, files)
     pickled = dataclasses.replace(event, uri=uri, files=files)
     with pytest.raises(CorruptCheckpoint, match="refused: no \\*.safetensors weights.*allow_pickle"):
-        run_evaluation_job(pickled, run.valid_data, EvalConfig(nproc=1), tmp_path / "out", s3=s3, cache_dir=tmp_path / "c")
-    opted_in = run_evaluation_job(pickled, run.valid_data, EvalConfig(nproc=1, allow_pickle=True), tmp_path / "out",
-                                   s3=s3, cache_dir=tmp_path / "c")
+        run_evaluation_job(
+            pickled, run.valid_data, EvalConfig(nproc=1), tmp_path / "out", s3=s3, cache_dir=tmp_path / "c"
+        )
+    opted_in = run_evaluation_job(
+        pickled,
+        run.valid_data,
+        EvalConfig(nproc=1, allow_pickle=True),
+        tmp_path / "out",
+        s3=s3,
+        cache_dir=tmp_path / "c",
+    )
     assert opted_in.metrics["n_pairs"] == 101
 
 
-def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(final_checkpoint, s3_server, s3_bucket, tmp_path, monkeypatch):
+def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(
+    final_checkpoint, s3_server, s3_bucket, tmp_path, monkeypatch
+):
     """What the Kubernetes template runs, on one machine: node 1's torchrun agent starts with
     ``--follow`` and knows nothing of the job; node 0's is launched by run_evaluation_job."""
     from areal_eval.checkpoints.store import S3Config, S3Store
@@ -161,13 +181,24 @@ def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(final_chec
     remote = dataclasses.replace(event, uri=S3Store(f"s3://{s3_bucket}/run", s3).publish(staged, event.files))
 
     port = free_port()
-    follower = TorchrunJob("areal_eval.evaluation.worker", ["--follow", "--cache-dir", str(tmp_path / "node1-cache")], 1,
-                           tmp_path / "node1.log", nodes=NodeLayout(nnodes=2, node_rank=1, master_port=port))
+    follower = TorchrunJob(
+        "areal_eval.evaluation.worker",
+        ["--follow", "--cache-dir", str(tmp_path / "node1-cache")],
+        1,
+        tmp_path / "node1.log",
+        nodes=NodeLayout(nnodes=2, node_rank=1, master_port=port),
+    )
     for key, value in {"NNODES": 2, "NODE_RANK": 0, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
         monkeypatch.setenv(f"AREAL_EVAL_{key}", str(value))
     try:
-        result = run_evaluation_job(remote, run.valid_data, EvalConfig(nproc=1, batch_size=16), tmp_path / "node0",
-                                     s3=s3, cache_dir=tmp_path / "node0-cache")
+        result = run_evaluation_job(
+            remote,
+            run.valid_data,
+            EvalConfig(nproc=1, batch_size=16),
+            tmp_path / "node0",
+            s3=s3,
+            cache_dir=tmp_path / "node0-cache",
+        )
         assert follower.wait(60) == 0, (tmp_path / "node1.log").read_text()[-2000:]
     finally:
         follower.kill()
@@ -192,7 +223,10 @@ def awkward_pairs(trained_run, tmp_path_factory):
     pairs = read_pairs(run.valid_data)[:30]
     long_text = " ".join(pairs[0]["chosen"].split() * 40)
     pairs += [{"chosen": p["chosen"], "rejected": p["chosen"]} for p in pairs[:5]]  # chosen == rejected
-    pairs += [{"chosen": long_text, "rejected": pairs[1]["rejected"]}, {"chosen": pairs[2]["chosen"], "rejected": long_text}]
+    pairs += [
+        {"chosen": long_text, "rejected": pairs[1]["rejected"]},
+        {"chosen": pairs[2]["chosen"], "rejected": long_text},
+    ]
     path = tmp_path_factory.mktemp("awkward") / "valid.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     assert len(pairs) % 2 == 1
@@ -200,8 +234,9 @@ def awkward_pairs(trained_run, tmp_path_factory):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_ties_and_truncated_pairs_count_the_same_at_every_world_and_batch_size(final_checkpoint, awkward_pairs,
-                                                                                tmp_path, world):
+def test_ties_and_truncated_pairs_count_the_same_at_every_world_and_batch_size(
+    final_checkpoint, awkward_pairs, tmp_path, world
+):
     run, event = final_checkpoint
     reference = single_process_metrics(event, awkward_pairs, batch_size=37)
     for batch_size in (1, 4):

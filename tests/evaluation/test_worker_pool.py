@@ -20,7 +20,7 @@ def test_one_job_serves_several_evaluations_with_the_same_results(trained_run, t
         warm = [run_evaluation_job(e, run.valid_data, eval_cfg, tmp_path / "warm", workers=workers) for e in events]
         assert workers.started_jobs == 1  # the same ranks evaluated every checkpoint
     assert live_processes(str(tmp_path / "pool")) == [] and workers.job is None
-    for event, result in zip(events, warm):
+    for event, result in zip(events, warm, strict=False):
         fresh = run_evaluation_job(event, run.valid_data, eval_cfg, tmp_path / "fresh")
         assert result.metrics == pytest.approx(fresh.metrics, abs=1e-9), event.global_step
 
@@ -38,13 +38,13 @@ def test_a_dead_rank_fails_that_evaluation_and_the_next_starts_fresh_ranks(train
     assert live_processes(str(tmp_path / "pool")) == []
 
 
-def test_a_job_that_cannot_even_be_parsed_is_recorded_with_its_cause(tmp_path):
+def test_a_job_whose_spec_is_bad_is_recorded_with_the_field_named(tmp_path):
     out = tmp_path / "result.json"
     with WarmEvalWorkers(2, tmp_path / "pool", collective_timeout_s=20) as workers:
-        code, log = workers.run(["--out", str(out), "--no-such-flag"], out, 120)
+        code, log = workers.run({"out": str(out), "checkpoint": "/c", "no_such_field": 1}, 120)
     assert code != 0
     error = json.loads(out.read_text())["error"]
-    assert "bad job arguments" in error and "--no-such-flag" in error
+    assert "ConfigError: job " in error and "unknown config field no_such_field" in error
     assert "evaluation failed (job " in log.read_text()
     assert live_processes(str(tmp_path / "pool")) == []
 
@@ -66,7 +66,7 @@ def test_two_slots_evaluate_two_checkpoints_at_once_on_their_own_ranks(trained_r
         results = list(pool.map(evaluate, events))
         assert groups.started_jobs == 2 and results[0][1] is not results[1][1]
     assert live_processes(str(tmp_path / "pool")) == []
-    for event, (result, _) in zip(events, results):
+    for event, (result, _) in zip(events, results, strict=False):
         fresh = run_evaluation_job(event, run.valid_data, eval_cfg, tmp_path / "fresh")
         assert result.global_step == event.global_step
         assert result.metrics == pytest.approx(fresh.metrics, abs=1e-9)

@@ -20,6 +20,7 @@ from areal_eval.config.pipeline import load_pipeline_config
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.planner import EvaluationPlanner
 from areal_eval.tracking import Tracker
+from tests.helpers import assert_best_is_registered
 from tests.prefect_services import PREFECT, REPO, prefect_server, stop
 from tests.prefect_services import cli as run_cli
 
@@ -54,14 +55,26 @@ def stored_run(server, trained_run):
     _, original = trained_run
     store = Path(server["AREAL_EVAL_STORE"])
     run_dir = store / original.root.name
-    shutil.copytree(original.root, run_dir, ignore=shutil.ignore_patterns("ledger.jsonl", "evals", "decisions.lock", "evaluation_state.json"))
+    shutil.copytree(
+        original.root,
+        run_dir,
+        ignore=shutil.ignore_patterns("ledger.jsonl", "evals", "decisions.lock", "evaluation_state.json"),
+    )
     (run_dir / "manifest.jsonl").write_text((original.manifest).read_text().replace(str(original.root), str(run_dir)))
     return run_dir
 
 
 def test_kubernetes_eval_pool_is_created_from_the_template(server):
-    cli(server, "work-pool", "create", "areal-eval-k8s", "--type", "kubernetes",
-        "--base-job-template", str(REPO / "infra" / "k8s" / "eval-pool.json"))
+    cli(
+        server,
+        "work-pool",
+        "create",
+        "areal-eval-k8s",
+        "--type",
+        "kubernetes",
+        "--base-job-template",
+        str(REPO / "infra" / "k8s" / "eval-pool.json"),
+    )
     pool = api_get(server, "/work_pools/areal-eval-k8s")
     assert pool["type"] == "kubernetes"
     variables = pool["base_job_template"]["variables"]["properties"]
@@ -71,7 +84,14 @@ def test_kubernetes_eval_pool_is_created_from_the_template(server):
     assert manifest["spec"]["completionMode"] == "Indexed"
 
     # The README's deploy command for that pool; then evaluate-checkpoint goes back to the process pool.
-    deploy = ["--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "-n", "evaluate-checkpoint/on-checkpoint"]
+    deploy = [
+        "--no-prompt",
+        "deploy",
+        "--prefect-file",
+        "infra/prefect.yaml",
+        "-n",
+        "evaluate-checkpoint/on-checkpoint",
+    ]
     cli(server, *deploy, "--pool", "areal-eval-k8s", "--job-variable", "image=registry.local/areal-eval:1")
     deployment = api_get(server, "/deployments/name/evaluate-checkpoint/on-checkpoint")
     assert deployment["work_pool_name"] == "areal-eval-k8s"
@@ -82,7 +102,11 @@ def test_kubernetes_eval_pool_is_created_from_the_template(server):
 
 
 def test_deployments_and_the_automation_are_named(server):
-    for name in ("train-and-evaluate/pipeline", "evaluate-checkpoint/on-checkpoint", "sweep-checkpoints/every-30-minutes"):
+    for name in (
+        "train-and-evaluate/pipeline",
+        "evaluate-checkpoint/on-checkpoint",
+        "sweep-checkpoints/every-30-minutes",
+    ):
         assert api_get(server, f"/deployments/name/{name}")["tags"]
     on_checkpoint = api_get(server, "/deployments/name/evaluate-checkpoint/on-checkpoint")
     assert on_checkpoint["parameters"]["gpu_slot"] == "gpu:0" and "evaluation" in on_checkpoint["tags"]
@@ -92,9 +116,14 @@ def test_deployments_and_the_automation_are_named(server):
 
 def test_bad_parameters_are_refused_before_a_run_starts(server):
     for bad, field in (({"eval": {"nprocs": 2}}, "params.eval"), ({"eval": {"nproc": True}}, "params.eval.nproc")):
-        done = subprocess.run([PREFECT, "deployment", "run", "train-and-evaluate/pipeline",
-                               "--params", json.dumps({"params": bad})],
-                              cwd=REPO, env=server, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [PREFECT, "deployment", "run", "train-and-evaluate/pipeline", "--params", json.dumps({"params": bad})],
+            cwd=REPO,
+            env=server,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         said = done.stdout + done.stderr
         assert done.returncode != 0 and f"Validation failed for field '{field}'" in said, said[-2000:]
         assert "nprocs" in said or "True is not of type 'integer'" in said, said[-2000:]
@@ -105,8 +134,15 @@ def test_deployment_run_evaluates_a_checkpoint(server, stored_run):
     manifest = stored_run / "manifest.jsonl"
     run_id = Manifest(manifest).events()[0].run_id
     started = time.monotonic()
-    cli(server, "deployment", "run", "evaluate-checkpoint/on-checkpoint", "--watch",
-        "--params", json.dumps({"global_step": 4, "manifest": str(manifest), "reason": "manual"}))
+    cli(
+        server,
+        "deployment",
+        "run",
+        "evaluate-checkpoint/on-checkpoint",
+        "--watch",
+        "--params",
+        json.dumps({"global_step": 4, "manifest": str(manifest), "reason": "manual"}),
+    )
     print(f"deployment run to completion: {time.monotonic() - started:.1f}s")
     assert 4 in eval_steps(server, run_id)
     assert Ledger(stored_run / "ledger.jsonl").latest(4).reason.startswith("manual; scheduler: ")
@@ -115,8 +151,12 @@ def test_deployment_run_evaluates_a_checkpoint(server, stored_run):
 
 
 def api(env, path: str, body: dict | None = None):
-    request = urllib.request.Request(env["PREFECT_API_URL"] + path, data=json.dumps(body or {}).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        env["PREFECT_API_URL"] + path,
+        data=json.dumps(body or {}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read() or b"null")
 
@@ -129,15 +169,23 @@ def test_event_triggers_evaluate_checkpoint_with_its_parameters(server, stored_r
     deadline, run = time.monotonic() + 240, None
     while time.monotonic() < deadline:
         runs = api(server, "/flow_runs/filter", {"limit": 200})
-        run = next((r for r in runs if r["parameters"].get("global_step") == 12
-                    and r["parameters"].get("manifest") == str(manifest)), None)
+        run = next(
+            (
+                r
+                for r in runs
+                if r["parameters"].get("global_step") == 12 and r["parameters"].get("manifest") == str(manifest)
+            ),
+            None,
+        )
         if run and run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             break
         time.sleep(1)
     assert run is not None, "no evaluate-checkpoint run was started by the event"
-    created = api(server, "/events/filter", {"filter": {"event": {"name": ["prefect.flow-run.Scheduled"]}}, "limit": 50})
-    print(f"event to flow run scheduled: {min(e['occurred'] for e in created['events'] if run['id'] in e['resource']['prefect.resource.id'])}"
-          f" (sent {sent:.3f}); started {run['start_time']}")
+    created = api(
+        server, "/events/filter", {"filter": {"event": {"name": ["prefect.flow-run.Scheduled"]}}, "limit": 50}
+    )
+    scheduled = min(e["occurred"] for e in created["events"] if run["id"] in e["resource"]["prefect.resource.id"])
+    print(f"event to flow run scheduled: {scheduled} (sent {sent:.3f}); started {run['start_time']}")
     assert run["parameters"]["run_id"] == event.run_id and run["parameters"]["checkpoint_uri"] == event.uri
     assert run["state_type"] == "COMPLETED", run["state"]
     assert 12 in eval_steps(server, event.run_id)
@@ -176,8 +224,15 @@ def republish(original: Path, run_dir: Path, run_id: str, steps: list[int]) -> P
     manifest = Manifest(run_dir / "manifest.jsonl")
     for i, step in enumerate(steps):
         event = trained[i % len(trained)]
-        manifest.append(dataclasses.replace(event, run_id=run_id, global_step=step, final=step == steps[-1],
-                                            train_metrics={"loss": 1.0 / (step + 1)}))
+        manifest.append(
+            dataclasses.replace(
+                event,
+                run_id=run_id,
+                global_step=step,
+                final=step == steps[-1],
+                train_metrics={"loss": 1.0 / (step + 1)},
+            )
+        )
     return run_dir / "manifest.jsonl"
 
 
@@ -199,18 +254,22 @@ def test_a_burst_of_events_decides_as_the_in_flow_planner_and_the_run_ends(serve
     first = {}
     for line in lines:
         first.setdefault(line["step"], line)
-    assert {s: (first[s]["status"] == "scheduled", first[s]["reason"]) for s in steps} == \
-        {s: (d.evaluate, d.reason) for s, d in expected.items()}
+    assert {s: (first[s]["status"] == "scheduled", first[s]["reason"]) for s in steps} == {
+        s: (d.evaluate, d.reason) for s, d in expected.items()
+    }
     ledger = Ledger(tmp_path / "burst" / "ledger.jsonl")
     assert all(e.status in ("evaluated", "skipped") for e in ledger.entries())
     evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
     assert eval_steps(server, "burst") == evaluated  # each once
 
     # gpu:0 held every evaluation: no two evaluation task runs overlapped.
-    tasks = sorted((r["start_time"], r["end_time"]) for r in api(server, "/task_runs/filter", {"limit": 200})
-                   if r["name"].startswith("evaluate-step-") and r["flow_run_id"] in {f["id"] for f in runs})
+    tasks = sorted(
+        (r["start_time"], r["end_time"])
+        for r in api(server, "/task_runs/filter", {"limit": 200})
+        if r["name"].startswith("score-step-") and r["flow_run_id"] in {f["id"] for f in runs}
+    )
     assert len(tasks) >= len([e for e in expected.values() if e.evaluate])
-    assert all(later[0] >= earlier[1] for earlier, later in zip(tasks, tasks[1:])), tasks
+    assert all(later[0] >= earlier[1] for earlier, later in zip(tasks, tasks[1:], strict=False)), tasks
 
     # The run is over: its MLflow run ended with the curve, the decisions and the publisher's train metrics.
     tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
@@ -221,6 +280,7 @@ def test_a_burst_of_events_decides_as_the_in_flow_planner_and_the_run_ends(serve
     assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "train/loss")) == steps
     artifacts = {a.path for a in tracker.client.list_artifacts(mlflow_run.info.run_id)}
     assert {"evaluation_curve.png", "scheduler_decisions.json"} <= artifacts
+    assert_best_is_registered(tracker, "areal-eval-burst", mlflow_run.info.run_id, ledger)
 
 
 def test_missing_validation_data_fails_before_any_worker_and_alerts(server, trained_run, tmp_path):
@@ -242,9 +302,22 @@ def test_the_evaluation_service_evaluates_published_checkpoints_on_warm_workers(
     _, original = trained_run
     cli(server, "automation", "pause", "evaluate-published-checkpoint")  # the service instead of the trigger
     log = tmp_path / "service.log"
-    service = subprocess.Popen([sys.executable, "-m", "flows.serve_evaluations", "--set", f"work_dir={tmp_path / 'work'}",
-                                "--set", "eval.nproc=1"], cwd=REPO, env=server, start_new_session=True,
-                               stdout=log.open("w"), stderr=subprocess.STDOUT)
+    service = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.serve_evaluations",
+            "--set",
+            f"work_dir={tmp_path / 'work'}",
+            "--set",
+            "eval.nproc=1",
+        ],
+        cwd=REPO,
+        env=server,
+        start_new_session=True,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         while "listening" not in log.read_text():
@@ -260,9 +333,13 @@ def test_the_evaluation_service_evaluates_published_checkpoints_on_warm_workers(
     assert all(r["state_type"] == "COMPLETED" for r in runs) and all(r["deployment_id"] is None for r in runs)
     assert sorted(r["name"] for r in runs) == ["served@0", "served@100", "served@200"]
     ledger = Ledger(tmp_path / "served" / "ledger.jsonl")
-    assert eval_steps(server, "served") == [e.step for e in ledger.entries() if e.status == "evaluated"] == [0, 100, 200]
+    assert (
+        eval_steps(server, "served") == [e.step for e in ledger.entries() if e.status == "evaluated"] == [0, 100, 200]
+    )
     # One torchrun job served every evaluation: start-up was paid once.
-    assert [p.name for p in (tmp_path / "work" / "serve-evaluations").glob("warm-workers-*.log")] == ["warm-workers-1.log"]
+    assert [p.name for p in (tmp_path / "work" / "serve-evaluations").glob("warm-workers-*.log")] == [
+        "warm-workers-1.log"
+    ]
 
 
 def test_the_sweep_evaluates_only_what_no_flow_run_handles(server, stored_run):
@@ -284,7 +361,15 @@ def test_deployment_run_train_and_evaluate(server, tmp_path):
 
     params = {**TINY, "work_dir": str(tmp_path), "run_name": "served"}
     started = time.monotonic()
-    cli(server, "deployment", "run", "train-and-evaluate/pipeline", "--watch", "--params", json.dumps({"params": params}))
+    cli(
+        server,
+        "deployment",
+        "run",
+        "train-and-evaluate/pipeline",
+        "--watch",
+        "--params",
+        json.dumps({"params": params}),
+    )
     print(f"train-and-evaluate deployment run to completion: {time.monotonic() - started:.1f}s")
     run_id = (tmp_path / "served" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
@@ -296,9 +381,21 @@ def test_deployment_run_train_and_evaluate(server, tmp_path):
 def test_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_path):
     from tests.conftest import TINY
 
-    params = {**TINY, "work_dir": str(tmp_path), "run_name": "dispatched",
-              "eval": {**TINY["eval"], "deployment": "evaluate-checkpoint/on-checkpoint"}}
-    cli(server, "deployment", "run", "train-and-evaluate/pipeline", "--watch", "--params", json.dumps({"params": params}))
+    params = {
+        **TINY,
+        "work_dir": str(tmp_path),
+        "run_name": "dispatched",
+        "eval": {**TINY["eval"], "deployment": "evaluate-checkpoint/on-checkpoint"},
+    }
+    cli(
+        server,
+        "deployment",
+        "run",
+        "train-and-evaluate/pipeline",
+        "--watch",
+        "--params",
+        json.dumps({"params": params}),
+    )
     run_id = (tmp_path / "dispatched" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
     # Dispatched evaluate-checkpoint runs, and no trigger-started ones: the flow's own events

@@ -13,6 +13,7 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import tiny_config
+from tests.helpers import assert_best_is_registered
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,14 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
 
     # The webhook URL is a secret (a token in its path and query): named by an environment variable.
     monkeypatch.setenv("ALERT_HOOK", f"{webhook.url}/{SENTINEL}?token={SENTINEL}")
-    always = {"name": "accuracy-seen", "kind": "threshold", "metric": "accuracy", "op": ">", "value": 0.0, "throttle_secs": 3600}
+    always = {
+        "name": "accuracy-seen",
+        "kind": "threshold",
+        "metric": "accuracy",
+        "op": ">",
+        "value": 0.0,
+        "throttle_secs": 3600,
+    }
     cfg = tiny_config(tmp_path, alerts={"webhook_url_env": "ALERT_HOOK", "rules": [always]})
     state = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))), return_state=True)
     assert state.is_completed(), state
@@ -59,6 +67,7 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
     assert data.tags[f"checkpoint.{steps[-1]}.uri"].endswith(f"global_step_{steps[-1]:08d}")
     artifacts = [a.path for a in tracker.client.list_artifacts(runs[0].info.run_id)]
     assert {"scheduler_decisions.json", "evaluation_curve.png", "alerts"} <= set(artifacts)
+    assert_best_is_registered(tracker, f"areal-eval-{run.run_id}", runs[0].info.run_id, ledger)
 
     # The alert rule fired on every evaluation; throttling let one notification through.
     assert len(webhook.requests) == 1 and SENTINEL in webhook.requests[0]["path"]
@@ -74,9 +83,15 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
     names = [t.task_key.rsplit("-", 1)[0] for t in task_runs]
-    per_evaluation = {"score_checkpoint": len(evaluated), "log_evaluation": len(evaluated), "send_alert": len(evaluated)}
+    per_evaluation = {
+        "score_checkpoint": len(evaluated),
+        "log_evaluation": len(evaluated),
+        "send_alert": len(evaluated),
+    }
     assert {k: names.count(k) for k in per_evaluation} == per_evaluation
     assert len(names) == sum(per_evaluation.values()) + 5  # prepare, start tracking and training, wait, finish
 
@@ -99,7 +114,9 @@ def test_bad_checkpoint_fails_alerts_and_the_flow_goes_on(prefect_server, traine
 
     cfg, original = trained_run
     cfg = dataclasses.replace(
-        cfg, work_dir=str(tmp_path), scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
+        cfg,
+        work_dir=str(tmp_path),
+        scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
         alerts=dataclasses.replace(cfg.alerts, webhook_url=webhook.url),
     )
@@ -124,9 +141,17 @@ def test_bad_checkpoint_fails_alerts_and_the_flow_goes_on(prefect_server, traine
 def test_alert_can_stop_training(prefect_server, tmp_path):
     from flows.train_and_evaluate import train_and_evaluate
 
-    stop_rule = {"name": "good-enough", "kind": "threshold", "op": ">", "value": 0.0, "min_step": 1, "stop_training": True}
+    stop_rule = {
+        "name": "good-enough",
+        "kind": "threshold",
+        "op": ">",
+        "value": 0.0,
+        "min_step": 1,
+        "stop_training": True,
+    }
     cfg = tiny_config(
-        tmp_path, alerts={"rules": [stop_rule]},
+        tmp_path,
+        alerts={"rules": [stop_rule]},
         train={"max_steps": 100000, "epochs": 100000, "save": {"freq_steps": 10, "eval_before_train": False}},
     )
     summary = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))))
@@ -144,7 +169,9 @@ def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_
 
     cfg, original = trained_run
     cfg = dataclasses.replace(
-        cfg, work_dir=str(tmp_path), eval=dataclasses.replace(cfg.eval, retries=1),
+        cfg,
+        work_dir=str(tmp_path),
+        eval=dataclasses.replace(cfg.eval, retries=1),
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
     )
     run = RunDir(cfg.run_root)
@@ -173,9 +200,12 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
 
     cfg, trained = trained_run
     run = RunDir(tmp_path / "run")  # the run's record is written beside its manifest: a copy of its own
-    shutil.copytree(trained.root, run.root, ignore=shutil.ignore_patterns("checkpoints", "resume", "evals", "ledger.jsonl"))
+    shutil.copytree(
+        trained.root, run.root, ignore=shutil.ignore_patterns("checkpoints", "resume", "evals", "ledger.jsonl")
+    )
     cfg = dataclasses.replace(
-        cfg, scheduler=dataclasses.replace(cfg.scheduler, min_interval_steps=9, max_interval_steps=None),
+        cfg,
+        scheduler=dataclasses.replace(cfg.scheduler, min_interval_steps=9, max_interval_steps=None),
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
     )
     params = json.loads(json.dumps(dataclasses.asdict(cfg)))
@@ -217,7 +247,9 @@ def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, traine
     cfg, original = trained_run
     always = {"name": "seen", "kind": "threshold", "metric": "accuracy", "op": ">", "value": 0.0, "throttle_secs": 3600}
     cfg = dataclasses.replace(
-        cfg, work_dir=str(tmp_path), alerts=dataclasses.replace(cfg.alerts, webhook_url=closed, rules=[]),
+        cfg,
+        work_dir=str(tmp_path),
+        alerts=dataclasses.replace(cfg.alerts, webhook_url=closed, rules=[]),
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
     )
     from areal_eval.alerts import AlertRule
@@ -244,9 +276,24 @@ def start_mlflow_server(db, artifacts, port):
     import urllib.request
     from pathlib import Path
 
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
-                             str(port), "--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(artifacts),
-                             "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{db}",
+            "--default-artifact-root",
+            str(artifacts),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(240):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
@@ -257,8 +304,9 @@ def start_mlflow_server(db, artifacts, port):
     raise RuntimeError("mlflow server did not start")
 
 
-def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(prefect_server, trained_run, tmp_path,
-                                                                         monkeypatch):
+def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
+    prefect_server, trained_run, tmp_path, monkeypatch
+):
     import threading
 
     from prefect import flow
@@ -272,7 +320,9 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(prefect
     server = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", port)
     cfg, original = trained_run
     cfg = dataclasses.replace(
-        cfg, work_dir=str(tmp_path), tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"http://127.0.0.1:{port}"),
+        cfg,
+        work_dir=str(tmp_path),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"http://127.0.0.1:{port}"),
         scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
     )
     run = RunDir(cfg.run_root)

@@ -46,21 +46,29 @@ def wait_for(condition, timeout_s: float, what: str):
 
 def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict):
     """The demo's command on a tiny config, as its own process; returns it, its config, run and log."""
-    params = {**TINY, "run_name": run_name, "work_dir": str(tmp_path),
-              "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
-              "train": {**TINY["train"], "max_steps": max_steps, "epochs": 40, "save": {"freq_steps": 6}},
-              "scheduler": scheduler}
+    params = {
+        **TINY,
+        "run_name": run_name,
+        "work_dir": str(tmp_path),
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        "train": {**TINY["train"], "max_steps": max_steps, "epochs": 40, "save": {"freq_steps": 6}},
+        "scheduler": scheduler,
+    }
     config = tmp_path / "config.json"
     config.write_text(json.dumps(params))
     log = (tmp_path / f"{run_name}-flow.log").open("w")
-    flow = subprocess.Popen(flow_command(config), cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    flow = subprocess.Popen(
+        flow_command(config), cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     return flow, params, config, RunDir(tmp_path / run_name), log
 
 
 def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
-    flow, params, config, run, log = start_flow(tmp_path, "resume", 120, {"min_interval_steps": 0, "max_interval_steps": 12})
+    flow, params, config, run, log = start_flow(
+        tmp_path, "resume", 120, {"min_interval_steps": 0, "max_interval_steps": 12}
+    )
     try:
+
         def mid_run():
             steps = [e.global_step for e in Manifest(run.manifest).events()]
             return 12 <= max(steps, default=0) < 120
@@ -101,15 +109,25 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
 
 
 def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_handled(tmp_path):
-    flow, params, config, run, log = start_flow(tmp_path, "rank", 400,
-                                                {"policy": "fixed", "fixed_interval_steps": 1, "coalesce": False,
-                                                 "min_interval_steps": 0})
+    flow, params, config, run, log = start_flow(
+        tmp_path,
+        "rank",
+        400,
+        {"policy": "fixed", "fixed_interval_steps": 1, "coalesce": False, "min_interval_steps": 0},
+    )
     try:
-        wait_for(lambda: max([e.global_step for e in Manifest(run.manifest).events()], default=0) >= 12, 300,
-                 f"training past step 12 (flow log {log.name})")
-        ranks = [p for p in psutil.Process(flow.pid).children(recursive=True)
-                 if "areal_eval.train" in " ".join(p.cmdline()) and "torchrun" not in " ".join(p.cmdline())
-                 and p.environ().get("RANK") == "1"]
+        wait_for(
+            lambda: max([e.global_step for e in Manifest(run.manifest).events()], default=0) >= 12,
+            300,
+            f"training past step 12 (flow log {log.name})",
+        )
+        ranks = [
+            p
+            for p in psutil.Process(flow.pid).children(recursive=True)
+            if "areal_eval.train" in " ".join(p.cmdline())
+            and "torchrun" not in " ".join(p.cmdline())
+            and p.environ().get("RANK") == "1"
+        ]
         assert len(ranks) == 1
         ranks[0].kill()
         assert flow.wait(300) != 0
@@ -124,4 +142,6 @@ def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_ha
     tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
     [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
     assert mlflow_run.info.status == "FAILED" and "training failed" in mlflow_run.data.tags["areal.failure"]
-    assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")) == published
+    assert (
+        sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")) == published
+    )

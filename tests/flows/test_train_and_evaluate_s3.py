@@ -27,7 +27,11 @@ def test_pipeline_on_s3_with_faults_retention_and_sweep(prefect_server, s3_serve
     store = f"s3://{s3_bucket}/checkpoints"
     cfg = tiny_config(
         tmp_path,
-        storage={"checkpoint_uri": store, "s3": {"endpoint_url": proxy.url}, "retention": {"keep_last": 2, "keep_best": 1}},
+        storage={
+            "checkpoint_uri": store,
+            "s3": {"endpoint_url": proxy.url},
+            "retention": {"keep_last": 2, "keep_best": 1},
+        },
         tracking={"artifact_location": f"s3://{s3_bucket}/mlflow"},
     )
     params = json.loads(json.dumps(dataclasses.asdict(cfg)))
@@ -51,7 +55,11 @@ def test_pipeline_on_s3_with_faults_retention_and_sweep(prefect_server, s3_serve
     # Retention: the last 2 and the best 1 kept, the rest deleted and recorded; objects agree.
     client = boto3.client("s3", endpoint_url=s3_server.url)
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
-    present = {e.global_step for e in events if any(k.startswith(f"checkpoints/{run.run_id}/global_step_{e.global_step:08d}/") for k in keys)}
+    present = {
+        e.global_step
+        for e in events
+        if any(k.startswith(f"checkpoints/{run.run_id}/global_step_{e.global_step:08d}/") for k in keys)
+    }
     deleted = tracker.deleted_steps(mlflow_run)
     steps = [e.global_step for e in events]
     best = max((e for e in ledger.entries() if e.status == "evaluated"), key=lambda e: e.metrics["accuracy"]).step
@@ -78,7 +86,9 @@ def test_pipeline_on_s3_with_faults_retention_and_sweep(prefect_server, s3_serve
     proxy.stop()
 
 
-def test_corrupt_s3_objects_fail_alert_and_the_flow_goes_on(prefect_server, trained_run, s3_server, s3_bucket, tmp_path, webhook):
+def test_corrupt_s3_objects_fail_alert_and_the_flow_goes_on(
+    prefect_server, trained_run, s3_server, s3_bucket, tmp_path, webhook
+):
     import shutil
 
     from prefect import flow
@@ -89,11 +99,14 @@ def test_corrupt_s3_objects_fail_alert_and_the_flow_goes_on(prefect_server, trai
 
     cfg, original = trained_run
     cfg = dataclasses.replace(
-        cfg, work_dir=str(tmp_path),
+        cfg,
+        work_dir=str(tmp_path),
         scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
         alerts=dataclasses.replace(cfg.alerts, webhook_url=webhook.url),
-        storage=dataclasses.replace(cfg.storage, checkpoint_uri=f"s3://{s3_bucket}/ckpt", s3=S3Config(endpoint_url=s3_server.url)),
+        storage=dataclasses.replace(
+            cfg.storage, checkpoint_uri=f"s3://{s3_bucket}/ckpt", s3=S3Config(endpoint_url=s3_server.url)
+        ),
     )
     run = RunDir(cfg.run_root)
     shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
@@ -105,7 +118,9 @@ def test_corrupt_s3_objects_fail_alert_and_the_flow_goes_on(prefect_server, trai
     run.manifest.write_text(manifest)
     client = boto3.client("s3", endpoint_url=s3_server.url)
     key = f"ckpt/{run.run_id}/global_step_00000004/model.safetensors"
-    client.put_object(Bucket=s3_bucket, Key=key, Body=client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()[:-100])
+    client.put_object(
+        Bucket=s3_bucket, Key=key, Body=client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()[:-100]
+    )
     client.delete_object(Bucket=s3_bucket, Key=f"ckpt/{run.run_id}/global_step_00000008/config.json")
 
     @flow(name="evaluate-existing-run")

@@ -52,7 +52,7 @@ def test_every_checkpoint_ends_evaluated_or_recorded_with_reason(tmp_path):
         # evaluation is slow: one finishes every third checkpoint
         if step % 15 == 0 and (nxt := planner.next()):
             planner.evaluated(nxt, {"accuracy": 0.5 + step / 100, "accuracy_stderr": 0.01})
-    while (nxt := planner.next()):
+    while nxt := planner.next():
         planner.evaluated(nxt, {"accuracy": 0.9, "accuracy_stderr": 0.01})
     entries = planner.ledger.entries()
     assert [e.step for e in entries] == list(range(0, 50, 5))
@@ -69,9 +69,12 @@ def test_cover_bound_and_refinement_through_the_planner(tmp_path):
     planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
     for step in range(0, 100, 10):
         planner.offer(ev(step, final=step == 90))
-        while (nxt := planner.next()):
+        while nxt := planner.next():
             planner.evaluated(nxt, {"accuracy": accuracy[nxt.global_step], "accuracy_stderr": 0.01})
-    status = lambda: {e.step: e.status for e in planner.ledger.entries()}
+
+    def status():
+        return {e.step: e.status for e in planner.ledger.entries()}
+
     assert [s for s, st in status().items() if st == "evaluated"] == [0, 10, 40, 70, 90]
     assert [e.global_step for e in planner.refine(deleted={30, 50})] == []  # retention removed them
     queued = planner.refine()
@@ -144,6 +147,7 @@ def test_decision_thread_decides_as_the_manifest_grows(tmp_path):
 
     manifest = Manifest(tmp_path / "manifest.jsonl")
     planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
+
     def eventually(condition, timeout_s=10.0):
         deadline = time.monotonic() + timeout_s
         while not condition() and time.monotonic() < deadline:

@@ -25,8 +25,12 @@ def H(step, metric, se=0.01):
 
 
 ADAPTIVE = SchedulerConfig(
-    min_interval_steps=10, max_interval_steps=400, max_interval_checkpoints=None,
-    drift_tolerance=1.0, noise_discount=1.0, regression_z=2.0,
+    min_interval_steps=10,
+    max_interval_steps=400,
+    max_interval_checkpoints=None,
+    drift_tolerance=1.0,
+    noise_discount=1.0,
+    regression_z=2.0,
 )
 
 
@@ -105,7 +109,10 @@ def test_uneven_spacing_reasons_in_steps():
 
     fine = _evaluated_steps(range(0, 2001, 10), trend)
     coarse = _evaluated_steps(range(0, 2001, 40), trend)
-    gap = lambda steps: sorted(b - a for a, b in zip(steps, steps[1:]))[len(steps) // 2]
+
+    def gap(steps):
+        return sorted(b - a for a, b in zip(steps, steps[1:], strict=False))[len(steps) // 2]
+
     assert abs(gap(fine) - gap(coarse)) <= 40, (fine, coarse)
     assert 3 < len(coarse) < 60
 
@@ -176,8 +183,13 @@ def test_decision_history_decides_as_the_full_history(seed, higher_is_better):
         for target in [step] + rng.sample(offered, min(2, len(offered))):
             roll = rng.random()
             metric = rng.choice([0.5, 0.6, 0.6, rng.random(), float("nan")])
-            entry = (HistoryEntry(target, float(target), metric, rng.choice([None, 0.01, 0.02])) if roll < 0.5
-                     else HistoryEntry(target, float(target), None) if roll < 0.7 else None)
+            entry = (
+                HistoryEntry(target, float(target), metric, rng.choice([None, 0.01, 0.02]))
+                if roll < 0.5
+                else HistoryEntry(target, float(target), None)
+                if roll < 0.7
+                else None
+            )
             if entry is None:
                 full.pop(target, None)
             else:

@@ -7,12 +7,14 @@ from areal_eval import cli
 from areal_eval.scheduling import replay
 from areal_eval.scheduling.replay import Curve, FixedEvery, Point, parse_policy
 
-SHARED_CURVES = Path(__file__).resolve().parents[3] / "shared" / "data" / "curves" / "pythia-v0.jsonl"
+SHIPPED_CURVES = Path(__file__).resolve().parents[1] / "data" / "curves" / "pythia-v0.jsonl"
+"""Real Pythia learning curves, shipped with the tests (see tests/data/curves/README.md)."""
+DEMO_CURVES = Path(__file__).resolve().parents[2] / "bench" / "curves" / "areal-demo.jsonl"
 
 
 def curve(values, steps=None, se=0.01, higher=True):
     steps = steps or [i * 10 for i in range(len(values))]
-    return Curve("c", higher, tuple(Point(s, v, se) for s, v in zip(steps, values)))
+    return Curve("c", higher, tuple(Point(s, v, se) for s, v in zip(steps, values, strict=False)))
 
 
 def test_fixed_every_k_includes_first_and_last():
@@ -49,7 +51,7 @@ def test_adaptive_runs_the_production_scheduler():
     assert chosen[:3] == [0, 1, 2] and 24 in chosen
     flat_part = [i for i in chosen if i >= 5]
     assert len(flat_part) < 10  # sparse on the plateau
-    assert max(b - a for a, b in zip(chosen, chosen[1:])) <= 4  # the cover bound
+    assert max(b - a for a, b in zip(chosen, chosen[1:], strict=False)) <= 4  # the cover bound
 
 
 def test_refinement_counts_as_seen_at_the_end():
@@ -72,10 +74,24 @@ def test_bad_curve_file_names_the_line(tmp_path):
     assert cli.main(["replay", str(f)]) == 2
 
 
-@pytest.mark.skipif(not SHARED_CURVES.exists(), reason="shared curves not beside the checkout")
-def test_cli_json_on_the_shared_curves(capsys):
-    assert cli.main(["replay", str(SHARED_CURVES), "--policy", "adaptive", "--policy", "fixed:1",
-                     "--policy", "fixed:2", "--inject-regression", "--json"]) == 0
+def test_cli_json_on_the_shipped_curves(capsys):
+    assert (
+        cli.main(
+            [
+                "replay",
+                str(SHIPPED_CURVES),
+                "--policy",
+                "adaptive",
+                "--policy",
+                "fixed:1",
+                "--policy",
+                "fixed:2",
+                "--inject-regression",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     policies = result["policies"]
     assert set(policies) == {"adaptive", "fixed:1", "fixed:2"}
@@ -88,3 +104,29 @@ def test_cli_json_on_the_shared_curves(capsys):
     assert adaptive["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
     assert adaptive["evaluations"] <= 0.6 * policies["fixed:1"]["evaluations"]
     assert adaptive["mean_regret"] <= 0.005 and adaptive["detection_delay"] <= 1.0
+
+
+def test_compute_and_tracking_targets_on_the_demo_curves(capsys):
+    """The demo's own recorded curves (other seeds, noise and save intervals than Pythia's)."""
+    assert (
+        cli.main(
+            [
+                "replay",
+                str(DEMO_CURVES),
+                "--policy",
+                "adaptive",
+                "--policy",
+                "fixed:1",
+                "--policy",
+                "fixed:2",
+                "--inject-regression",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    policies = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policies"]
+    adaptive = policies["adaptive"]
+    assert adaptive["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
+    assert adaptive["evaluations"] <= 0.6 * policies["fixed:1"]["evaluations"]
+    assert adaptive["mean_regret"] <= 0.005

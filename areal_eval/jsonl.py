@@ -1,0 +1,124 @@
+"""JSON lines and small JSON files, written durably and read with file:line errors.
+
+The manifest, the ledger, the training log, the curves and the data files are JSON lines; run
+state is small JSON files. Every one of them is written and read here, so each keeps the same
+promises: an append is on disk when it returns, a whole-file write is seen whole or not at all,
+a reader of a growing file takes only complete lines, and a bad line is named by file and line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class JsonlError(ValueError):
+    """A line that is not what it should be; the message starts with ``path:line:``."""
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a file's creation or rename in ``path`` survive a power cut."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append(path: str | Path, row: Any, sort_keys: bool = False) -> None:
+    """Append ``row`` (JSON-encoded unless already a ``str``) as one line, on disk when this returns.
+
+    After a writer died mid-line the new row starts a fresh line, so the torn one stays a single
+    bad line that readers report and skip, never glued to a good one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = row if isinstance(row, str) else json.dumps(row, sort_keys=sort_keys)
+    new = not path.exists()
+    with path.open("ab+") as fh:
+        torn = False
+        if fh.seek(0, os.SEEK_END) > 0:
+            fh.seek(-1, os.SEEK_END)
+            torn = fh.read(1) != b"\n"
+        fh.write((b"\n" if torn else b"") + text.encode() + b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    if new:
+        fsync_dir(path.parent)
+
+
+@dataclasses.dataclass
+class Lines:
+    """The complete lines one read of a growing file found, and where to read on."""
+
+    lines: list[tuple[int, bytes]]
+    """(line number, raw line) for each complete, non-blank line."""
+    offset: int
+    """Byte offset after the last complete line."""
+    line: int
+    """Number of the next line (1-based)."""
+
+
+def read_complete(path: str | Path, offset: int = 0, line: int = 1) -> Lines:
+    """Complete lines after byte ``offset`` (which is line number ``line``); a line still being
+    written (no newline yet) is left for the next call."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except FileNotFoundError:
+        return Lines([], offset, line)
+    end = data.rfind(b"\n") + 1
+    raw = data[:end].split(b"\n")[:-1]
+    found = [(n, text) for n, text in enumerate(raw, start=line) if text.strip()]
+    return Lines(found, offset + end, line + len(raw))
+
+
+def loads(raw: str | bytes, path: str | Path, lineno: int) -> Any:
+    """One line's JSON, or a :class:`JsonlError` naming the file and line."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise JsonlError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+
+
+def rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed row) for every non-blank line of a whole file, the last one too."""
+    with Path(path).open(encoding="utf-8") as fh:
+        for lineno, text in enumerate(fh, start=1):
+            if text.strip():
+                yield lineno, loads(text, path, lineno)
+
+
+def write_atomic(path: str | Path, content: str | bytes) -> None:
+    """Replace ``path`` whole: readers see the old file or the new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(content.encode() if isinstance(content, str) else content)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+    fsync_dir(path.parent)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+
+
+def read_json(path: str | Path, default: Any = None) -> Any:
+    """A small JSON file written by :func:`write_json`, or ``default`` when there is none."""
+    path = Path(path)
+    if not path.exists():
+        return default
+    return loads(path.read_bytes(), path, 1)
+
+
+def write_rows(path: str | Path, items: Iterable[Any]) -> None:
+    write_atomic(path, "".join(json.dumps(item) + "\n" for item in items))
