@@ -17,15 +17,20 @@ from pathlib import Path
 
 import psutil
 
-HUB_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}
 """Models and tokenizers load from local paths only (nothing is fetched from a hub at run time),
-and progress bars would flood the job logs."""
+nothing reports usage home, and progress bars would not flood the job logs."""
 
 
 def stay_offline(env: dict | None = None) -> dict:
-    """Set :data:`HUB_OFFLINE_ENV` in ``env`` (default: this process's) where not already set."""
+    """Set :data:`OFFLINE_ENV` in ``env`` (default: this process's) where not already set."""
     env = os.environ if env is None else env
-    for key, value in HUB_OFFLINE_ENV.items():
+    for key, value in OFFLINE_ENV.items():
         env.setdefault(key, value)
     return env
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -11,8 +12,38 @@ from pathlib import Path
 import pytest
 
 from areal_eval.launcher import stay_offline
+from tests.helpers import sqlite_mlflow_uri
 
 stay_offline()
+
+SERVICE_FIXTURES = {"trained_run", "prefect_server", "webhook", "s3_server", "s3_bucket"}
+"""Fixtures that start a process or a server: a test using one is an integration test."""
+LIBRARY_PROBES = {"uname", "git"}
+"""Commands libraries run to describe the machine (MLflow asks ``platform.processor()``): not ours."""
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """The fast lane (``-m "not integration"``) stays fast and needs nothing running: a test
+    that starts a process without the ``integration`` mark fails, saying so."""
+    if request.node.get_closest_marker("integration") is None:
+        execute_child = subprocess.Popen._execute_child
+
+        def refuse(self, args, *rest, **kwargs):
+            command = args if isinstance(args, str) else " ".join(map(str, args))
+            if command.split()[0] in LIBRARY_PROBES:
+                return execute_child(self, args, *rest, **kwargs)
+            raise AssertionError(f"{request.node.nodeid} starts a process ({command[:80]}): mark it integration")
+
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    yield
+
 
 TINY = {
     "data": {"synthetic": {"train_pairs": 256, "valid_pairs": 101}},
@@ -28,9 +59,7 @@ def tiny_config(tmp_path: Path, **sections):
     from areal_eval.config.parsing import merge
     from areal_eval.config.pipeline import load_pipeline_config
 
-    params = merge(
-        TINY, {"work_dir": str(tmp_path), "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
-    )
+    params = merge(TINY, {"work_dir": str(tmp_path), "tracking": {"tracking_uri": sqlite_mlflow_uri(tmp_path)}})
     return load_pipeline_config(params=merge(params, sections))
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -63,3 +66,23 @@ def assert_best_is_registered(tracker, name, mlflow_run_id, ledger, metric="accu
     versions = tracker.client.search_model_versions(f"name='{name}'")
     values = [float(v.tags[f"eval/{metric}"]) for v in sorted(versions, key=lambda v: int(v.version))]
     assert values == sorted(values) and len(set(values)) == len(values)  # each version beat the last
+
+
+@functools.lru_cache(maxsize=1)
+def _migrated_mlflow_db() -> Path:
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    path = Path(tempfile.mkdtemp(prefix="mlflow-template-")) / "mlflow.db"
+    store = SqlAlchemyStore(f"sqlite:///{path}", str(path.parent / "artifacts"))
+    store.engine.dispose()
+    return path
+
+
+def sqlite_mlflow_uri(directory: Path) -> str:
+    """``sqlite:///directory/mlflow.db``, a store with MLflow's tables already made: creating
+    them runs every schema migration, seconds per store, once per test session instead."""
+    db = Path(directory) / "mlflow.db"
+    if not db.exists():
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_migrated_mlflow_db(), db)
+    return f"sqlite:///{db}"

@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.helpers import free_port
+from tests.helpers import free_port, sqlite_mlflow_uri
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -53,7 +53,7 @@ def prefect_server(home: Path, worker_query_s: float | None = None) -> Iterator[
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "AREAL_EVAL_HOME": str(REPO),
         "AREAL_EVAL_STORE": str(home / "store"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "MLFLOW_TRACKING_URI": sqlite_mlflow_uri(home),
         "PYTHONPATH": str(REPO),
         **({"PREFECT_WORKER_QUERY_SECONDS": str(worker_query_s)} if worker_query_s else {}),
     }

@@ -1,8 +1,11 @@
 import subprocess
 
+import pytest
+
 from areal_eval.launcher import failure_summary, lower_priority
 
 
+@pytest.mark.integration
 def test_lower_priority_reaches_the_scheduler():
     # Run in a new session as the launcher does: with autogroup on, the group's nice is what counts.
     out = subprocess.run(
@@ -54,6 +57,7 @@ def test_node_layout_from_the_pool_environment(monkeypatch):
     } <= set(command)
 
 
+@pytest.mark.integration
 def test_jobs_get_the_heap_settings_unless_the_caller_set_them(tmp_path, monkeypatch):
     from areal_eval.launcher import HEAP_SETTINGS, TorchrunJob
 

@@ -4,11 +4,12 @@ import pytest
 
 from areal_eval.runs.ledger import LedgerEntry
 from areal_eval.tracking import TRAIN_WATERMARK_TAG, Tracker, TrackingConfig, plot_curve, resolve_tracking_uri
+from tests.helpers import sqlite_mlflow_uri
 
 
 @pytest.fixture
 def tracker(tmp_path):
-    return Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test")
+    return Tracker(sqlite_mlflow_uri(tmp_path), "test")
 
 
 def test_one_run_per_training_run_with_params(tracker):

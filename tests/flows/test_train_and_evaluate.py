@@ -13,7 +13,7 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import tiny_config
-from tests.helpers import assert_best_is_registered
+from tests.helpers import assert_best_is_registered, sqlite_mlflow_uri
 
 pytestmark = pytest.mark.integration
 
@@ -117,7 +117,7 @@ def test_bad_checkpoint_fails_alerts_and_the_flow_goes_on(prefect_server, traine
         cfg,
         work_dir=str(tmp_path),
         scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
-        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
         alerts=dataclasses.replace(cfg.alerts, webhook_url=webhook.url),
     )
     run = RunDir(cfg.run_root)
@@ -172,7 +172,7 @@ def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_
         cfg,
         work_dir=str(tmp_path),
         eval=dataclasses.replace(cfg.eval, retries=1),
-        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
     )
     run = RunDir(cfg.run_root)
     shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
@@ -206,7 +206,7 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
     cfg = dataclasses.replace(
         cfg,
         scheduler=dataclasses.replace(cfg.scheduler, min_interval_steps=9, max_interval_steps=None),
-        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
     )
     params = json.loads(json.dumps(dataclasses.asdict(cfg)))
     results = {s: evaluate_checkpoint(s, str(run.manifest), params=params) for s in (0, 4, 8, 12)}
@@ -250,7 +250,7 @@ def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, traine
         cfg,
         work_dir=str(tmp_path),
         alerts=dataclasses.replace(cfg.alerts, webhook_url=closed, rules=[]),
-        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
     )
     from areal_eval.alerts import AlertRule
 

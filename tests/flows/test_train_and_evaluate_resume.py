@@ -20,6 +20,7 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import TINY
+from tests.helpers import sqlite_mlflow_uri
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict):
         **TINY,
         "run_name": run_name,
         "work_dir": str(tmp_path),
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        "tracking": {"tracking_uri": sqlite_mlflow_uri(tmp_path)},
         "train": {**TINY["train"], "max_steps": max_steps, "epochs": 40, "save": {"freq_steps": 6}},
         "scheduler": scheduler,
     }

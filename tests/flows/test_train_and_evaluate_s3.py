@@ -13,6 +13,7 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import tiny_config
+from tests.helpers import sqlite_mlflow_uri
 from tests.s3_servers import TEST_CREDENTIALS, FaultProxy
 
 pytestmark = pytest.mark.integration
@@ -102,7 +103,7 @@ def test_corrupt_s3_objects_fail_alert_and_the_flow_goes_on(
         cfg,
         work_dir=str(tmp_path),
         scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
-        tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
         alerts=dataclasses.replace(cfg.alerts, webhook_url=webhook.url),
         storage=dataclasses.replace(
             cfg.storage, checkpoint_uri=f"s3://{s3_bucket}/ckpt", s3=S3Config(endpoint_url=s3_server.url)
