@@ -86,3 +86,15 @@ def sqlite_mlflow_uri(directory: Path) -> str:
         db.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(_migrated_mlflow_db(), db)
     return f"sqlite:///{db}"
+
+
+def single_process_metrics(event, data, batch_size=7):
+    """The reward model's metrics on ``event``'s checkpoint in this process, on one rank: the
+    reference every distributed evaluation must equal."""
+    from areal_eval import distributed
+    from areal_eval.evaluation.evaluators import RewardModelEvaluator
+    from areal_eval.evaluation.worker import compute_metrics
+
+    evaluator = RewardModelEvaluator(max_length=64)
+    evaluator.load(Path(event.uri), data)
+    return compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)

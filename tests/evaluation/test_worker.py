@@ -6,12 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval import distributed
 from areal_eval.checkpoints.manifest import Manifest
-from areal_eval.evaluation.evaluators import BaseEvaluator, RewardModelEvaluator, make_evaluator
+from areal_eval.evaluation.evaluators import BaseEvaluator, make_evaluator
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
-from areal_eval.evaluation.worker import compute_metrics
-from tests.helpers import live_processes
+from tests.helpers import live_processes, single_process_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -20,27 +18,6 @@ pytestmark = pytest.mark.integration
 def final_checkpoint(trained_run):
     cfg, run = trained_run
     return run, Manifest(run.manifest).events()[-1]
-
-
-def single_process_metrics(event, data, batch_size=7):
-    evaluator = RewardModelEvaluator(max_length=64)
-    evaluator.load(Path(event.uri), data)
-    return compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
-
-
-def test_shards_are_exact_without_padding():
-    for n in (0, 1, 7, 101):
-        for shards in (1, 2, 3, 4):
-            covered = [i for s in range(shards) for i in distributed.shard_range(n, s, shards)]
-            assert covered == list(range(n))
-
-
-def test_parallel_layout():
-    layout = distributed.ParallelLayout(world_size=4, rank=3, mp_size=2)
-    assert (layout.dp_size, layout.dp_rank, layout.dp_head, layout.is_dp_head) == (2, 1, 2, False)
-    assert layout.mp_groups() == [[0, 1], [2, 3]]
-    with pytest.raises(ValueError):
-        distributed.ParallelLayout(world_size=3, rank=0, mp_size=2)
 
 
 @pytest.mark.parametrize("world,mp", [(1, 1), (2, 1), (3, 1), (4, 2)])

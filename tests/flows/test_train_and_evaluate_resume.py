@@ -66,13 +66,13 @@ def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict):
 
 def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
     flow, params, config, run, log = start_flow(
-        tmp_path, "resume", 120, {"min_interval_steps": 0, "max_interval_steps": 12}
+        tmp_path, "resume", 60, {"min_interval_steps": 0, "max_interval_steps": 12}
     )
     try:
 
         def mid_run():
             steps = [e.global_step for e in Manifest(run.manifest).events()]
-            return 12 <= max(steps, default=0) < 120
+            return 12 <= max(steps, default=0) < 60
 
         wait_for(mid_run, 300, f"training past step 12 (flow log {log.name})")
         family = psutil.Process(flow.pid).children(recursive=True)
@@ -95,7 +95,7 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
     assert run.run_id == first_id  # resumed, not wiped
     events = Manifest(run.manifest).events()
     steps = [e.global_step for e in events]
-    assert steps[: len(published)] == published and steps[-1] == 120 and events[-1].final
+    assert steps[: len(published)] == published and steps[-1] == 60 and events[-1].final
     assert steps == sorted(set(steps))  # every checkpoint published once
     ledger = Ledger(run.ledger)
     assert [e.step for e in ledger.entries()] == steps and all(e.status in FINAL_STATES for e in ledger.entries())
@@ -106,7 +106,7 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
     eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")]
     assert sorted(eval_steps) == evaluated  # none evaluated twice, none lost
     train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "train/loss")]
-    assert train_steps == sorted(set(train_steps)) and max(train_steps) == 120
+    assert train_steps == sorted(set(train_steps)) and max(train_steps) == 60
 
 
 def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_handled(tmp_path):
