@@ -4,7 +4,10 @@ the README's "Run on a Prefect server" sets them up. Used by the server tests an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +16,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.tracking import Tracker
 from tests.helpers import free_port, sqlite_mlflow_uri
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,3 +104,64 @@ def prefect_server(home: Path, worker_query_s: float | None = None) -> Iterator[
     finally:
         for p in workers + [proc]:
             stop(p)
+
+
+def cli_or_fail(env, *args, timeout=300) -> str:
+    """``prefect ...`` against the test server; a failure fails the test with its output."""
+    try:
+        return cli(env, *args, timeout=timeout)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+
+
+def api_get(env, path: str) -> dict:
+    return json.loads(urllib.request.urlopen(env["PREFECT_API_URL"] + path, timeout=10).read())
+
+
+def eval_steps(env, run_id: str) -> list[int]:
+    tracker = Tracker(env["MLFLOW_TRACKING_URI"], "areal-eval")
+    mlflow_run = tracker.find_run(run_id)
+    return sorted(tracker.eval_steps(mlflow_run)) if mlflow_run else []
+
+
+def api(env, path: str, body: dict | None = None):
+    request = urllib.request.Request(
+        env["PREFECT_API_URL"] + path,
+        data=json.dumps(body or {}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read() or b"null")
+
+
+def wait_for_runs(env, matches, count: int, timeout_s: float = 420) -> list[dict]:
+    """Flow runs for which ``matches(run)``, once ``count`` of them reached a final state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [r for r in api(env, "/flow_runs/filter", {"limit": 200}) if matches(r)]
+        if len(runs) >= count and all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for r in runs):
+            return runs
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(runs)} of {count} runs, states {[r['state_type'] for r in runs]}")
+        time.sleep(1)
+
+
+def republish(original: Path, run_dir: Path, run_id: str, steps: list[int]) -> Path:
+    """A run published by a trainer outside the flow: ``steps`` reuse the trained checkpoints."""
+    run_dir.mkdir(parents=True)
+    shutil.copytree(original / "data", run_dir / "data")
+    trained = Manifest(original / "manifest.jsonl").events()
+    manifest = Manifest(run_dir / "manifest.jsonl")
+    for i, step in enumerate(steps):
+        event = trained[i % len(trained)]
+        manifest.append(
+            dataclasses.replace(
+                event,
+                run_id=run_id,
+                global_step=step,
+                final=step == steps[-1],
+                train_metrics={"loss": 1.0 / (step + 1)},
+            )
+        )
+    return run_dir / "manifest.jsonl"

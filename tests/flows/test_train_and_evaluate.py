@@ -317,7 +317,8 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the client gives up at once
     port = free_port()
-    server = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", port)
+    sqlite_mlflow_uri(tmp_path / "server")  # a store with its tables: the server starts without migrating
+    server = start_mlflow_server(tmp_path / "server" / "mlflow.db", tmp_path / "artifacts", port)
     cfg, original = trained_run
     cfg = dataclasses.replace(
         cfg,
@@ -346,7 +347,7 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
         assert Ledger(run.ledger).counts()["evaluated"] == 4  # evaluation went on without MLflow
         assert not any(e.delivered for e in Ledger(run.ledger).entries())
         time.sleep(5)
-        server = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", port)
+        server = start_mlflow_server(tmp_path / "server" / "mlflow.db", tmp_path / "artifacts", port)
         thread.join(300)
         tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
         eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "eval/accuracy")]
