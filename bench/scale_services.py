@@ -3,8 +3,6 @@ loop inside a Prefect flow behind the flow's own task wiring (``--prefect``)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -86,38 +84,7 @@ def run_in_flow(planner, training, job, rules, loop_cfg, tracker, mlflow_run_id,
 
 
 def mlflow_server(db: Path, artifacts: Path):
-    import socket
+    from tests.helpers import start_mlflow_server
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{db}",
-            "--default-artifact-root",
-            str(artifacts),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    import urllib.request
-
-    for _ in range(240):
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("mlflow server did not start")
+    proc = start_mlflow_server(db, artifacts)
+    return proc, proc.url

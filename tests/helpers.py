@@ -56,14 +56,20 @@ class NoTokenizer:
 
 
 def assert_best_is_registered(tracker, name, mlflow_run_id, ledger, metric="accuracy"):
-    """The registered model's ``best`` alias is on the best evaluated checkpoint (the earliest of
-    ties: a tie does not move it), sourced from its URI, with its step and metrics as tags."""
+    """The registered model's ``best`` alias is on a best evaluated checkpoint (of ties, the one
+    registered first: a tie does not move it), sourced from its URI, with its step and metrics as
+    tags; and each registered version beat the one before it."""
     evaluated = [e for e in ledger.entries() if e.status == "evaluated"]
-    best = max(evaluated, key=lambda e: (e.metrics[metric], -e.step))
+    top = max(e.metrics[metric] for e in evaluated)
     version = tracker.client.get_model_version_by_alias(name, "best")
-    assert (version.source, version.run_id, version.tags["global_step"]) == (best.uri, mlflow_run_id, str(best.step))
-    assert float(version.tags[f"eval/{metric}"]) == best.metrics[metric]
+    best = next((e for e in evaluated if str(e.step) == version.tags["global_step"]), None)
     versions = tracker.client.search_model_versions(f"name='{name}'")
+    shown = sorted((int(v.version), v.tags.get("global_step"), v.tags.get(f"eval/{metric}")) for v in versions)
+    results = [(e.step, e.metrics[metric]) for e in evaluated]
+    why = f"alias on version {version.version}; versions {shown}; results {results}"
+    assert best is not None and best.metrics[metric] == top, why
+    assert (version.source, version.run_id) == (best.uri, mlflow_run_id), why
+    assert float(version.tags[f"eval/{metric}"]) == best.metrics[metric]
     values = [float(v.tags[f"eval/{metric}"]) for v in sorted(versions, key=lambda v: int(v.version))]
     assert values == sorted(values) and len(set(values)) == len(values)  # each version beat the last
 
@@ -98,3 +104,28 @@ def single_process_metrics(event, data, batch_size=7):
     evaluator = RewardModelEvaluator(max_length=64)
     evaluator.load(Path(event.uri), data)
     return compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+
+
+def start_mlflow_server(db: Path, artifacts: Path, port: int | None = None):
+    """``mlflow server`` on loopback over SQLite ``db``; returns the process once it answers.
+    The process has a session of its own, so ``os.killpg`` stops its workers too."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = port or free_port()
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(artifacts), "--workers", "1"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc.url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(proc.url + "/health", timeout=1)
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"mlflow server did not start (exit {proc.poll()})")

@@ -26,6 +26,16 @@ REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
 
+IDLE_SERVICES_OFF = {
+    f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false"
+    for name in ("SCHEDULER", "LATE_RUNS", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP")
+}
+"""Server loops no test needs (cron schedules, late and paused runs, cancellation clean-up): on 2
+cores their polling of SQLite slows every test and can lock the database. Events, automations,
+task-run records, concurrency-lease reclaiming and worker status stay on. The scheduler off also
+keeps the 30-minute sweep from running in the middle of a test."""
+
+
 def stop(proc: subprocess.Popen) -> None:
     # A Prefect worker needs a second SIGTERM to stop.
     for _ in range(2):
@@ -58,6 +68,7 @@ def prefect_server(home: Path, worker_query_s: float | None = None) -> Iterator[
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        **IDLE_SERVICES_OFF,
         "AREAL_EVAL_HOME": str(REPO),
         "AREAL_EVAL_STORE": str(home / "store"),
         "MLFLOW_TRACKING_URI": sqlite_mlflow_uri(home),

@@ -147,7 +147,7 @@ def test_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_
         "work_dir": str(tmp_path),
         "run_name": "dispatched",
         "eval": {**TINY["eval"], "deployment": "evaluate-checkpoint/on-checkpoint"},
-        "scheduler": {**TINY["scheduler"], "min_interval_steps": 12},  # fewer dispatches: 0, the final 12
+        "scheduler": {"min_interval_steps": 12, "max_interval_steps": 12},  # fewer dispatches: 0, the final 12
     }
     cli_or_fail(
         server,

@@ -13,7 +13,8 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import tiny_config
-from tests.helpers import assert_best_is_registered, sqlite_mlflow_uri
+from tests.helpers import assert_best_is_registered, sqlite_mlflow_uri, start_mlflow_server
+from tests.prefect_services import stop
 
 pytestmark = pytest.mark.integration
 
@@ -270,40 +271,6 @@ def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, traine
     assert tags["alert.seen.notify_failed"].startswith("step 0: ConnectError") and "alert.seen" in tags
 
 
-def start_mlflow_server(db, artifacts, port):
-    import subprocess
-    import sys
-    import urllib.request
-    from pathlib import Path
-
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{db}",
-            "--default-artifact-root",
-            str(artifacts),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(240):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("mlflow server did not start")
-
-
 def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
     prefect_server, trained_run, tmp_path, monkeypatch
 ):
@@ -330,8 +297,7 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
     shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
     run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
     mlflow_run_id = start_tracking(cfg, run)
-    server.terminate()
-    server.wait(30)  # MLflow is down from here on
+    stop(server)  # MLflow is down from here on
     outcome = {}
 
     @flow(name="evaluate-existing-run")
@@ -353,8 +319,7 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
         eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "eval/accuracy")]
         train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "train/loss")]
     finally:
-        server.terminate()
-        server.wait(30)
+        stop(server)
     assert all(e.delivered for e in outcome["ledger"].entries())
     assert eval_steps == [0, 4, 8, 12]  # in step order, each once
     assert train_steps == [2, 4, 6, 8, 10, 12]

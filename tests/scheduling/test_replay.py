@@ -74,26 +74,15 @@ def test_bad_curve_file_names_the_line(tmp_path):
     assert cli.main(["replay", str(f)]) == 2
 
 
+def replay_against_fixed(curves, capsys) -> dict:
+    """``areal-eval replay --json`` of adaptive, fixed:1 and fixed:2 with an injected regression."""
+    policies = ["--policy", "adaptive", "--policy", "fixed:1", "--policy", "fixed:2"]
+    assert cli.main(["replay", str(curves), *policies, "--inject-regression", "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policies"]
+
+
 def test_cli_json_on_the_shipped_curves(capsys):
-    assert (
-        cli.main(
-            [
-                "replay",
-                str(SHIPPED_CURVES),
-                "--policy",
-                "adaptive",
-                "--policy",
-                "fixed:1",
-                "--policy",
-                "fixed:2",
-                "--inject-regression",
-                "--json",
-            ]
-        )
-        == 0
-    )
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    policies = result["policies"]
+    policies = replay_against_fixed(SHIPPED_CURVES, capsys)
     assert set(policies) == {"adaptive", "fixed:1", "fixed:2"}
     assert policies["fixed:1"]["evaluations"] == 1920 and policies["fixed:1"]["mean_tracking_error"] == 0
     for row in policies.values():
@@ -108,24 +97,7 @@ def test_cli_json_on_the_shipped_curves(capsys):
 
 def test_compute_and_tracking_targets_on_the_demo_curves(capsys):
     """The demo's own recorded curves (other seeds, noise and save intervals than Pythia's)."""
-    assert (
-        cli.main(
-            [
-                "replay",
-                str(DEMO_CURVES),
-                "--policy",
-                "adaptive",
-                "--policy",
-                "fixed:1",
-                "--policy",
-                "fixed:2",
-                "--inject-regression",
-                "--json",
-            ]
-        )
-        == 0
-    )
-    policies = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policies"]
+    policies = replay_against_fixed(DEMO_CURVES, capsys)
     adaptive = policies["adaptive"]
     assert adaptive["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
     assert adaptive["evaluations"] <= 0.6 * policies["fixed:1"]["evaluations"]
