@@ -117,20 +117,18 @@ def test_the_sweep_evaluates_only_what_no_flow_run_handles(server, stored_run):
     assert sorted(m.step for m in history) == evaluated
 
 
+def run_pipeline(server, params: dict) -> None:
+    """``prefect deployment run train-and-evaluate/pipeline --watch`` with ``params``."""
+    run = ["deployment", "run", "train-and-evaluate/pipeline", "--watch", "--params", json.dumps({"params": params})]
+    cli_or_fail(server, *run)
+
+
 def test_deployment_run_train_and_evaluate(server, tmp_path):
     from tests.conftest import TINY
 
     params = {**TINY, "work_dir": str(tmp_path), "run_name": "served"}
     started = time.monotonic()
-    cli_or_fail(
-        server,
-        "deployment",
-        "run",
-        "train-and-evaluate/pipeline",
-        "--watch",
-        "--params",
-        json.dumps({"params": params}),
-    )
+    run_pipeline(server, params)
     print(f"train-and-evaluate deployment run to completion: {time.monotonic() - started:.1f}s")
     run_id = (tmp_path / "served" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
@@ -149,15 +147,7 @@ def test_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_
         "eval": {**TINY["eval"], "deployment": "evaluate-checkpoint/on-checkpoint"},
         "scheduler": {"min_interval_steps": 12, "max_interval_steps": 12},  # fewer dispatches: 0, the final 12
     }
-    cli_or_fail(
-        server,
-        "deployment",
-        "run",
-        "train-and-evaluate/pipeline",
-        "--watch",
-        "--params",
-        json.dumps({"params": params}),
-    )
+    run_pipeline(server, params)
     run_id = (tmp_path / "dispatched" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
     # Dispatched evaluate-checkpoint runs, and no trigger-started ones: the flow's own events
