@@ -139,7 +139,7 @@ def run_evaluation_job(
         s3=s3,
         launched_at=time.time(),
     )
-    # On a multi-node pool (infra/k8s) the other nodes run ``eval_worker --follow`` and get this job from rank 0.
+    # On a multi-node pool (infra/k8s) the other nodes run ``evaluation.worker --follow`` and get the job from rank 0.
     nodes = NodeLayout.from_env()
     job = None
     try:
