@@ -161,27 +161,67 @@ def score(curve: Curve, chosen: list[int]) -> dict:
 
 
 def replay(curves: list[Curve], policies: list[Policy], regression: bool = False, seed: int = 0) -> dict:
-    results = {}
+    """Each policy's evaluations, ``compute`` (a full evaluation counts 1), tracking error, regret
+    and, with ``regression``, detection delay; for every policy that is not ``fixed:K``, the
+    compute the fixed-interval frontier needs for the same tracking error, and the ratio."""
+    results = {policy.name: _replay_one(curves, policy, regression, seed) for policy in policies}
+    fixed: dict[int, dict] = {}
     for policy in policies:
-        per_curve, delays = [], []
-        for curve in curves:
-            start = None
-            if regression:
-                curve, start = inject_regression(curve, random.Random(f"{seed}:{curve.name}"))
-            evaluations = policy.select(curve)
-            if 0 not in (i for i, _ in evaluations):
-                evaluations.insert(0, (0, 0))  # every policy evaluates the first checkpoint
-            per_curve.append(score(curve, sorted(i for i, _ in evaluations)))
-            if start is not None:
-                seen = [when for i, when in evaluations if i >= start] + [len(curve.points) - 1]
-                delays.append(min(seen) - start)
-        out = {
-            "evaluations": sum(r["evaluations"] for r in per_curve),
-            "mean_tracking_error": round(statistics.fmean(r["tracking_error"] for r in per_curve), 4),
-            "mean_regret": round(statistics.fmean(r["regret"] for r in per_curve), 5),
-            "max_regret": round(max(r["regret"] for r in per_curve), 5),
-        }
-        if regression:
-            out["detection_delay"] = round(statistics.fmean(delays), 3)
-        results[policy.name] = out
+        if not isinstance(policy, FixedEvery):
+            frontier = fixed_frontier_compute(
+                curves, results[policy.name]["mean_tracking_error"], regression, seed, fixed
+            )
+            results[policy.name]["frontier_compute"] = round(frontier, 2)
+            results[policy.name]["frontier_ratio"] = round(results[policy.name]["compute"] / frontier, 4)
     return {"policies": results}
+
+
+def fixed_frontier_compute(
+    curves: list[Curve], tracking_error: float, regression: bool, seed: int, fixed: dict[int, dict]
+) -> float:
+    """The compute of ``fixed:K`` at ``tracking_error``, interpolated linearly between the
+    neighbouring K (``fixed`` caches their replays). Beyond the sparsest ``fixed:K`` (every curve
+    down to its first and last checkpoint), that one's compute."""
+    longest = max(len(c.points) for c in curves)
+    k = 1
+    while True:
+        if k not in fixed:
+            fixed[k] = _replay_one(curves, FixedEvery(k), regression, seed)
+        if fixed[k]["mean_tracking_error"] >= tracking_error or k >= longest:
+            break
+        k += 1
+    here = fixed[k]
+    if k == 1 or here["mean_tracking_error"] < tracking_error:
+        return here["compute"]
+    before = fixed[k - 1]
+    span = here["mean_tracking_error"] - before["mean_tracking_error"]
+    if span <= 0:
+        return here["compute"]
+    share = (tracking_error - before["mean_tracking_error"]) / span
+    return before["compute"] + share * (here["compute"] - before["compute"])
+
+
+def _replay_one(curves: list[Curve], policy: Policy, regression: bool, seed: int) -> dict:
+    """One policy over every curve (with the same injected regressions for every policy)."""
+    per_curve, delays = [], []
+    for curve in curves:
+        start = None
+        if regression:
+            curve, start = inject_regression(curve, random.Random(f"{seed}:{curve.name}"))
+        evaluations = policy.select(curve)
+        if 0 not in (i for i, _ in evaluations):
+            evaluations.insert(0, (0, 0))  # every policy evaluates the first checkpoint
+        per_curve.append(score(curve, sorted(i for i, _ in evaluations)))
+        if start is not None:
+            seen = [when for i, when in evaluations if i >= start] + [len(curve.points) - 1]
+            delays.append(min(seen) - start)
+    out = {
+        "evaluations": sum(r["evaluations"] for r in per_curve),
+        "compute": float(sum(r["evaluations"] for r in per_curve)),
+        "mean_tracking_error": round(statistics.fmean(r["tracking_error"] for r in per_curve), 4),
+        "mean_regret": round(statistics.fmean(r["regret"] for r in per_curve), 5),
+        "max_regret": round(max(r["regret"] for r in per_curve), 5),
+    }
+    if regression:
+        out["detection_delay"] = round(statistics.fmean(delays), 3)
+    return out

@@ -85,8 +85,10 @@ def test_cli_json_on_the_shipped_curves(capsys):
     policies = replay_against_fixed(SHIPPED_CURVES, capsys)
     assert set(policies) == {"adaptive", "fixed:1", "fixed:2"}
     assert policies["fixed:1"]["evaluations"] == 1920 and policies["fixed:1"]["mean_tracking_error"] == 0
-    for row in policies.values():
-        assert set(row) == {"evaluations", "mean_tracking_error", "mean_regret", "max_regret", "detection_delay"}
+    for name, row in policies.items():
+        frontier = {"frontier_compute", "frontier_ratio"} if name == "adaptive" else set()
+        scores = {"evaluations", "compute", "mean_tracking_error", "mean_regret", "max_regret", "detection_delay"}
+        assert set(row) == scores | frontier and row["compute"] == row["evaluations"]
     # The issue's targets: tracking better than fixed:2, so fixed:1 is the policy to beat; at most
     # 60% of its evaluations, regret within 0.005 of its 0, regressions seen within a checkpoint.
     adaptive = policies["adaptive"]
@@ -102,3 +104,30 @@ def test_compute_and_tracking_targets_on_the_demo_curves(capsys):
     assert adaptive["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
     assert adaptive["evaluations"] <= 0.6 * policies["fixed:1"]["evaluations"]
     assert adaptive["mean_regret"] <= 0.005
+
+
+class EveryOther(replay.Policy):
+    """Checkpoints 0, 2, 4, ... and the last: fixed:2 by another name, so it gets a frontier."""
+
+    name = "every-other"
+
+    def select(self, c):
+        return FixedEvery(2).select(c)
+
+
+def test_the_frontier_is_the_fixed_compute_at_the_same_tracking_error_interpolated():
+    curves = [curve([0.5, 0.6, 0.55, 0.7, 0.65, 0.8, 0.75, 0.9, 0.85], se=0.05)]
+    fixed = replay.replay(curves, [FixedEvery(k) for k in (1, 2, 3)])["policies"]
+    result = replay.replay(curves, [EveryOther(), FixedEvery(1)])["policies"]
+    assert "frontier_ratio" not in result["fixed:1"]
+    row = result["every-other"]
+    assert row["frontier_compute"] == fixed["fixed:2"]["compute"] and row["frontier_ratio"] == 1.0
+    # Between fixed:1 and fixed:2: linear in tracking error.
+    target = fixed["fixed:2"]["mean_tracking_error"] / 4
+    low, high = fixed["fixed:1"], fixed["fixed:2"]
+    expected = low["compute"] + (target - low["mean_tracking_error"]) / (
+        high["mean_tracking_error"] - low["mean_tracking_error"]
+    ) * (high["compute"] - low["compute"])
+    assert replay.fixed_frontier_compute(curves, target, False, 0, {}) == pytest.approx(expected)
+    # Worse than every fixed:K: the sparsest one's compute.
+    assert replay.fixed_frontier_compute(curves, 1e9, False, 0, {}) == 2.0
