@@ -129,3 +129,14 @@ def start_mlflow_server(db: Path, artifacts: Path, port: int | None = None):
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"mlflow server did not start (exit {proc.poll()})")
+
+
+def copy_trained_run(original, run_root):
+    """A copy of the trained run at ``run_root`` (its manifest pointing at the copy), with no
+    ledger or evaluations yet: a run whose checkpoints a test's flow evaluates afresh."""
+    from areal_eval.runs.directory import RunDir
+
+    run = RunDir(run_root)
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    return run

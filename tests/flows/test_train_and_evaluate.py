@@ -13,7 +13,7 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import tiny_config
-from tests.helpers import assert_best_is_registered, sqlite_mlflow_uri, start_mlflow_server
+from tests.helpers import assert_best_is_registered, copy_trained_run, sqlite_mlflow_uri, start_mlflow_server
 from tests.prefect_services import stop
 
 pytestmark = pytest.mark.integration
@@ -121,9 +121,7 @@ def test_bad_checkpoint_fails_alerts_and_the_flow_goes_on(prefect_server, traine
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
         alerts=dataclasses.replace(cfg.alerts, webhook_url=webhook.url),
     )
-    run = RunDir(cfg.run_root)
-    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
-    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    run = copy_trained_run(original, cfg.run_root)
     weights = run.checkpoints / "global_step_00000004" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])  # truncated
     shutil.rmtree(run.checkpoints / "global_step_00000008")  # missing
@@ -175,9 +173,7 @@ def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_
         eval=dataclasses.replace(cfg.eval, retries=1),
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
     )
-    run = RunDir(cfg.run_root)
-    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
-    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    run = copy_trained_run(original, cfg.run_root)
     marker = tmp_path / "fault-fired"
     monkeypatch.setenv("AREAL_EVAL_INJECT_FAULT", f"1:exit:{marker}")  # the first evaluation's rank 1 dies
 
@@ -256,9 +252,7 @@ def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, traine
     from areal_eval.alerts import AlertRule
 
     cfg.alerts.rules.append(AlertRule(**always))
-    run = RunDir(cfg.run_root)
-    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
-    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    run = copy_trained_run(original, cfg.run_root)
 
     @flow(name="evaluate-existing-run")
     def evaluate_existing():
@@ -293,9 +287,7 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=f"http://127.0.0.1:{port}"),
         scheduler=dataclasses.replace(cfg.scheduler, policy="fixed", fixed_interval_steps=1, coalesce=False),
     )
-    run = RunDir(cfg.run_root)
-    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
-    run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    run = copy_trained_run(original, cfg.run_root)
     mlflow_run_id = start_tracking(cfg, run)
     stop(server)  # MLflow is down from here on
     outcome = {}
