@@ -12,8 +12,10 @@ the alert branch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -42,6 +44,25 @@ from tasks.orchestration import tag_flow_run
 from tasks.reports import summarize
 from tasks.scoring import warm_workers
 from tasks.training import prepare_run_dir, start_training, wait_for_training
+
+_taken_by_main: RunLock | None = None
+"""The run's owner lock that :func:`main` took before Prefect started; the flow keeps it, so no
+other owner can slip in while Prefect starts (15-20 s)."""
+
+
+@contextlib.contextmanager
+def owning_run(run: RunDir) -> Iterator[RunLock]:
+    """Own ``run`` for the flow's lifetime: keep the lock ``main`` took for it, else take it."""
+    global _taken_by_main
+    taken, _taken_by_main = _taken_by_main, None
+    if taken is not None and taken.run.root != run.root:
+        taken.release()
+        taken = None
+    lock = taken or RunLock(run).acquire()
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def training_run_name() -> str:
@@ -74,7 +95,7 @@ def train_and_evaluate(
     cfg = load_pipeline_config(config_path, set_fields(params), overrides)
     webhook_url(cfg.alerts)  # a webhook named but not set fails now, not at the first alert
     watch_over_children()  # training and evaluation workers end with this process, however it ends
-    with RunLock(RunDir(cfg.run_root)):
+    with owning_run(RunDir(cfg.run_root)):
         run = prepare_run_dir(cfg)
         tag_flow_run(f"run:{run.run_id}", f"evaluator:{cfg.eval.evaluator}")
         mlflow_run_id = start_tracking(cfg, run)
@@ -139,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="JSON or YAML pipeline config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
+    global _taken_by_main
     try:  # bad input is reported once, first, in one line, before Prefect or training starts
         cfg = load_pipeline_config(args.config, None, args.overrides)
         check_inputs(cfg)
         webhook_url(cfg.alerts)
-        RunLock(RunDir(cfg.run_root)).acquire().release()  # the flow takes it for good
+        _taken_by_main = RunLock(RunDir(cfg.run_root)).acquire()  # handed to the flow
     except (ConfigError, DataError, RunBusy) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,14 +9,14 @@ import time
 import pytest
 
 from areal_eval.checkpoints.manifest import Manifest
-from areal_eval.runs.directory import RunDir
+from areal_eval.runs.directory import RunBusy, RunDir, RunLock
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import tiny_config
 from tests.helpers import assert_best_is_registered, copy_trained_run, sqlite_mlflow_uri, start_mlflow_server
 from tests.prefect_services import stop
 
-pytestmark = pytest.mark.integration
+# Tests that use prefect_server or trained_run are marked integration by tests/conftest.py.
 
 
 def mlflow_run(cfg):
@@ -315,3 +315,22 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
     assert all(e.delivered for e in outcome["ledger"].entries())
     assert eval_steps == [0, 4, 8, 12]  # in step order, each once
     assert train_steps == [2, 4, 6, 8, 10, 12]
+
+
+def test_main_hands_its_run_lock_to_the_flow_so_no_owner_slips_in_between(tmp_path):
+    import flows.train_and_evaluate as module
+
+    run, other = RunDir(tmp_path / "run"), RunDir(tmp_path / "other")
+    module._taken_by_main = RunLock(run).acquire()  # what main() does once the inputs check out
+    with pytest.raises(RunBusy):
+        RunLock(run).acquire()  # while Prefect starts
+    with module.owning_run(run):
+        with pytest.raises(RunBusy):
+            RunLock(run).acquire()
+    RunLock(run).acquire().release()  # the flow's end frees it
+
+    module._taken_by_main = RunLock(run).acquire()
+    with module.owning_run(other):  # a lock for another run is not kept
+        RunLock(run).acquire().release()
+        with pytest.raises(RunBusy):
+            RunLock(other).acquire()
