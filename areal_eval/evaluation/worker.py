@@ -172,7 +172,7 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
         )
 
 
-def next_job(inbox: Path, done: set[str], poll_s: float = 0.01) -> Path:
+def next_job(inbox: Path, done: set[str], poll_s: float = 0.05) -> Path:
     """The oldest job file not yet handled. Every rank watches the inbox itself, so idle ranks
     wait on the file system, not in a collective that would time out."""
     while True:

@@ -9,6 +9,7 @@ import pytest
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.evaluation.evaluators import BaseEvaluator, make_evaluator
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
+from areal_eval.evaluation.worker_pool import WarmEvalWorkers
 from tests.helpers import live_processes, single_process_metrics
 
 pytestmark = pytest.mark.integration
@@ -20,12 +21,30 @@ def final_checkpoint(trained_run):
     return run, Manifest(run.manifest).events()[-1]
 
 
+@pytest.fixture(scope="module")
+def warm_ranks(tmp_path_factory):
+    """Warm torchrun jobs by world size, each started once for the module: the exactness tests
+    evaluate through them, as the flows do, instead of paying a start-up per evaluation."""
+    pools: dict[int, WarmEvalWorkers] = {}
+
+    def ranks(world: int) -> WarmEvalWorkers:
+        if world not in pools:
+            pools[world] = WarmEvalWorkers(world, tmp_path_factory.mktemp(f"warm-{world}"))
+        return pools[world]
+
+    yield ranks
+    for pool in pools.values():
+        pool.close()
+    assert not [p for pool in pools.values() for p in live_processes(str(pool.work_dir))]
+
+
 @pytest.mark.parametrize("world,mp", [(1, 1), (2, 1), (3, 1), (4, 2)])
-def test_distributed_equals_single_process(final_checkpoint, tmp_path, world, mp):
+def test_distributed_equals_single_process(final_checkpoint, warm_ranks, tmp_path, world, mp):
     run, event = final_checkpoint
     assert sum(1 for _ in run.valid_data.open()) % 2 == 1  # an odd number of pairs
     reference = single_process_metrics(event, run.valid_data)
-    result = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=world, mp_size=mp, batch_size=16), tmp_path)
+    cfg = EvalConfig(nproc=world, mp_size=mp, batch_size=16)
+    result = run_evaluation_job(event, run.valid_data, cfg, tmp_path, workers=warm_ranks(world))
     assert result.metrics["n_pairs"] == reference["n_pairs"] == 101  # each pair exactly once
     assert (
         set(result.metrics)
@@ -34,6 +53,45 @@ def test_distributed_equals_single_process(final_checkpoint, tmp_path, world, mp
     )
     for key, value in reference.items():
         assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def awkward_pairs(trained_run, tmp_path_factory):
+    """An odd number of pairs: identical pairs (ties), texts far past max_length (truncated),
+    and the trained run's own pairs."""
+    import json
+
+    from areal_eval.preference_data import read_pairs
+
+    _, run = trained_run
+    pairs = read_pairs(run.valid_data)[:30]
+    long_text = " ".join(pairs[0]["chosen"].split() * 40)
+    pairs += [{"chosen": p["chosen"], "rejected": p["chosen"]} for p in pairs[:5]]  # chosen == rejected
+    pairs += [
+        {"chosen": long_text, "rejected": pairs[1]["rejected"]},
+        {"chosen": pairs[2]["chosen"], "rejected": long_text},
+    ]
+    path = tmp_path_factory.mktemp("awkward") / "valid.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    assert len(pairs) % 2 == 1
+    return path
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ties_and_truncated_pairs_count_the_same_at_every_world_and_batch_size(
+    final_checkpoint, awkward_pairs, warm_ranks, tmp_path, world
+):
+    run, event = final_checkpoint
+    reference = single_process_metrics(event, awkward_pairs, batch_size=37)
+    for batch_size in (1, 4):
+        assert single_process_metrics(event, awkward_pairs, batch_size=batch_size) == pytest.approx(reference, abs=1e-6)
+    cfg = EvalConfig(nproc=world, batch_size=3)
+    result = run_evaluation_job(event, awkward_pairs, cfg, tmp_path, workers=warm_ranks(world))
+    assert result.metrics["n_pairs"] == 37
+    for key, value in reference.items():
+        assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
+    correct = reference["accuracy"] * 37
+    assert abs(correct - round(correct)) == pytest.approx(0.5)  # 5 ties, each half correct
 
 
 def test_dead_rank_fails_clearly_and_leaves_no_process(final_checkpoint, tmp_path, monkeypatch):
@@ -99,8 +157,7 @@ def test_s3_checkpoint_is_fetched_once_per_node_and_matches_local(final_checkpoi
         s3=s3,
         cache_dir=tmp_path / "cache",
     )
-    local = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "local")
-    assert result.metrics == pytest.approx(local.metrics, abs=1e-9)
+    assert result.metrics == pytest.approx(single_process_metrics(event, run.valid_data), abs=1e-6)
     weight_gets = [p for m, p in proxy.requests if m == "GET" and p.split("?")[0].endswith("model.safetensors")]
     assert len(weight_gets) == 1  # local rank 0 downloaded; rank 1 waited and read the same copy
     assert len(list((tmp_path / "cache").iterdir())) == 1
@@ -140,7 +197,7 @@ def test_pickle_checkpoint_on_s3_is_refused_without_opt_in(final_checkpoint, s3_
     assert opted_in.metrics["n_pairs"] == 101
 
 
-def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(
+def test_two_nodes_on_loopback_match_one_process_and_fetch_once_per_node(
     final_checkpoint, s3_server, s3_bucket, tmp_path, monkeypatch
 ):
     """What the Kubernetes template runs, on one machine: node 1's torchrun agent starts with
@@ -180,50 +237,12 @@ def test_two_nodes_on_loopback_match_one_node_and_fetch_once_per_node(
     finally:
         follower.kill()
     monkeypatch.delenv("AREAL_EVAL_NNODES")
-    one_node = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "one")
-    assert result.metrics == pytest.approx(one_node.metrics, abs=1e-9) and result.metrics["n_pairs"] == 101
+    one_node = single_process_metrics(event, run.valid_data)
+    assert result.metrics == pytest.approx(one_node, abs=1e-6) and result.metrics["n_pairs"] == 101
     weight_gets = [p for m, p in proxy.requests if m == "GET" and p.split("?")[0].endswith("model.safetensors")]
     assert len(weight_gets) == 2  # each node's local rank 0 fetched its own copy
     assert (tmp_path / "node1-cache" / "jobs" / "rank-1" / "valid.jsonl").read_bytes() == run.valid_data.read_bytes()
     proxy.stop()
-
-
-@pytest.fixture(scope="module")
-def awkward_pairs(trained_run, tmp_path_factory):
-    """An odd number of pairs: identical pairs (ties), texts far past max_length (truncated),
-    and the trained run's own pairs."""
-    import json
-
-    from areal_eval.preference_data import read_pairs
-
-    _, run = trained_run
-    pairs = read_pairs(run.valid_data)[:30]
-    long_text = " ".join(pairs[0]["chosen"].split() * 40)
-    pairs += [{"chosen": p["chosen"], "rejected": p["chosen"]} for p in pairs[:5]]  # chosen == rejected
-    pairs += [
-        {"chosen": long_text, "rejected": pairs[1]["rejected"]},
-        {"chosen": pairs[2]["chosen"], "rejected": long_text},
-    ]
-    path = tmp_path_factory.mktemp("awkward") / "valid.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    assert len(pairs) % 2 == 1
-    return path
-
-
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_ties_and_truncated_pairs_count_the_same_at_every_world_and_batch_size(
-    final_checkpoint, awkward_pairs, tmp_path, world
-):
-    run, event = final_checkpoint
-    reference = single_process_metrics(event, awkward_pairs, batch_size=37)
-    for batch_size in (1, 4):
-        assert single_process_metrics(event, awkward_pairs, batch_size=batch_size) == pytest.approx(reference, abs=1e-6)
-    result = run_evaluation_job(event, awkward_pairs, EvalConfig(nproc=world, batch_size=3), tmp_path)
-    assert result.metrics["n_pairs"] == 37
-    for key, value in reference.items():
-        assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
-    correct = reference["accuracy"] * 37
-    assert abs(correct - round(correct)) == pytest.approx(0.5)  # 5 ties, each half correct
 
 
 def test_a_whitespace_only_response_is_refused_naming_its_line_and_no_rank_crashes(final_checkpoint, tmp_path):
