@@ -82,12 +82,18 @@ def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max_scalar(value: float) -> float:
-    """Largest ``value`` over ranks: ranks agree on elapsed time for time-based triggers."""
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_max_scalar(value: float, group=None) -> float:
+    """Largest ``value`` over the ranks of ``group`` (default: all): ranks agree on elapsed time
+    for time-based triggers."""
     if world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
 

@@ -150,8 +150,7 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
     cache_dir = Path(spec.cache_dir)
     if distributed.local_rank() == 0:  # one download and verification per node
         store.fetch(spec.checkpoint, files, cache_dir)
-    if distributed.world_size() > 1:
-        torch.distributed.barrier()  # nobody loads before the node's copy is verified
+    distributed.barrier()  # nobody loads before the node's copy is verified
     evaluator = make_evaluator(spec.evaluator, max_length=spec.max_length)
     evaluator.load(store.local_path(spec.checkpoint, files, cache_dir), Path(spec.data), allow_pickle=spec.allow_pickle)
     loop_start = time.time()
@@ -198,8 +197,7 @@ def serve(inbox: Path) -> None:
                 return
             run_job(parse_spec(EvalJobSpec, raw, f"job {path.name}"), started_at=time.time())
             done.add(path.name)
-            if distributed.world_size() > 1:
-                torch.distributed.barrier()  # every rank has read the job before it is removed
+            distributed.barrier()  # every rank has read the job before it is removed
             if distributed.rank() == 0:
                 path.unlink()
         except Exception as exc:

@@ -1,8 +1,8 @@
-"""When to checkpoint or evaluate: AReaL-compatible epoch/step/time frequency control.
+"""When to checkpoint or evaluate: epoch/step/time frequency control for the project's trainer.
 
-Drop-in for AReaL's ``FrequencyControl`` / ``EpochStepTimeFreqCtl`` (same ``check(epochs,
-steps)`` call, same OR-combination of ``freq_epochs``, ``freq_steps`` and ``freq_secs``), without
-the original's defects:
+Modelled on AReaL's ``EpochStepTimeFreqCtl`` (a ``check(epochs, steps)`` call, epoch, step and
+time triggers ORed) with its own field names; the drop-ins with AReaL's exact constructors and
+semantics are in :mod:`areal_eval.integrations.areal`. Unlike AReaL's:
 
 * ``freq_secs`` works without torch.distributed (the original read an unbound local);
 * ``eval_before_train`` is answered by :meth:`EpochStepTimeFreqCtl.before_train`, before step 1
