@@ -1,0 +1,116 @@
+"""A Hugging Face ``Trainer`` callback (TRL's trainers are Trainers too): every checkpoint the
+Trainer saves is published to the pipeline, and a stop request from the pipeline ends training.
+
+    trainer = Trainer(..., callbacks=[PublishCheckpoints("runs/my-run", run_id="my-run")])
+
+On each save, the evaluation files of ``output_dir/checkpoint-N`` (weights, config, tokenizer)
+are linked into ``run_dir/checkpoints/global_step_N`` and published with their sizes and
+sha256: to the run's manifest, to ``store`` when it is ``s3://``, and as an event when a Prefect
+API is given. Optimizer, scheduler, RNG and trainer state stay behind: evaluation never needs
+them, and they are pickles.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from areal_eval import distributed
+from areal_eval.checkpoints.manifest import CheckpointError, checkpoint_name
+from areal_eval.checkpoints.publisher import publish_checkpoint
+from areal_eval.checkpoints.store import S3Config
+from areal_eval.runs.directory import RunDir, StopSignal
+
+TRAINING_STATE = ("optimizer.", "scheduler.", "scaler.", "rng_state", "trainer_state.json", "training_args.bin")
+"""Names (prefixes) of the files a Trainer checkpoint holds for resuming training only."""
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def evaluation_files(checkpoint: Path) -> list[Path]:
+    """The files of a Trainer checkpoint that evaluation needs; refuses one without weights."""
+    files = [p for p in sorted(checkpoint.iterdir()) if p.is_file() and not p.name.startswith(TRAINING_STATE)]
+    if not any(p.match(pattern) for p in files for pattern in WEIGHTS):
+        raise CheckpointError(f"{checkpoint}: no model weights (*.safetensors or pytorch_model*.bin) to publish")
+    return files
+
+
+def link_or_copy(files: list[Path], target: Path) -> None:
+    """``target`` gets the files as hard links (no copy on the same file system), written whole:
+    a directory that exists is from an earlier attempt and is replaced."""
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for source in files:
+        try:
+            os.link(source, partial / source.name)
+        except OSError:  # another file system, or links not supported
+            shutil.copy2(source, partial / source.name)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+
+
+class PublishCheckpoints(TrainerCallback):
+    """Publish each saved checkpoint; honour the pipeline's stop request at every step.
+
+    Args:
+        run_dir: the run's directory: ``manifest.jsonl``, ``checkpoints/`` and the stop request
+            live there (``train-and-evaluate`` and ``evaluate-checkpoint`` read the same layout).
+        run_id: the run's id in the manifest and MLflow (default: ``run_dir``'s name).
+        store: ``s3://bucket/prefix`` to upload each checkpoint; None: publish in place.
+        s3: S3 client settings for ``store``.
+        api_url: a Prefect API to post each checkpoint event to (event-triggered evaluation);
+            default ``$PREFECT_API_URL``; None there too: the manifest only.
+        valid_data: the validation data to evaluate on (a path the workers can read).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        run_id: str | None = None,
+        store: str | None = None,
+        s3: S3Config | None = None,
+        api_url: str | None = None,
+        valid_data: str | Path | None = None,
+    ):
+        self.run = RunDir(run_dir)
+        self.run_id = run_id or self.run.root.name
+        self.store, self.s3, self.valid_data = store, s3, valid_data
+        self.api_url = api_url or os.environ.get("PREFECT_API_URL")
+        self.stop = StopSignal(self.run.stop_file)
+        self.published: list[int] = []
+        """Global steps published so far (by the main process)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return control
+        source = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        target = self.run.checkpoints / checkpoint_name(state.global_step)
+        link_or_copy(evaluation_files(source), target)
+        loss = next((row["loss"] for row in reversed(state.log_history) if "loss" in row), None)
+        publish_checkpoint(
+            target,
+            self.run.manifest,
+            self.run_id,
+            state.global_step,
+            epoch=int(state.epoch or 0),
+            train_metrics={"loss": loss} if loss is not None else None,
+            final=state.global_step >= state.max_steps or bool(control.should_training_stop),
+            api_url=self.api_url,
+            store=self.store,
+            s3=self.s3,
+            valid_data=self.valid_data,
+        )
+        self.published.append(state.global_step)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # Every rank must stop at the same step: the first to see the request stops them all.
+        if distributed.all_reduce_max_scalar(1.0 if self.stop.requested() else 0.0):
+            control.should_training_stop = True
+        if control.should_training_stop or state.global_step >= state.max_steps:
+            control.should_save = True  # the last weights are published, marked final
+        return control

@@ -1,0 +1,154 @@
+"""The Hugging Face Trainer callback on a real ``Trainer.train()``: a tiny Llama reward model
+trained as a regression on single responses (chosen 1, rejected 0), saving every 8 steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from areal_eval.checkpoints.manifest import CheckpointError, Manifest
+from areal_eval.integrations.hf import PublishCheckpoints, evaluation_files
+from areal_eval.runs.directory import RunDir, StopSignal
+
+
+def tiny_reward_model(work: Path):
+    """Synthetic preference pairs under ``work`` (train and valid), a tokenizer trained on them
+    and a fresh one-layer Llama reward model; returns (train pairs, valid path, tokenizer, model)."""
+    from areal_eval import reward_model
+    from areal_eval.preference_data import SyntheticPreferences, read_pairs
+
+    data = SyntheticPreferences(SyntheticPreferences.Config(train_pairs=160, valid_pairs=41))
+    train_path, valid_path = data.generate(work)
+    pairs = read_pairs(train_path)
+    tokenizer = reward_model.train_tokenizer(SyntheticPreferences.corpus(pairs), work / "tokenizer")
+    config = reward_model.RewardModelConfig(hidden_size=32, num_layers=1, num_heads=2)
+    return pairs, valid_path, tokenizer, reward_model.build_model(config, tokenizer)
+
+
+def hf_trainer(work: Path, callbacks: list, max_steps: int = 20):
+    """A Trainer over the synthetic preference data; its validation pairs at ``work/valid.jsonl``."""
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+
+    pairs, valid_path, tokenizer, model = tiny_reward_model(work)
+    rows = [
+        {**tokenizer(p[key], truncation=True, max_length=64), "labels": float(key == "chosen")}
+        for p in pairs
+        for key in ("chosen", "rejected")
+    ]
+    args = TrainingArguments(
+        output_dir=str(work / "trainer"),
+        max_steps=max_steps,
+        per_device_train_batch_size=16,
+        learning_rate=3e-3,
+        save_steps=8,
+        logging_steps=4,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=rows,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    return trainer, valid_path
+
+
+@pytest.fixture(scope="module")
+def published_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("hf")
+    callback = PublishCheckpoints(work / "run", run_id="hf-run", valid_data=work / "valid.jsonl", api_url=None)
+    trainer, _ = hf_trainer(work, [callback])
+    trainer.train()
+    return work, callback
+
+
+def test_every_save_is_published_with_what_evaluation_needs_and_no_training_state(published_run):
+    work, callback = published_run
+    events = Manifest(work / "run" / "manifest.jsonl").events()
+    # save_steps 8 of 20: 8 and 16, then the last step, saved because training ended, marked final.
+    assert [(e.global_step, e.final) for e in events] == [(8, False), (16, False), (20, True)]
+    assert callback.published == [8, 16, 20]
+    for event in events:
+        names = {f.name for f in event.files}
+        assert {"model.safetensors", "config.json", "tokenizer.json"} <= names
+        assert not [n for n in names if n.startswith(("optimizer", "scheduler", "rng_state", "trainer_state"))]
+        assert "training_args.bin" not in names
+        assert Path(event.uri) == (work / "run" / "checkpoints" / f"global_step_{event.global_step:08d}").resolve()
+        assert event.run_id == "hf-run" and event.valid_data == str((work / "valid.jsonl").resolve())
+    assert "loss" in events[-1].train_metrics
+    # The Trainer's own checkpoint keeps its resume state; the published copy shares the weights.
+    trainer_checkpoint = work / "trainer" / "checkpoint-16"
+    assert (trainer_checkpoint / "optimizer.pt").exists()
+    published = Path(events[1].uri) / "model.safetensors"
+    assert published.stat().st_ino == (trainer_checkpoint / "model.safetensors").stat().st_ino
+
+
+def test_published_checkpoints_load_and_score_as_reward_models(published_run):
+    from tests.helpers import single_process_metrics
+
+    work, _ = published_run
+    final = Manifest(work / "run" / "manifest.jsonl").events()[-1]
+    metrics = single_process_metrics(final, work / "valid.jsonl")
+    assert metrics["n_pairs"] == 41 and 0.0 <= metrics["accuracy"] <= 1.0
+
+
+def test_a_stop_request_ends_training_at_the_next_step_with_a_final_checkpoint(tmp_path):
+    from transformers import TrainerCallback
+
+    run = RunDir(tmp_path / "run")
+
+    class RequestStopAtStep5(TrainerCallback):  # what an alert rule with stop_training does
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                StopSignal(run.stop_file).request("alert good-enough: test")
+
+    callback = PublishCheckpoints(run.root, api_url=None)
+    trainer, _ = hf_trainer(tmp_path, [RequestStopAtStep5(), callback], max_steps=40)
+    trainer.train()
+    assert trainer.state.global_step == 5
+    events = Manifest(run.manifest).events()
+    assert [(e.global_step, e.final) for e in events] == [(5, True)]
+    assert events[0].run_id == "run"  # the run directory's name by default
+
+
+def test_a_checkpoint_without_weights_is_refused_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    (tmp_path / "optimizer.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: no model weights"):
+        evaluation_files(tmp_path)
+
+
+def test_trls_reward_trainer_publishes_reward_models_the_pipeline_scores(tmp_path):
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    from tests.helpers import single_process_metrics
+
+    pairs, valid_path, tokenizer, model = tiny_reward_model(tmp_path)
+    callback = PublishCheckpoints(tmp_path / "run", api_url=None, valid_data=valid_path)
+    args = RewardConfig(
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=16,
+        per_device_train_batch_size=16,
+        learning_rate=3e-3,
+        save_steps=8,
+        logging_steps=4,
+        max_length=64,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(pairs), processing_class=tokenizer, callbacks=[callback]
+    ).train()
+    events = Manifest(tmp_path / "run" / "manifest.jsonl").events()
+    assert [(e.global_step, e.final) for e in events] == [(8, False), (16, True)]
+    metrics = single_process_metrics(events[-1], valid_path)
+    assert metrics["n_pairs"] == 41 and 0.0 <= metrics["accuracy"] <= 1.0
