@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from areal_eval.checkpoints import dcp
 from areal_eval.checkpoints.manifest import CheckpointError
 from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
 from areal_eval.preference_data import DataError, line_of_pair
@@ -92,10 +93,16 @@ def build_model(cfg: RewardModelConfig, tokenizer):
 
 
 def load_model(path: str | Path, allow_pickle: bool = False):
-    """Load a reward model from a local directory, safetensors only unless ``allow_pickle``."""
-    from transformers import AutoModelForSequenceClassification
+    """Load a reward model from a local directory, safetensors only unless ``allow_pickle``: a
+    ``save_pretrained`` directory, or a sharded ``torch.distributed.checkpoint`` one beside its
+    ``config.json``."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     path = Path(path)
+    if dcp.dcp_format(path):
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(str(path), num_labels=1))
+        dcp.load_into(model, path, allow_pickle=allow_pickle)
+        return model
     if not allow_pickle and not any(path.glob("*.safetensors")):
         raise CheckpointError(
             f"{path}: refused: no *.safetensors weights, and loading pickle weights "

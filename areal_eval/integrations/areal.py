@@ -247,7 +247,7 @@ class Evaluator:
             initial_epoch_value=config.eval_before_train,
         )
         self.published: list[int] = []
-        """Global steps published so far (rank 0)."""
+        """Global steps published so far."""
 
     def state_dict(self) -> dict:
         return self.freq_ctl.state_dict()
@@ -274,6 +274,8 @@ class Evaluator:
             if evaluate_fn is not None:
                 evaluate_fn()
             return
+        if global_step in self.published:
+            return  # step 0 published by before_train, then due again at the first step
         target = Path(self.publish.checkpoint_root) / checkpoint_name(global_step)
         self.publish.save(target)
         distributed.barrier()  # every rank's shard is written before rank 0 announces it
@@ -290,4 +292,4 @@ class Evaluator:
                 store=self.publish.store,
                 valid_data=self.publish.valid_data,
             )
-            self.published.append(global_step)
+        self.published.append(global_step)  # on every rank, so all of them skip a repeat alike

@@ -11,53 +11,8 @@ import pytest
 from areal_eval.checkpoints.manifest import CheckpointError, Manifest
 from areal_eval.integrations.hf import PublishCheckpoints, evaluation_files
 from areal_eval.runs.directory import RunDir, StopSignal
-
-
-def tiny_reward_model(work: Path):
-    """Synthetic preference pairs under ``work`` (train and valid), a tokenizer trained on them
-    and a fresh one-layer Llama reward model; returns (train pairs, valid path, tokenizer, model)."""
-    from areal_eval import reward_model
-    from areal_eval.preference_data import SyntheticPreferences, read_pairs
-
-    data = SyntheticPreferences(SyntheticPreferences.Config(train_pairs=160, valid_pairs=41))
-    train_path, valid_path = data.generate(work)
-    pairs = read_pairs(train_path)
-    tokenizer = reward_model.train_tokenizer(SyntheticPreferences.corpus(pairs), work / "tokenizer")
-    config = reward_model.RewardModelConfig(hidden_size=32, num_layers=1, num_heads=2)
-    return pairs, valid_path, tokenizer, reward_model.build_model(config, tokenizer)
-
-
-def hf_trainer(work: Path, callbacks: list, max_steps: int = 20):
-    """A Trainer over the synthetic preference data; its validation pairs at ``work/valid.jsonl``."""
-    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
-
-    pairs, valid_path, tokenizer, model = tiny_reward_model(work)
-    rows = [
-        {**tokenizer(p[key], truncation=True, max_length=64), "labels": float(key == "chosen")}
-        for p in pairs
-        for key in ("chosen", "rejected")
-    ]
-    args = TrainingArguments(
-        output_dir=str(work / "trainer"),
-        max_steps=max_steps,
-        per_device_train_batch_size=16,
-        learning_rate=3e-3,
-        save_steps=8,
-        logging_steps=4,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=rows,
-        data_collator=DataCollatorWithPadding(tokenizer),
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
-    return trainer, valid_path
+from examples.common import tiny_reward_model
+from examples.hf_trainer import build_trainer as hf_trainer
 
 
 @pytest.fixture(scope="module")

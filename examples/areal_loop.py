@@ -1,0 +1,74 @@
+"""A loop written the way AReaL's trainers call its ``Evaluator``, with the import swapped:
+due evaluations publish the checkpoint instead of blocking training.
+
+    python -m examples.areal_loop --run-dir runs/areal-demo [--epochs 2 --freq-steps 4]
+    torchrun --nproc-per-node 2 -m examples.areal_loop --run-dir runs/areal-demo
+
+AReaL's trainer code is unchanged but for the import and the ``publish`` argument:
+``evaluator.evaluate(evaluate_fn, epoch, step, global_step)`` after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+
+from areal_eval import distributed, reward_model
+from areal_eval.integrations.areal import Evaluator, EvaluatorConfig, FinetuneSpec, PublishCheckpoint
+from examples.common import tiny_reward_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--freq-steps", type=int, default=4)
+    args = parser.parse_args()
+
+    distributed.init(timeout_s=60)
+    torch.manual_seed(0)
+    pairs, valid_path, tokenizer, model = tiny_reward_model(args.run_dir / "data")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed.world_size() > 1 else model
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    examples = reward_model.tokenize_pairs(tokenizer, pairs, max_length=64)
+    batch_size = 16
+    ft_spec = FinetuneSpec(args.epochs, len(examples) // distributed.world_size(), batch_size)
+
+    def save(directory: Path) -> None:  # every rank calls it; rank 0 writes the full model
+        if distributed.rank() == 0:
+            model.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+
+    evaluator = Evaluator(
+        EvaluatorConfig(freq_steps=args.freq_steps, eval_before_train=True),
+        ft_spec,
+        publish=PublishCheckpoint(
+            save,
+            args.run_dir / "checkpoints",
+            args.run_dir / "manifest.jsonl",
+            args.run_dir.name,
+            valid_data=valid_path,
+        ),
+    )
+    evaluator.before_train()  # the untouched weights, as step 0
+    rng = random.Random(distributed.rank())
+    global_step = 0
+    for epoch in range(ft_spec.total_train_epochs):
+        for step in range(ft_spec.steps_per_epoch):
+            batch = reward_model.collate_pairs(rng.sample(examples, batch_size), tokenizer.pad_token_id)
+            loss = reward_model.bradley_terry_loss(*reward_model.pair_scores(ddp, batch))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            evaluator.evaluate(None, epoch, step, global_step)  # as AReaL's trainers call it
+            global_step += 1
+    if distributed.rank() == 0:
+        print(f"published steps {evaluator.published} to {args.run_dir / 'manifest.jsonl'}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

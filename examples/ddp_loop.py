@@ -1,0 +1,61 @@
+"""A plain PyTorch DDP loop that joins the pipeline with one call: ``publish_checkpoint``.
+
+    torchrun --nproc-per-node 2 -m examples.ddp_loop --run-dir runs/ddp-demo [--steps 12 --save-every 4]
+
+Rank 0 saves the model the way evaluation loads it (``save_pretrained``: safetensors, config,
+tokenizer) and publishes it: sizes and sha256 into the run's manifest, then the event to
+``$PREFECT_API_URL`` when it is set. Training never waits for an evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+
+from areal_eval import distributed, reward_model
+from areal_eval.checkpoints.manifest import checkpoint_name
+from areal_eval.checkpoints.publisher import publish_checkpoint
+from examples.common import tiny_reward_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=4)
+    args = parser.parse_args()
+
+    distributed.init(timeout_s=60)
+    torch.manual_seed(0)  # the same initial weights on every rank
+    pairs, valid_path, tokenizer, model = tiny_reward_model(args.run_dir / "data")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed.world_size() > 1 else model
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    examples = reward_model.tokenize_pairs(tokenizer, pairs, max_length=64)
+    rng = random.Random(distributed.rank())
+    for step in range(1, args.steps + 1):
+        batch = reward_model.collate_pairs(rng.sample(examples, 8), tokenizer.pad_token_id)
+        loss = reward_model.bradley_terry_loss(*reward_model.pair_scores(ddp, batch))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if (step % args.save_every == 0 or step == args.steps) and distributed.rank() == 0:
+            directory = args.run_dir / "checkpoints" / checkpoint_name(step)
+            model.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+            publish_checkpoint(  # the one call to add
+                directory,
+                args.run_dir / "manifest.jsonl",
+                run_id=args.run_dir.name,
+                global_step=step,
+                train_metrics={"loss": loss.item()},
+                final=step == args.steps,
+                valid_data=valid_path,
+            )
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
