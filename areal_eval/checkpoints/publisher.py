@@ -22,7 +22,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest, describe_files
+from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, describe_files
 from areal_eval.checkpoints.store import S3Config, StorageConfig, is_s3, open_store
 
 CHECKPOINT_SAVED = "areal.checkpoint.saved"
@@ -67,6 +67,16 @@ def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeo
             raise RuntimeError(f"Prefect API {api_url} refused the event: HTTP {response.status}")
 
 
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.distcp")
+"""Model weight files: ``save_pretrained`` (whole or sharded) and torch.distributed.checkpoint."""
+
+
+def check_has_weights(directory: Path) -> None:
+    """A checkpoint without model weights is refused before anything is announced."""
+    if not any(next(directory.glob(pattern), None) for pattern in WEIGHTS):
+        raise CheckpointError(f"{directory}: no model weights ({', '.join(WEIGHTS)}) to publish")
+
+
 def publish_checkpoint(
     checkpoint_dir: str | Path,
     manifest: str | Path,
@@ -93,6 +103,7 @@ def publish_checkpoint(
     directory = Path(checkpoint_dir).resolve()
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
+    check_has_weights(directory)
     files = describe_files(directory)
     root = StorageConfig(checkpoint_uri=store).run_root(run_id)
     checkpoint_store = open_store(root, s3)

@@ -20,22 +20,20 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from areal_eval import distributed
-from areal_eval.checkpoints.manifest import CheckpointError, checkpoint_name
-from areal_eval.checkpoints.publisher import publish_checkpoint
+from areal_eval.checkpoints.manifest import checkpoint_name
+from areal_eval.checkpoints.publisher import check_has_weights, publish_checkpoint
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.runs.directory import RunDir, StopSignal
 
+RUN_DIR_ENV = "AREAL_EVAL_RUN_DIR"
 TRAINING_STATE = ("optimizer.", "scheduler.", "scaler.", "rng_state", "trainer_state.json", "training_args.bin")
 """Names (prefixes) of the files a Trainer checkpoint holds for resuming training only."""
-WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 
 
 def evaluation_files(checkpoint: Path) -> list[Path]:
     """The files of a Trainer checkpoint that evaluation needs; refuses one without weights."""
-    files = [p for p in sorted(checkpoint.iterdir()) if p.is_file() and not p.name.startswith(TRAINING_STATE)]
-    if not any(p.match(pattern) for p in files for pattern in WEIGHTS):
-        raise CheckpointError(f"{checkpoint}: no model weights (*.safetensors or pytorch_model*.bin) to publish")
-    return files
+    check_has_weights(checkpoint)
+    return [p for p in sorted(checkpoint.iterdir()) if p.is_file() and not p.name.startswith(TRAINING_STATE)]
 
 
 def link_or_copy(files: list[Path], target: Path) -> None:
@@ -58,7 +56,8 @@ class PublishCheckpoints(TrainerCallback):
 
     Args:
         run_dir: the run's directory: ``manifest.jsonl``, ``checkpoints/`` and the stop request
-            live there (``train-and-evaluate`` and ``evaluate-checkpoint`` read the same layout).
+            live there (``train-and-evaluate`` and ``evaluate-checkpoint`` read the same layout);
+            default ``$AREAL_EVAL_RUN_DIR``.
         run_id: the run's id in the manifest and MLflow (default: ``run_dir``'s name).
         store: ``s3://bucket/prefix`` to upload each checkpoint; None: publish in place.
         s3: S3 client settings for ``store``.
@@ -69,20 +68,28 @@ class PublishCheckpoints(TrainerCallback):
 
     def __init__(
         self,
-        run_dir: str | Path,
+        run_dir: str | Path | None = None,
         run_id: str | None = None,
         store: str | None = None,
         s3: S3Config | None = None,
         api_url: str | None = None,
         valid_data: str | Path | None = None,
     ):
-        self.run = RunDir(run_dir)
-        self.run_id = run_id or self.run.root.name
+        run_dir = run_dir or os.environ.get(RUN_DIR_ENV)
+        self.run = RunDir(run_dir) if run_dir else None
+        self.run_id = run_id or (self.run.root.name if self.run else None)
         self.store, self.s3, self.valid_data = store, s3, valid_data
         self.api_url = api_url or os.environ.get("PREFECT_API_URL")
-        self.stop = StopSignal(self.run.stop_file)
+        self.stop = StopSignal(self.run.stop_file) if self.run else None
         self.published: list[int] = []
         """Global steps published so far (by the main process)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.run is None:  # now, not at the first save, hours into training
+            raise ValueError(
+                f"PublishCheckpoints has no run directory for the manifest: pass run_dir=... or set {RUN_DIR_ENV}"
+            )
+        return control
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:

@@ -61,3 +61,17 @@ def test_publish_to_s3_uploads_verifies_and_mirrors_the_manifest(s3_server, s3_b
         "ckpts/run-7/manifest.jsonl",
     }
     assert webhook.requests[0]["json"][0]["payload"]["manifest"] == f"s3://{s3_bucket}/ckpts/run-7/manifest.jsonl"
+
+
+def test_a_directory_without_model_weights_is_refused_naming_it_and_nothing_is_announced(tmp_path):
+    import pytest
+
+    from areal_eval.checkpoints.manifest import CheckpointError
+
+    directory = tmp_path / "step-8"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    (directory / "optimizer.pt").write_bytes(b"state")
+    with pytest.raises(CheckpointError, match=f"{directory}: no model weights"):
+        publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 8)
+    assert not (tmp_path / "manifest.jsonl").exists()

@@ -107,3 +107,13 @@ def test_trls_reward_trainer_publishes_reward_models_the_pipeline_scores(tmp_pat
     assert [(e.global_step, e.final) for e in events] == [(8, False), (16, True)]
     metrics = single_process_metrics(events[-1], valid_path)
     assert metrics["n_pairs"] == 41 and 0.0 <= metrics["accuracy"] <= 1.0
+
+
+def test_a_callback_without_a_run_directory_fails_when_training_begins(tmp_path, monkeypatch):
+    monkeypatch.delenv("AREAL_EVAL_RUN_DIR", raising=False)
+    trainer, _ = hf_trainer(tmp_path, [PublishCheckpoints(api_url=None)], max_steps=4)
+    with pytest.raises(
+        ValueError, match="no run directory for the manifest: pass run_dir=... or set AREAL_EVAL_RUN_DIR"
+    ):
+        trainer.train()
+    assert not list((tmp_path / "trainer").glob("checkpoint-*"))  # before any step or save
