@@ -131,12 +131,23 @@ def start_mlflow_server(db: Path, artifacts: Path, port: int | None = None):
     raise RuntimeError(f"mlflow server did not start (exit {proc.poll()})")
 
 
-def copy_trained_run(original, run_root):
+def copy_trained_run(original, run_root, run_id: str | None = None):
     """A copy of the trained run at ``run_root`` (its manifest pointing at the copy), with no
-    ledger or evaluations yet: a run whose checkpoints a test's flow evaluates afresh."""
+    ledger, decisions or evaluations yet: a run whose checkpoints a test's flow evaluates afresh.
+    ``run_id`` gives the copy an id of its own, for tests that share an MLflow store."""
+    import dataclasses
+
+    from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.runs.directory import RunDir
 
     run = RunDir(run_root)
-    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns("ledger.jsonl", "evals"))
+    state = ("ledger.jsonl", "evals", "decisions.lock", "evaluation_state.json")
+    shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns(*state))
     run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
+    if run_id is not None:
+        events = Manifest(run.manifest).events()
+        run.manifest.unlink()
+        for event in events:
+            Manifest(run.manifest).append(dataclasses.replace(event, run_id=run_id))
+        run.run_id_file.write_text(run_id)
     return run

@@ -37,12 +37,12 @@ keeps the 30-minute sweep from running in the middle of a test."""
 
 
 def stop(proc: subprocess.Popen) -> None:
-    # A Prefect worker needs a second SIGTERM to stop.
-    for _ in range(2):
+    # A Prefect worker needs a second SIGTERM to stop: the first one only starts its shutdown.
+    for wait_s in (2, 15):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 pass
     if proc.poll() is None:
@@ -58,9 +58,12 @@ def cli(env: dict, *args: str, timeout: float = 300) -> str:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, worker_query_s: float | None = None) -> Iterator[dict]:
+def prefect_server(home: Path, worker_query_s: float = 2.0) -> Iterator[dict]:
     """Server, pools ``areal-train`` and ``areal-eval``, the ``gpu:0`` limit, every deployment of
-    ``infra/prefect.yaml`` and a worker per pool; yields the environment to talk to them."""
+    ``infra/prefect.yaml`` and a worker per pool; yields the environment to talk to them.
+
+    Workers poll for scheduled runs every ``worker_query_s`` (Prefect's default is 10 s: up to
+    10 s of waiting before each flow run starts)."""
     port = free_port()
     env = {
         **os.environ,
@@ -73,7 +76,7 @@ def prefect_server(home: Path, worker_query_s: float | None = None) -> Iterator[
         "AREAL_EVAL_STORE": str(home / "store"),
         "MLFLOW_TRACKING_URI": sqlite_mlflow_uri(home),
         "PYTHONPATH": str(REPO),
-        **({"PREFECT_WORKER_QUERY_SECONDS": str(worker_query_s)} if worker_query_s else {}),
+        "PREFECT_WORKER_QUERY_SECONDS": str(worker_query_s),
     }
     log = (home / "server.log").open("w")
     proc = subprocess.Popen(

@@ -18,14 +18,16 @@ from areal_eval.config.pipeline import load_pipeline_config
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.planner import EvaluationPlanner
 from areal_eval.tracking import Tracker
-from tests.helpers import assert_best_is_registered
+from tests.helpers import assert_best_is_registered, copy_trained_run
 from tests.prefect_services import REPO, api, cli_or_fail, eval_steps, republish, stop, wait_for_runs
 
 pytestmark = pytest.mark.integration
 
 
-def test_event_triggers_evaluate_checkpoint_with_its_parameters(server, stored_run):
-    manifest = (stored_run / "manifest.jsonl").resolve()
+def test_event_triggers_evaluate_checkpoint_with_its_parameters(server, trained_run, tmp_path):
+    _, original = trained_run
+    copied = copy_trained_run(original, tmp_path / "triggered", run_id=f"{original.run_id}-triggered")
+    manifest = copied.manifest.resolve()
     event = Manifest(manifest).find(12)
     sent = time.time()
     post_event(server["PREFECT_API_URL"], event, manifest)
@@ -66,7 +68,11 @@ def test_event_triggers_evaluate_checkpoint_with_its_parameters(server, stored_r
     tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        runs = [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("global_step") == 12]
+        runs = [
+            r
+            for r in api(server, "/flow_runs/filter", {"limit": 200})
+            if r["parameters"].get("global_step") == 12 and r["parameters"].get("run_id") == event.run_id
+        ]
         if len(runs) == 2 and all(r["state_type"] == "COMPLETED" for r in runs):
             break
         time.sleep(1)
@@ -179,3 +185,21 @@ def test_the_evaluation_service_evaluates_published_checkpoints_on_warm_workers(
     assert [p.name for p in (tmp_path / "work" / "serve-evaluations").glob("warm-workers-*.log")] == [
         "warm-workers-1.log"
     ]
+
+
+def test_a_hugging_face_trainer_publishes_and_the_trigger_evaluates_its_checkpoints(server, tmp_path):
+    from areal_eval.integrations.hf import PublishCheckpoints
+    from examples.hf_trainer import build_trainer
+
+    run_dir = tmp_path / "hf-served"
+    callback = PublishCheckpoints(run_dir, valid_data=tmp_path / "valid.jsonl", api_url=server["PREFECT_API_URL"])
+    trainer, _ = build_trainer(tmp_path, [callback], max_steps=16)
+    trainer.train()
+    assert callback.published == [8, 16]
+    runs = wait_for_runs(server, lambda r: r["parameters"].get("run_id") == "hf-served", 2)
+    assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
+    ledger = Ledger(run_dir / "ledger.jsonl")
+    assert [e.step for e in ledger.entries()] == [8, 16] and ledger.status(16) == "evaluated"
+    assert eval_steps(server, "hf-served") == [e.step for e in ledger.entries() if e.status == "evaluated"]
+    tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    assert tracker.client.get_run(tracker.find_run("hf-served")).info.status == "FINISHED"  # 16 was final
