@@ -93,6 +93,10 @@ class LoopConfig:
     delivery_timeout_s: float = 60.0
     """Once the run is handled, how long to keep trying to deliver to an unreachable tracker; what
     is left is delivered by the next run of the same command."""
+    external_timeout_s: float | None = None
+    """Training runs elsewhere (no job to watch): wait up to this long for each next checkpoint,
+    and take training metrics from the checkpoints' ``train_metrics``. None: without a training
+    job the manifest must already hold the final checkpoint."""
 
 
 @dataclasses.dataclass
@@ -176,6 +180,8 @@ class FollowLoop:
         """Turn after turn until the final checkpoint and the refinement after it are handled, or
         training died and what it published is; returns training's error, if it died."""
         final_seen, refined, decided, training_error = False, False, [], None
+        external = self.cfg.external_timeout_s is not None
+        last_checkpoint_at = time.monotonic()
         while True:
             started = time.perf_counter()
             settled = bool(decided)
@@ -185,7 +191,11 @@ class FollowLoop:
                 self.io.announce(event)
                 self._log_decision(event, decision)
                 final_seen |= event.final
-            self.delivery.add_rows(self.train_log.poll(), flush_now=final_seen)
+                last_checkpoint_at = time.monotonic()
+            rows = self.train_log.poll()
+            if external:  # no training log of ours: the publisher's metrics, at each checkpoint's step
+                rows += [{"step": event.global_step, **event.train_metrics} for event, _ in decided]
+            self.delivery.add_rows(rows, flush_now=final_seen)
             settled |= self._collect_finished()
             if self.cfg.retention is not None and self.cfg.retention.keep_last is not None and settled:
                 self._apply_retention()
@@ -201,7 +211,13 @@ class FollowLoop:
                 for event in self.planner.refine(self.deleted):
                     self._log_decision(event, Decision(True, self.planner.ledger.latest(event.global_step).reason))
             if self.training is None and not final_seen and idle:
-                raise RuntimeError(f"{self.manifest.path}: no final checkpoint and no training job to wait for")
+                if not external:
+                    raise RuntimeError(f"{self.manifest.path}: no final checkpoint and no training job to wait for")
+                if time.monotonic() - last_checkpoint_at > self.cfg.external_timeout_s:
+                    raise RuntimeError(
+                        f"{self.manifest.path}: no checkpoint from the external trainer for "
+                        f"{self.cfg.external_timeout_s:.0f} s, and no final one (train.external_timeout_s)"
+                    )
             if self.on_iteration:
                 self.on_iteration(time.perf_counter() - started)
             decided = decisions.drain(timeout_s=self.cfg.poll_interval_s)

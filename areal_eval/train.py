@@ -69,6 +69,13 @@ class TrainConfig:
     """Timeout of every collective: a dead rank fails training instead of hanging it."""
     save: SaveConfig = dataclasses.field(default_factory=SaveConfig)
     """When to save checkpoints."""
+    external: bool = False
+    """Training runs outside the flow: your own trainer publishes to this run's directory
+    (``work_dir/run_name``: its manifest, e.g. with the Hugging Face callback). The flow starts
+    no training job and follows the manifest until the final checkpoint."""
+    external_timeout_s: float = 3600.0
+    """With ``external``: the run fails when no checkpoint arrives for this long (the trainer
+    died without publishing its final checkpoint)."""
 
     def __post_init__(self):
         check_ranges(
@@ -81,6 +88,7 @@ class TrainConfig:
             warmup_steps=NON_NEGATIVE,
             log_every=AT_LEAST_1,
             collective_timeout_s=POSITIVE,
+            external_timeout_s=POSITIVE,
         )
 
 

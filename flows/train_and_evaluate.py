@@ -99,7 +99,8 @@ def train_and_evaluate(
         run = prepare_run_dir(cfg)
         tag_flow_run(f"run:{run.run_id}", f"evaluator:{cfg.eval.evaluator}")
         mlflow_run_id = start_tracking(cfg, run)
-        training = None if training_finished(run, run.run_id) else start_training(cfg, run)
+        external = cfg.train.external  # your own trainer publishes to this run's manifest
+        training = None if external or training_finished(run, run.run_id) else start_training(cfg, run)
         failure: BaseException | None = None
         try:
             follow_and_evaluate(cfg, run, mlflow_run_id, training)
@@ -138,6 +139,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
         slots=cfg.eval.slots,
         results_logged_by_evaluator=bool(cfg.eval.deployment),
         retention=cfg.storage.retention,
+        external_timeout_s=cfg.train.external_timeout_s if cfg.train.external else None,
     )
     with warm_workers(cfg, run.evals) as workers:
         io = PrefectLoopIO(cfg, run, mlflow_run_id, planner.ledger, total_train_steps(run, cfg), workers)

@@ -47,11 +47,11 @@ class PrefectLoopIO:
         run: RunDir,
         mlflow_run_id: str,
         ledger: Ledger,
-        total_steps: int,
+        total_steps: int | None,
         workers: WarmWorkerGroups | None = None,
     ):
         self.cfg, self.run, self.mlflow_run_id, self.ledger = cfg, run, mlflow_run_id, ledger
-        self.total_steps, self.workers = max(1, total_steps), workers
+        self.total_steps, self.workers = total_steps, workers
         self.logger = get_run_logger()
         self.progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
 
@@ -61,7 +61,8 @@ class PrefectLoopIO:
     def submit(self, event: CheckpointEvent, reason: str) -> TaskHandle:
         if self.cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
             return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg, reason))
-        return TaskHandle(submit_scoring(event, self.run.valid_data, self.cfg, self.run.evals, self.workers))
+        data = event.valid_data or self.run.valid_data  # what the publisher named, else the run's own
+        return TaskHandle(submit_scoring(event, data, self.cfg, self.run.evals, self.workers))
 
     def log_result(self, result: EvalResult, reason: str) -> None:
         log_evaluation(self.cfg, self.mlflow_run_id, result, reason, (self.run, self.run.run_id))
@@ -72,7 +73,8 @@ class PrefectLoopIO:
 
     def log_training(self, rows: list[dict]) -> None:
         tracker_for(self.cfg).log_train_metrics(self.mlflow_run_id, [r for r in rows if "loss" in r])
-        self.set_progress(rows[-1]["step"] / self.total_steps)
+        if self.total_steps:  # unknown for an external trainer without train.max_steps
+            self.set_progress(rows[-1]["step"] / self.total_steps)
 
     def set_progress(self, fraction: float) -> None:
         update_progress_artifact(self.progress, 100.0 * min(1.0, fraction))

@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from areal_eval import distributed
+from areal_eval import distributed, jsonl
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import check_has_weights, publish_checkpoint
 from areal_eval.checkpoints.store import S3Config
@@ -78,6 +78,7 @@ class PublishCheckpoints(TrainerCallback):
         run_dir = run_dir or os.environ.get(RUN_DIR_ENV)
         self.run = RunDir(run_dir) if run_dir else None
         self.run_id = run_id or (self.run.root.name if self.run else None)
+        self.run_id_given = run_id is not None
         self.store, self.s3, self.valid_data = store, s3, valid_data
         self.api_url = api_url or os.environ.get("PREFECT_API_URL")
         self.stop = StopSignal(self.run.stop_file) if self.run else None
@@ -89,7 +90,20 @@ class PublishCheckpoints(TrainerCallback):
             raise ValueError(
                 f"PublishCheckpoints has no run directory for the manifest: pass run_dir=... or set {RUN_DIR_ENV}"
             )
+        if state.is_world_process_zero:
+            self._agree_on_run_id()
         return control
+
+    def _agree_on_run_id(self) -> None:
+        """The run directory's id (a ``train-and-evaluate`` following it may have named it first)
+        is the one published; a different ``run_id`` would publish entries the flow skips."""
+        if not self.run.run_id_file.exists():
+            self.run.root.mkdir(parents=True, exist_ok=True)
+            jsonl.write_atomic(self.run.run_id_file, self.run_id)
+        elif not self.run_id_given:
+            self.run_id = self.run.run_id
+        elif self.run.run_id != self.run_id:
+            raise ValueError(f"{self.run.run_id_file} says run id {self.run.run_id!r}, not {self.run_id!r}")
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:

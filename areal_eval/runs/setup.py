@@ -9,6 +9,7 @@ from pathlib import Path
 
 from areal_eval import jsonl
 from areal_eval.alerts import recorded_config
+from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.job_spec import write_spec
 from areal_eval.preference_data import SyntheticPreferences, read_pairs, write_pairs
@@ -26,6 +27,8 @@ def prepare_run(cfg: PipelineConfig) -> RunDir:
     """
     given = check_inputs(cfg)  # every row checked, naming file and line, before the run is touched
     run = RunDir(cfg.run_root)
+    if cfg.train.external:
+        return _external_run(cfg, run, given)
     if run.exists():
         run_id = run.run_id
     else:
@@ -35,7 +38,7 @@ def prepare_run(cfg: PipelineConfig) -> RunDir:
         model = dataclasses.replace(model, tokenizer_path=model.pretrained_path)
     spec = TrainJobSpec(run_id=run_id, run_dir=str(run.root), model=model, train=cfg.train, storage=cfg.storage)
     write_spec(run.train_config, spec)
-    jsonl.write_atomic(run.root / "pipeline_config.json", json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
+    _record_config(cfg, run)
     return run
 
 
@@ -60,7 +63,28 @@ def _new_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> 
     return run_id
 
 
-def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int:
-    """The training job's step count (for progress), computed as the job computes it."""
+def _external_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> RunDir:
+    """A run trained elsewhere: its id is the one its publisher used, else the directory's name
+    (what the trainer callbacks default to); validation data given in the config goes to
+    ``data/valid.jsonl`` beside the manifest, where evaluation looks when events name none."""
+    run.root.mkdir(parents=True, exist_ok=True)
+    if not run.exists():
+        published = Manifest(run.manifest).events() if run.manifest.exists() else []
+        jsonl.write_atomic(run.run_id_file, published[0].run_id if published else run.root.name)
+    if "valid" in given:
+        write_pairs(run.valid_data, given["valid"])
+    _record_config(cfg, run)
+    return run
+
+
+def _record_config(cfg: PipelineConfig, run: RunDir) -> None:
+    jsonl.write_atomic(run.root / "pipeline_config.json", json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
+
+
+def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int | None:
+    """The training job's step count (for progress), computed as the job computes it; for an
+    external trainer, ``train.max_steps`` if set, else unknown (None)."""
+    if cfg.train.external:
+        return cfg.train.max_steps
     pairs = sum(1 for line in Path(run.train_data).open() if line.strip())
     return total_steps(pairs, cfg.train.nproc, cfg.train)

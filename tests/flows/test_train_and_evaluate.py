@@ -334,3 +334,37 @@ def test_main_hands_its_run_lock_to_the_flow_so_no_owner_slips_in_between(tmp_pa
         RunLock(run).acquire().release()
         with pytest.raises(RunBusy):
             RunLock(other).acquire()
+
+
+def test_train_and_evaluate_follows_a_hugging_face_trainer_while_it_trains(prefect_server, tmp_path):
+    import threading
+
+    from areal_eval.integrations.hf import PublishCheckpoints
+    from examples.hf_trainer import build_trainer
+    from flows.train_and_evaluate import train_and_evaluate
+
+    cfg = tiny_config(tmp_path, run_name="hf-followed", train={"external": True, "external_timeout_s": 300})
+    outcome = {}
+
+    def follow():
+        state = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))), return_state=True)
+        outcome["state"] = state
+
+    flow_thread = threading.Thread(target=follow)
+    flow_thread.start()  # before the trainer: the flow waits for its checkpoints
+    callback = PublishCheckpoints(cfg.run_root, valid_data=tmp_path / "hf-work" / "valid.jsonl")
+    trainer, _ = build_trainer(tmp_path / "hf-work", [callback], max_steps=16)
+    trainer.train()
+    flow_thread.join(300)
+    assert outcome["state"].is_completed(), outcome["state"]
+
+    run = RunDir(cfg.run_root)
+    assert run.run_id == "hf-followed" and callback.published == [8, 16]
+    ledger = Ledger(run.ledger)
+    assert [e.step for e in ledger.entries()] == [8, 16] and ledger.status(16) == "evaluated"
+    tracker, runs = mlflow_run(cfg)
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    history = tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")
+    assert sorted(m.step for m in history) == evaluated and runs[0].info.status == "FINISHED"
+    # The trainer's loss, published with each checkpoint, at the checkpoint's step.
+    assert [m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")] == [8, 16]
