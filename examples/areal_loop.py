@@ -14,11 +14,9 @@ import argparse
 import random
 from pathlib import Path
 
-import torch
-
-from areal_eval import distributed, reward_model
+from areal_eval import distributed
 from areal_eval.integrations.areal import Evaluator, EvaluatorConfig, FinetuneSpec, PublishCheckpoint
-from examples.common import tiny_reward_model
+from examples.common import ddp_setup, train_step
 
 
 def main() -> None:
@@ -28,12 +26,7 @@ def main() -> None:
     parser.add_argument("--freq-steps", type=int, default=4)
     args = parser.parse_args()
 
-    distributed.init(timeout_s=60)
-    torch.manual_seed(0)
-    pairs, valid_path, tokenizer, model = tiny_reward_model(args.run_dir / "data")
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed.world_size() > 1 else model
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    examples = reward_model.tokenize_pairs(tokenizer, pairs, max_length=64)
+    model, ddp, optimizer, tokenizer, examples, valid_path = ddp_setup(args.run_dir / "data")
     batch_size = 16
     ft_spec = FinetuneSpec(args.epochs, len(examples) // distributed.world_size(), batch_size)
 
@@ -58,11 +51,7 @@ def main() -> None:
     global_step = 0
     for epoch in range(ft_spec.total_train_epochs):
         for step in range(ft_spec.steps_per_epoch):
-            batch = reward_model.collate_pairs(rng.sample(examples, batch_size), tokenizer.pad_token_id)
-            loss = reward_model.bradley_terry_loss(*reward_model.pair_scores(ddp, batch))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            train_step(ddp, optimizer, examples, tokenizer.pad_token_id, rng, batch_size)
             evaluator.evaluate(None, epoch, step, global_step)  # as AReaL's trainers call it
             global_step += 1
     if distributed.rank() == 0:

@@ -3,7 +3,10 @@ runs on a laptop CPU in seconds. Swap in your own model and data."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+
+import torch
 
 from areal_eval import distributed, reward_model
 from areal_eval.preference_data import SyntheticPreferences, read_pairs
@@ -29,3 +32,25 @@ def tiny_reward_model(work: Path):
         tokenizer,
         reward_model.build_model(config, tokenizer),
     )
+
+
+def ddp_setup(work: Path):
+    """Join torchrun's process group (if any), then the tiny model (wrapped in DDP on more than
+    one rank), AdamW and the tokenized training pairs; returns (model, ddp, optimizer,
+    tokenizer, examples, valid path)."""
+    distributed.init(timeout_s=60)
+    torch.manual_seed(0)  # the same initial weights on every rank
+    pairs, valid_path, tokenizer, model = tiny_reward_model(work)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed.world_size() > 1 else model
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    return model, ddp, optimizer, tokenizer, reward_model.tokenize_pairs(tokenizer, pairs, max_length=64), valid_path
+
+
+def train_step(model, optimizer, examples: list[dict], pad_id: int, rng: random.Random, batch_size: int = 8) -> float:
+    """One Bradley-Terry step on a random batch of pairs; returns the loss."""
+    batch = reward_model.collate_pairs(rng.sample(examples, batch_size), pad_id)
+    loss = reward_model.bradley_terry_loss(*reward_model.pair_scores(model, batch))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()

@@ -27,6 +27,7 @@ from areal_eval import distributed, reward_model
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import publish_checkpoint
 from areal_eval.preference_data import read_pairs
+from examples.common import train_step
 
 
 def save_sharded(model, directory: Path, fmt: str, init: Path) -> None:
@@ -69,11 +70,7 @@ def main() -> None:
     rng = random.Random(distributed.rank())
     manifest, run_id = args.run_dir / "manifest.jsonl", args.run_dir.name
     for step in range(1, args.steps + 1):
-        batch = reward_model.collate_pairs(rng.sample(pairs, 8), tokenizer.pad_token_id)
-        loss = reward_model.bradley_terry_loss(*reward_model.pair_scores(model, batch))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        train_step(model, optimizer, pairs, tokenizer.pad_token_id, rng)
         if step % args.save_every == 0 or step == args.steps:
             directory = args.run_dir / "checkpoints" / checkpoint_name(step)
             save_sharded(model, directory, args.format, args.init)

@@ -13,12 +13,10 @@ import argparse
 import random
 from pathlib import Path
 
-import torch
-
-from areal_eval import distributed, reward_model
+from areal_eval import distributed
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import publish_checkpoint
-from examples.common import tiny_reward_model
+from examples.common import ddp_setup, train_step
 
 
 def main() -> None:
@@ -28,19 +26,10 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=4)
     args = parser.parse_args()
 
-    distributed.init(timeout_s=60)
-    torch.manual_seed(0)  # the same initial weights on every rank
-    pairs, valid_path, tokenizer, model = tiny_reward_model(args.run_dir / "data")
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed.world_size() > 1 else model
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    examples = reward_model.tokenize_pairs(tokenizer, pairs, max_length=64)
+    model, ddp, optimizer, tokenizer, examples, valid_path = ddp_setup(args.run_dir / "data")
     rng = random.Random(distributed.rank())
     for step in range(1, args.steps + 1):
-        batch = reward_model.collate_pairs(rng.sample(examples, 8), tokenizer.pad_token_id)
-        loss = reward_model.bradley_terry_loss(*reward_model.pair_scores(ddp, batch))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        loss = train_step(ddp, optimizer, examples, tokenizer.pad_token_id, rng)
         if (step % args.save_every == 0 or step == args.steps) and distributed.rank() == 0:
             directory = args.run_dir / "checkpoints" / checkpoint_name(step)
             model.save_pretrained(directory)
@@ -50,7 +39,7 @@ def main() -> None:
                 args.run_dir / "manifest.jsonl",
                 run_id=args.run_dir.name,
                 global_step=step,
-                train_metrics={"loss": loss.item()},
+                train_metrics={"loss": loss},
                 final=step == args.steps,
                 valid_data=valid_path,
             )

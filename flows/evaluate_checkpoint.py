@@ -87,7 +87,10 @@ def evaluate_checkpoint(
         mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
         log_evaluation(cfg, mlflow_run_id, result, reason or "dispatched")
         return {"global_step": global_step, "evaluated": True, "metrics": result.metrics}
-    refuse_if_owned(run)
+    owner = owner_of(run)
+    if owner:  # e.g. the trigger, for a trainer's event while train-and-evaluate follows its run
+        logger.info(f"checkpoint step {global_step}: left to its owner: {owner}")
+        return {"global_step": global_step, "evaluated": False, "reason": owner}
     event = published.find(global_step)  # a missing manifest or step is named before anything is recorded
     if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
         raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
@@ -127,13 +130,15 @@ def report_run(
     return summarize(cfg, run_id, run, mlflow_run_id, ledger, plot)
 
 
-def refuse_if_owned(run: RunDir) -> None:
-    """A run that a live ``train-and-evaluate`` owns is decided by that flow alone."""
+def owner_of(run: RunDir) -> str | None:
+    """Who owns ``run``, when a live ``train-and-evaluate`` does (it decides and evaluates its
+    checkpoints alone); None when nobody does."""
     if run.lock_file.exists():
         try:
             RunLock(run).acquire().release()
         except RunBusy as exc:
-            raise RunBusy(f"{exc}; it evaluates its own checkpoints (dispatched runs aside)") from None
+            return f"{exc}; it evaluates its own checkpoints"
+    return None
 
 
 def validation_data(data_path: str | None, event: CheckpointEvent, run: RunDir) -> Path:

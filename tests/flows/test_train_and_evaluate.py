@@ -368,3 +368,23 @@ def test_train_and_evaluate_follows_a_hugging_face_trainer_while_it_trains(prefe
     assert sorted(m.step for m in history) == evaluated and runs[0].info.status == "FINISHED"
     # The trainer's loss, published with each checkpoint, at the checkpoint's step.
     assert [m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")] == [8, 16]
+
+
+def test_a_checkpoint_of_a_run_another_flow_owns_is_left_to_it(prefect_server, trained_run, tmp_path):
+    import subprocess
+    import sys
+
+    from flows.evaluate_checkpoint import evaluate_checkpoint
+    from tests.helpers import HOLD_RUN_LOCK
+
+    _, original = trained_run
+    run = copy_trained_run(original, tmp_path / "owned")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_LOCK, str(run.root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # as train-and-evaluate following the run holds it
+        result = evaluate_checkpoint(12, str(run.manifest))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result["evaluated"] is False and f"in use by pid {holder.pid}" in result["reason"]
+    assert not run.ledger.exists()  # nothing decided or evaluated behind the owner's back
