@@ -111,7 +111,8 @@ class PublishCheckpoints(TrainerCallback):
         source = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         target = self.run.checkpoints / checkpoint_name(state.global_step)
         link_or_copy(evaluation_files(source), target)
-        loss = next((row["loss"] for row in reversed(state.log_history) if "loss" in row), None)
+        # The loss logged at this very step, if any: a metric lands at the step it belongs to.
+        loss = next((r["loss"] for r in state.log_history if "loss" in r and r.get("step") == state.global_step), None)
         publish_checkpoint(
             target,
             self.run.manifest,
