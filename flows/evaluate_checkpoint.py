@@ -23,7 +23,7 @@ from areal_eval.checkpoints.store import is_s3, localize_manifest
 from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
-from areal_eval.runs.directory import RunBusy, RunDir, RunLock
+from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.runs.record import RunRecord
 from areal_eval.tracking import plot_curve
@@ -133,12 +133,8 @@ def report_run(
 def owner_of(run: RunDir) -> str | None:
     """Who owns ``run``, when a live ``train-and-evaluate`` does (it decides and evaluates its
     checkpoints alone); None when nobody does."""
-    if run.lock_file.exists():
-        try:
-            RunLock(run).acquire().release()
-        except RunBusy as exc:
-            return f"{exc}; it evaluates its own checkpoints"
-    return None
+    owner = live_owner(run)
+    return f"{owner}; it evaluates its own checkpoints" if owner else None
 
 
 def validation_data(data_path: str | None, event: CheckpointEvent, run: RunDir) -> Path:

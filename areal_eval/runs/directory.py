@@ -100,15 +100,21 @@ class RunLock:
         self.release()
 
 
-def owned_by_live_process(run: RunDir) -> bool:
-    """A live process (a ``train-and-evaluate`` flow) holds the run's owner lock."""
+def live_owner(run: RunDir) -> str | None:
+    """Who holds the run's owner lock (a live ``train-and-evaluate``), as RunBusy words it; None
+    when nobody does."""
     if not run.lock_file.exists():
-        return False
+        return None
     try:
         RunLock(run).acquire().release()
-    except RunBusy:
-        return True
-    return False
+    except RunBusy as exc:
+        return str(exc)
+    return None
+
+
+def owned_by_live_process(run: RunDir) -> bool:
+    """A live process (a ``train-and-evaluate`` flow) holds the run's owner lock."""
+    return live_owner(run) is not None
 
 
 class StopSignal:
