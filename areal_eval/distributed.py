@@ -107,6 +107,20 @@ def shard_range(n: int, shard: int, shards: int) -> range:
     return range(shard * n // shards, (shard + 1) * n // shards)
 
 
+def dealt_batches(lengths: list[int], batch_size: int, shard: int, shards: int) -> list[list[int]]:
+    """This shard's batches of item indices: all items sorted by length (less padding) and cut
+    into batches once for the whole data set, then dealt to the shards in turn.
+
+    Every batch holds the same items whatever the number of shards, so each item is computed
+    in a forward pass of the same shape: results agree to the bit across world sizes.
+    """
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} out of range for {shards} shards")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    return batches[shard::shards]
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """Ranks split into data-parallel replicas of ``mp_size`` consecutive ranks each.

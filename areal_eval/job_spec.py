@@ -16,6 +16,8 @@ from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import FileEntry
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.config.parsing import ConfigError, from_dict
+from areal_eval.evaluation.generation import GenerationConfig
+from areal_eval.evaluation.lm_loss import LMLossConfig
 
 T = TypeVar("T")
 
@@ -23,8 +25,20 @@ COLLECTIVE_TIMEOUT_S = 60.0
 """Default timeout of every collective of an evaluation job: a dead or hung rank fails it."""
 
 
+@dataclasses.dataclass(kw_only=True)
+class EvaluatorSettings:
+    """What configures the evaluators of a job (each takes its own section)."""
+
+    max_length: int = 64
+    """Tokens per example (reward model)."""
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    """Settings of the ``generation`` evaluator."""
+    lm_loss: LMLossConfig = dataclasses.field(default_factory=LMLossConfig)
+    """Settings of the ``lm_loss`` evaluator."""
+
+
 @dataclasses.dataclass
-class EvalJobSpec:
+class EvalJobSpec(EvaluatorSettings):
     """One evaluation of one checkpoint, as the evaluation workers receive it."""
 
     checkpoint: str
@@ -41,8 +55,6 @@ class EvalJobSpec:
     """Registered evaluator name or ``module:Class``."""
     batch_size: int = 32
     """Examples per batch."""
-    max_length: int = 64
-    """Tokens per example."""
     mp_size: int = 1
     """Ranks per model-parallel group."""
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S

@@ -6,46 +6,13 @@ with ``from_pretrained`` from any local path (a saved checkpoint, or a downloade
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from areal_eval.checkpoints import dcp
-from areal_eval.checkpoints.manifest import CheckpointError
-from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
+from areal_eval.checkpoints import loading
 from areal_eval.preference_data import DataError, line_of_pair
-
-
-@dataclasses.dataclass
-class RewardModelConfig:
-    pretrained_path: str | None = None
-    """Local path of a model to start from (``from_pretrained``); None builds a fresh one."""
-    tokenizer_path: str | None = None
-    """Local tokenizer path; None trains a word-level tokenizer on the training data."""
-    hidden_size: int = 128
-    """Width of the freshly built model."""
-    num_layers: int = 4
-    """Transformer layers of the freshly built model."""
-    num_heads: int = 4
-    """Attention heads of the freshly built model."""
-    max_length: int = 64
-    """Token limit per sequence; longer texts are truncated from the left (keep the answer)."""
-    vocab_size: int = 512
-    """Vocabulary size of a locally trained tokenizer."""
-
-    def __post_init__(self):
-        check_ranges(
-            self,
-            hidden_size=AT_LEAST_1,
-            num_layers=AT_LEAST_1,
-            num_heads=AT_LEAST_1,
-            max_length=AT_LEAST_1,
-            vocab_size=(16, None),
-        )
-        if self.hidden_size % self.num_heads:
-            raise FieldError("hidden_size", f"{self.hidden_size} must be divisible by num_heads ({self.num_heads})")
 
 
 def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512):
@@ -71,8 +38,8 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def build_model(cfg: RewardModelConfig, tokenizer):
-    """A fresh small Llama-style reward model sized by ``cfg``."""
+def build_model(cfg, tokenizer):
+    """A fresh small Llama-style reward model sized by ``cfg`` (an ``objectives.ModelConfig``)."""
     from transformers import AutoModelForSequenceClassification, LlamaConfig
 
     config = LlamaConfig(
@@ -93,22 +60,10 @@ def build_model(cfg: RewardModelConfig, tokenizer):
 
 
 def load_model(path: str | Path, allow_pickle: bool = False):
-    """Load a reward model from a local directory, safetensors only unless ``allow_pickle``: a
-    ``save_pretrained`` directory, or a sharded ``torch.distributed.checkpoint`` one beside its
-    ``config.json``."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    """Load a reward model from a local directory (see :func:`checkpoints.loading.load_pretrained`)."""
+    from transformers import AutoModelForSequenceClassification
 
-    path = Path(path)
-    if dcp.dcp_format(path):
-        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(str(path), num_labels=1))
-        dcp.load_into(model, path, allow_pickle=allow_pickle)
-        return model
-    if not allow_pickle and not any(path.glob("*.safetensors")):
-        raise CheckpointError(
-            f"{path}: refused: no *.safetensors weights, and loading pickle weights "
-            "can run code (opt in with eval.allow_pickle: true if you trust the checkpoint)"
-        )
-    return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, use_safetensors=not allow_pickle)
+    return loading.load_pretrained(AutoModelForSequenceClassification, path, allow_pickle, num_labels=1)
 
 
 def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, source: str | Path | None = None) -> list[dict]:

@@ -1,8 +1,8 @@
-"""Training task: data-parallel reward-model training that publishes checkpoints.
+"""Training task: data-parallel training (reward model or SFT) that publishes checkpoints.
 
     torchrun --nproc-per-node 2 -m areal_eval.train --config RUN/train_config.json
 
-DDP over torchrun (gloo on CPU, nccl with CUDA), Bradley-Terry loss, checkpoints on its own
+DDP over torchrun (gloo on CPU, nccl with CUDA), the model's objective (``objectives``), checkpoints on its own
 trigger control. It never waits for an evaluation: checkpoints are written in the background
 and announced in the manifest; a stop request (from an alert) ends it at the next step.
 """
@@ -19,15 +19,14 @@ import time
 
 import torch
 
-from areal_eval import distributed, reward_model
+from areal_eval import distributed
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
 from areal_eval.checkpoints.saving import CheckpointWriter, read_resume_state, resume_state_path
 from areal_eval.checkpoints.store import StorageConfig, open_store
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges
 from areal_eval.job_spec import read_spec
 from areal_eval.launcher import die_with_parent
-from areal_eval.preference_data import read_pairs
-from areal_eval.reward_model import RewardModelConfig
+from areal_eval.objectives import ModelConfig, objective
 from areal_eval.runs.directory import RunDir, StopSignal
 from areal_eval.scheduling.freq_ctl import EpochStepTimeFreqCtl
 
@@ -52,11 +51,11 @@ class TrainConfig:
     nproc: int = 2
     """Training ranks (torchrun --nproc-per-node)."""
     epochs: int = 3
-    """Passes over the training pairs."""
+    """Passes over the training data."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (None: run all epochs)."""
     batch_size: int = 16
-    """Pairs per rank per step."""
+    """Examples (pairs, or prompts with answers) per rank per step."""
     lr: float = 1e-3
     """Peak learning rate (AdamW), with linear warm-up and cosine decay."""
     warmup_steps: int = 20
@@ -98,19 +97,19 @@ class TrainJobSpec:
 
     run_id: str
     run_dir: str
-    model: RewardModelConfig
+    model: ModelConfig
     train: TrainConfig
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
 
 
-def steps_per_epoch(n_pairs: int, world: int, batch: int) -> int:
+def steps_per_epoch(n_examples: int, world: int, batch: int) -> int:
     # Equal step counts on every rank: DDP needs them; the remainder is reshuffled next epoch.
-    return (n_pairs // world) // batch
+    return (n_examples // world) // batch
 
 
-def total_steps(n_pairs: int, world: int, cfg: TrainConfig) -> int:
+def total_steps(n_examples: int, world: int, cfg: TrainConfig) -> int:
     """Optimizer steps the job will take: all epochs, capped by ``max_steps``."""
-    steps = steps_per_epoch(n_pairs, world, cfg.batch_size) * cfg.epochs
+    steps = steps_per_epoch(n_examples, world, cfg.batch_size) * cfg.epochs
     return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
 
 
@@ -154,22 +153,25 @@ def train(spec: TrainJobSpec) -> None:
     torch.manual_seed(cfg.seed)
     dev = distributed.device()
 
+    task = objective(spec.model.objective)
     tok_path = spec.model.tokenizer_path or run.tokenizer
-    tokenizer = reward_model.load_tokenizer(tok_path)
+    tokenizer = task.load_tokenizer(tok_path)
     resume = resume_point(run, spec.run_id)
     if resume:
-        model = reward_model.load_model(run.checkpoints / checkpoint_name(resume[0].global_step))
+        model = task.load_model(run.checkpoints / checkpoint_name(resume[0].global_step))
     elif spec.model.pretrained_path:
-        model = reward_model.load_model(spec.model.pretrained_path)
+        model = task.load_model(spec.model.pretrained_path)
     else:
-        model = reward_model.build_model(spec.model, tokenizer)
+        model = task.build_model(spec.model, tokenizer)
     model.to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    pairs = reward_model.tokenize_pairs(tokenizer, read_pairs(run.train_data), spec.model.max_length)
-    epoch_steps = steps_per_epoch(len(pairs), world, cfg.batch_size)
+    examples = task.encode(tokenizer, task.read(run.train_data), spec.model.max_length)
+    epoch_steps = steps_per_epoch(len(examples), world, cfg.batch_size)
     if epoch_steps == 0:
-        raise ValueError(f"{run.train_data}: {len(pairs)} pairs is too few for {world} ranks x batch {cfg.batch_size}")
-    total = total_steps(len(pairs), world, cfg)
+        raise ValueError(
+            f"{run.train_data}: {len(examples)} examples is too few for {world} ranks x batch {cfg.batch_size}"
+        )
+    total = total_steps(len(examples), world, cfg)
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -221,18 +223,15 @@ def train(spec: TrainJobSpec) -> None:
     started, stop_reason = time.monotonic(), None
     epoch = epoch_step = 0
     for epoch in range(start_epoch, cfg.epochs):
-        order = list(range(len(pairs)))
+        order = list(range(len(examples)))
         random.Random(cfg.seed * 1000 + epoch).shuffle(order)
         for epoch_step in range(start_epoch_step if epoch == start_epoch else 0, epoch_steps):
             if global_step >= total:
                 break
             base = (epoch_step * world + rank) * cfg.batch_size
-            batch = reward_model.collate_pairs(
-                [pairs[i] for i in order[base : base + cfg.batch_size]], tokenizer.pad_token_id
-            )
+            batch = task.collate([examples[i] for i in order[base : base + cfg.batch_size]], tokenizer)
             batch = {k: v.to(dev) for k, v in batch.items()}
-            chosen, rejected = reward_model.pair_scores(ddp, batch)
-            loss = reward_model.bradley_terry_loss(chosen, rejected)
+            loss = task.loss(ddp, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from areal_eval import distributed, reward_model
+from areal_eval.objectives import ModelConfig
 from areal_eval.preference_data import SyntheticPreferences, read_pairs
 
 
@@ -25,7 +26,7 @@ def tiny_reward_model(work: Path):
         reward_model.train_tokenizer(SyntheticPreferences.corpus(read_pairs(train_path)), work / "tokenizer")
     distributed.barrier()
     tokenizer = reward_model.load_tokenizer(work / "tokenizer")
-    config = reward_model.RewardModelConfig(hidden_size=32, num_layers=1, num_heads=2)
+    config = ModelConfig(hidden_size=32, num_layers=1, num_heads=2)
     return (
         read_pairs(work / "train.jsonl"),
         work / "valid.jsonl",

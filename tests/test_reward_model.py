@@ -5,8 +5,8 @@ import torch
 
 from areal_eval import reward_model
 from areal_eval.checkpoints.manifest import CheckpointError
+from areal_eval.objectives import ModelConfig
 from areal_eval.preference_data import SyntheticPreferences
-from areal_eval.reward_model import RewardModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def tokenizer(tmp_path_factory):
 
 
 def test_model_is_a_one_label_sequence_classifier(tokenizer):
-    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
+    model = reward_model.build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
     assert model.config.num_labels == 1
     items = reward_model.tokenize_pairs(tokenizer, [{"chosen": "kind words", "rejected": "rude wrong answer here"}], 64)
     batch = reward_model.collate_pairs(items, tokenizer.pad_token_id)
@@ -28,7 +28,7 @@ def test_model_is_a_one_label_sequence_classifier(tokenizer):
 
 
 def test_right_padding_does_not_change_scores(tokenizer):
-    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer).eval()
+    model = reward_model.build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer).eval()
     short = {"chosen": "kind words", "rejected": "rude"}
     long = {"chosen": "kind words here there hello", "rejected": "rude wrong answer here there"}
     alone = reward_model.pair_scores(
@@ -41,7 +41,7 @@ def test_right_padding_does_not_change_scores(tokenizer):
 
 
 def test_trimmed_scoring_matches_plain_scoring(tokenizer):
-    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer).eval()
+    model = reward_model.build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer).eval()
     pairs = [{"chosen": "kind " * n, "rejected": "rude wrong " * (7 - n)} for n in range(1, 7)]
     batch = reward_model.collate_pairs(reward_model.tokenize_pairs(tokenizer, pairs, 64), tokenizer.pad_token_id)
     with torch.inference_mode():
@@ -57,7 +57,7 @@ def test_bradley_terry_loss():
 
 
 def test_save_and_load_from_a_local_path(tokenizer, tmp_path):
-    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
+    model = reward_model.build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     loaded = reward_model.load_model(tmp_path)
@@ -66,7 +66,7 @@ def test_save_and_load_from_a_local_path(tokenizer, tmp_path):
 
 
 def test_pickle_checkpoints_are_refused_unless_allowed(tokenizer, tmp_path):
-    model = reward_model.build_model(RewardModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
+    model = reward_model.build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # a pickle checkpoint
     with pytest.raises(CheckpointError, match="allow_pickle"):

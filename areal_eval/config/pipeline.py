@@ -13,10 +13,11 @@ from pathlib import Path
 from areal_eval.alerts import AlertRule, AlertsConfig
 from areal_eval.checkpoints.store import StorageConfig
 from areal_eval.config.parsing import POSITIVE, FieldError, check_ranges, from_dict, merge, parse_overrides, read_file
-from areal_eval.evaluation.evaluators import declared_metrics, evaluator_class
+from areal_eval.evaluation.evaluators import produced_metrics
 from areal_eval.evaluation.jobs import EvalConfig
+from areal_eval.math_problems import SyntheticMathProblems
+from areal_eval.objectives import ModelConfig
 from areal_eval.preference_data import SyntheticPreferences
-from areal_eval.reward_model import RewardModelConfig
 from areal_eval.scheduling.policy import SchedulerConfig
 from areal_eval.tracking import TrackingConfig
 from areal_eval.train import TrainConfig
@@ -25,11 +26,14 @@ from areal_eval.train import TrainConfig
 @dataclasses.dataclass
 class DataConfig:
     train_path: str | None = None
-    """Training pairs (HH-RLHF JSONL); None generates the synthetic set."""
+    """Training data: pairs (HH-RLHF JSONL) for a reward model, prompt/answer rows for SFT; None
+    generates the synthetic set."""
     valid_path: str | None = None
-    """Validation pairs (HH-RLHF JSONL); None generates the synthetic set."""
+    """Validation data, in the evaluators' form; None generates the synthetic set."""
     synthetic: SyntheticPreferences.Config = dataclasses.field(default_factory=SyntheticPreferences.Config)
-    """Generator settings, used when a path is None."""
+    """Preference generator settings (reward model), used when a path is None."""
+    math: SyntheticMathProblems.Config = dataclasses.field(default_factory=SyntheticMathProblems.Config)
+    """Arithmetic word problem generator settings (SFT), used when a path is None."""
 
 
 def _default_rules() -> list[AlertRule]:
@@ -49,7 +53,7 @@ class PipelineConfig:
     poll_interval_s: float = 0.5
     """How often the flow looks for new checkpoints and finished evaluations."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     scheduler: SchedulerConfig = dataclasses.field(
@@ -69,7 +73,7 @@ class PipelineConfig:
         """A rule or a schedule on a metric the evaluator never produces would silently never
         fire: refuse it before anything starts."""
         try:
-            produced = declared_metrics(evaluator_class(self.eval.evaluator))
+            produced = produced_metrics(self.eval.evaluator, self.eval)
         except (ImportError, AttributeError, ValueError) as exc:
             raise FieldError("eval.evaluator", f"{self.eval.evaluator!r} cannot be loaded: {exc}") from exc
         if produced is None:

@@ -5,7 +5,8 @@ then turns them into metrics. That is why a distributed evaluation equals a sing
 means are taken once, over the exact global counts.
 
 Add your own by subclassing :class:`BaseEvaluator` and registering it in ``EVALUATORS``
-(or passing its dotted path as ``eval.evaluator``).
+(or passing its dotted path as ``eval.evaluator``). Several evaluators, comma-separated, run in
+one job on one loaded model (:class:`CombinedEvaluator`); their metrics are ``name/metric``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ class BaseEvaluator:
     metric_names: tuple[str, ...] | None = None
     """What :meth:`metrics` returns, declared beside it so alert rules and the scheduler can be
     checked against it before a run starts; None: not declared, not checked."""
+
+    shared_models: dict | None = None
+    """Models already loaded in this job, by checkpoint: evaluators run together share one."""
+
+    @classmethod
+    def from_settings(cls, settings) -> BaseEvaluator:
+        """An instance configured from the job's settings (an ``EvalJobSpec``)."""
+        return cls(max_length=settings.max_length)
+
+    @classmethod
+    def declared_metric_names(cls, settings) -> tuple[str, ...] | None:
+        """The metric names an instance configured from ``settings`` will return."""
+        return declared_metrics(cls)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         """Load the model and the evaluation data (called on every rank)."""
@@ -125,23 +139,95 @@ class RewardModelEvaluator(BaseEvaluator):
         }
 
 
-EVALUATORS: dict[str, type[BaseEvaluator]] = {"reward_model": RewardModelEvaluator}
+def mean_and_stderr(total: float, total_sq: float, n: float) -> tuple[float, float]:
+    """Mean of ``n`` values from their sum and sum of squares, and its standard error (the
+    scheduler's and alerts' notion of noise; floored so a constant metric is not noise-free)."""
+    mean = total / n
+    return mean, math.sqrt(max(total_sq / n - mean * mean, 1e-12) / n)
+
+
+class CombinedEvaluator(BaseEvaluator):
+    """Several evaluators in one job: the model is loaded once, each evaluator's batches run in
+    turn, and each metric is named ``evaluator/metric``."""
+
+    def __init__(self, parts: list[BaseEvaluator]):
+        self.parts = parts
+        self.name = ",".join(p.name for p in parts)
+
+    def load(self, checkpoint_dir, data_path, allow_pickle=False):
+        models: dict = {}
+        for part in self.parts:
+            part.shared_models = models
+            part.load(checkpoint_dir, data_path, allow_pickle=allow_pickle)
+
+    def num_samples(self):
+        return sum(p.num_samples() for p in self.parts)
+
+    def batches(self, shard, shards, batch_size):
+        for i, part in enumerate(self.parts):
+            for batch in part.batches(shard, shards, batch_size):
+                yield {**batch, "evaluator_index": torch.tensor([i])}
+
+    def batch_sums(self, batch):
+        part = self.parts[int(batch["evaluator_index"])]
+        sums = part.batch_sums({k: v for k, v in batch.items() if k != "evaluator_index"})
+        return {f"{part.name}/{k}": v for k, v in sums.items()}
+
+    def metrics(self, sums):
+        out = {}
+        for part in self.parts:
+            prefix = f"{part.name}/"
+            mine = {k.removeprefix(prefix): v for k, v in sums.items() if k.startswith(prefix)}
+            out.update({prefix + k: v for k, v in part.metrics(mine).items()})
+        return out
+
+
+EVALUATORS: dict[str, str] = {
+    "reward_model": "areal_eval.evaluation.evaluators:RewardModelEvaluator",
+    "generation": "areal_eval.evaluation.generation:GenerationEvaluator",
+    "lm_loss": "areal_eval.evaluation.lm_loss:LMLossEvaluator",
+}
+"""Built-in evaluators, imported when used (generation needs math-verify, lm_eval the harness)."""
 
 
 def evaluator_class(name: str) -> type[BaseEvaluator]:
     """A registered evaluator by name, or any ``package.module:Class`` subclass of BaseEvaluator."""
-    if name in EVALUATORS:
-        return EVALUATORS[name]
-    if ":" in name:
-        module, attr = name.split(":", 1)
+    path = EVALUATORS.get(name, name)
+    if ":" in path:
+        module, attr = path.split(":", 1)
         cls = getattr(importlib.import_module(module), attr)
         if isinstance(cls, type) and issubclass(cls, BaseEvaluator):
             return cls
     raise ValueError(f"eval.evaluator: unknown evaluator {name!r} (known: {sorted(EVALUATORS)} or module:Class)")
 
 
-def make_evaluator(name: str, **kwargs) -> BaseEvaluator:
-    return evaluator_class(name)(**kwargs)
+def evaluator_names(spec: str) -> list[str]:
+    """The evaluators of ``eval.evaluator`` (comma-separated), each once, in order."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"eval.evaluator: {spec!r} must name evaluators, each once")
+    return names
+
+
+def make_evaluator(spec: str, settings=None) -> BaseEvaluator:
+    """The evaluator(s) of ``spec`` configured from ``settings`` (an ``EvalJobSpec``; None: defaults)."""
+    if settings is None:
+        from areal_eval.job_spec import EvaluatorSettings
+
+        settings = EvaluatorSettings()
+    parts = [evaluator_class(n).from_settings(settings) for n in evaluator_names(spec)]
+    return parts[0] if len(parts) == 1 else CombinedEvaluator(parts)
+
+
+def produced_metrics(spec: str, settings) -> tuple[str, ...] | None:
+    """What the evaluator(s) of ``spec`` return (None: one of them does not declare it)."""
+    names = evaluator_names(spec)
+    declared = [evaluator_class(n).declared_metric_names(settings) for n in names]
+    if any(d is None for d in declared):
+        return None
+    if len(names) == 1:
+        return declared[0]
+    return tuple(f"{n}/{m}" for n, d in zip(names, declared, strict=True) for m in d)
 
 
 def declared_metrics(cls: type[BaseEvaluator]) -> tuple[str, ...] | None:

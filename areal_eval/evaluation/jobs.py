@@ -12,6 +12,8 @@ from pathlib import Path
 from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
+from areal_eval.evaluation.generation import GenerationConfig
+from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
 from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, write_spec
 from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary
@@ -46,9 +48,14 @@ class EvalConfig:
     mp_size: int = 1
     """Ranks per model-parallel group; the data-parallel head broadcasts batches to it."""
     batch_size: int = 32
-    """Pairs per batch."""
+    """Examples per batch (pairs, texts, or generated answers)."""
     evaluator: str = "reward_model"
-    """Registered evaluator name or ``module:Class``."""
+    """``reward_model``, ``generation``, ``lm_loss``, or ``module:Class``; several, comma-separated,
+    run in one job on one loaded model, and their metrics are named ``evaluator/metric``."""
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    """Settings of the ``generation`` evaluator (sampling, reward function, pass@k)."""
+    lm_loss: LMLossConfig = dataclasses.field(default_factory=LMLossConfig)
+    """Settings of the ``lm_loss`` evaluator."""
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     """Timeout of every collective: a dead or hung rank fails the evaluation."""
     job_timeout_s: float = 600.0
@@ -133,6 +140,8 @@ def run_evaluation_job(
         evaluator=cfg.evaluator,
         batch_size=cfg.batch_size,
         max_length=max_length,
+        generation=cfg.generation,
+        lm_loss=cfg.lm_loss,
         mp_size=cfg.mp_size,
         collective_timeout_s=cfg.collective_timeout_s,
         allow_pickle=cfg.allow_pickle,

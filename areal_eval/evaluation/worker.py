@@ -58,7 +58,7 @@ def compute_metrics(
     evaluator: BaseEvaluator, layout: distributed.ParallelLayout, batch_size: int, mp_group=None
 ) -> dict:
     """Run ``evaluator`` over its shard; returns metrics (identical on every rank)."""
-    keys: list[str] | None = None
+    keys: set[str] = set()
     local: dict[str, float] = {}
     batches = iter(evaluator.batches(layout.dp_rank, layout.dp_size, batch_size)) if layout.is_dp_head else None
     done = 0
@@ -74,9 +74,9 @@ def compute_metrics(
         if layout.is_dp_head:  # model-parallel peers computed the same batch: count it once
             for key, value in sums.items():
                 local[key] = local.get(key, 0.0) + value
-        keys = keys or sorted(sums)
+        keys.update(sums)
     # Every rank must reduce the same keys, including a head whose shard was empty.
-    keys = _agreed_keys(keys)
+    keys = _agreed_keys(sorted(keys))
     totals = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64, device=distributed.device())
     distributed.all_reduce_sum(totals)
     return evaluator.metrics(dict(zip(keys, totals.tolist(), strict=False)))
@@ -151,7 +151,7 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
     if distributed.local_rank() == 0:  # one download and verification per node
         store.fetch(spec.checkpoint, files, cache_dir)
     distributed.barrier()  # nobody loads before the node's copy is verified
-    evaluator = make_evaluator(spec.evaluator, max_length=spec.max_length)
+    evaluator = make_evaluator(spec.evaluator, spec)
     evaluator.load(store.local_path(spec.checkpoint, files, cache_dir), Path(spec.data), allow_pickle=spec.allow_pickle)
     loop_start = time.time()
     metrics = compute_metrics(evaluator, layout, spec.batch_size, mp_group)

@@ -12,8 +12,7 @@ from areal_eval.alerts import recorded_config
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.job_spec import write_spec
-from areal_eval.preference_data import SyntheticPreferences, read_pairs, write_pairs
-from areal_eval.reward_model import train_tokenizer
+from areal_eval.objectives import objective
 from areal_eval.runs.directory import RunDir
 from areal_eval.train import TrainJobSpec, total_steps
 
@@ -44,18 +43,23 @@ def prepare_run(cfg: PipelineConfig) -> RunDir:
 
 def check_inputs(cfg: PipelineConfig) -> dict[str, list[dict]]:
     """The given data files, read and validated (DataError names file and line)."""
-    return {target: read_pairs(path) for path, target in ((cfg.data.train_path, "train"), (cfg.data.valid_path, "valid"))
-            if path is not None}
+    read = objective(cfg.model.objective).read
+    return {
+        target: read(path)
+        for path, target in ((cfg.data.train_path, "train"), (cfg.data.valid_path, "valid"))
+        if path is not None
+    }
 
 
 def _new_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> str:
     run.root.mkdir(parents=True, exist_ok=True)
+    task = objective(cfg.model.objective)
     if cfg.data.train_path is None or cfg.data.valid_path is None:
-        SyntheticPreferences(cfg.data.synthetic).generate(run.data)
-    for name, pairs in given.items():
-        write_pairs(run.train_data if name == "train" else run.valid_data, pairs)
+        task.synthetic(cfg.data).generate(run.data)
+    for name, rows in given.items():
+        _write_rows(run.train_data if name == "train" else run.valid_data, rows)
     if cfg.model.tokenizer_path is None and cfg.model.pretrained_path is None:
-        train_tokenizer(SyntheticPreferences.corpus(read_pairs(run.train_data)), run.tokenizer, cfg.model.vocab_size)
+        task.train_tokenizer(task.read(run.train_data), run.tokenizer, cfg.model.vocab_size)
     # One id per training run: MLflow run, manifest entries and events all carry it. Written last:
     # a directory without it was never started, and is laid out again.
     run_id = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -72,9 +76,14 @@ def _external_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]
         published = Manifest(run.manifest).events() if run.manifest.exists() else []
         jsonl.write_atomic(run.run_id_file, published[0].run_id if published else run.root.name)
     if "valid" in given:
-        write_pairs(run.valid_data, given["valid"])
+        _write_rows(run.valid_data, given["valid"])
     _record_config(cfg, run)
     return run
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    """Validated rows, without the reader's bookkeeping (``line``, ``id``)."""
+    jsonl.write_rows(path, [{k: v for k, v in row.items() if k not in ("line", "id")} for row in rows])
 
 
 def _record_config(cfg: PipelineConfig, run: RunDir) -> None:
