@@ -16,6 +16,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -157,11 +158,19 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     return ledger
 
 
+PRESETS = {path.stem: path for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")}
+"""Configs shipped with the project, by name (``configs/NAME.yaml``)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the train-and-evaluate flow (Prefect, MLflow, torchrun).")
-    parser.add_argument("--config", help="JSON or YAML pipeline config")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", help="JSON or YAML pipeline config")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a config shipped in configs/ (e.g. sft-math)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
+    if args.preset:
+        args.config = str(PRESETS[args.preset])
     global _taken_by_main
     try:  # bad input is reported once, first, in one line, before Prefect or training starts
         cfg = load_pipeline_config(args.config, None, args.overrides)
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(evaluated {summary['evaluated']}, skipped {summary['skipped']}, "
         f"superseded {summary['superseded']}, failed {summary['failed']})"
     )
-    print(f"Accuracy by step: {curve}")
+    print(f"{cfg.scheduler.metric} by step: {curve}")
     print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")
     print(
         f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}   then open http://127.0.0.1:5000"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,6 +138,21 @@ class RewardModelEvaluator(BaseEvaluator):
             "margin": chosen - rejected,
             "n_pairs": n,
         }
+
+
+_METRIC_NAME = re.compile(r"^[\w\-. :/]+$")
+
+
+def check_metric_names(metrics: dict[str, float], evaluator: str) -> dict[str, float]:
+    """``metrics``, if every name is one MLflow accepts (letters, digits, ``_-. :/``): a name it
+    refuses would fail every delivery of the result, long after the evaluation."""
+    bad = [name for name in metrics if not _METRIC_NAME.match(name)]
+    if bad:
+        raise ValueError(
+            f"evaluator {evaluator!r} returned metric {bad[0]!r}: names may hold only letters, digits, "
+            "underscores, dashes, periods, spaces, colons and slashes (MLflow's rule)"
+        )
+    return metrics
 
 
 def mean_and_stderr(total: float, total_sq: float, n: float) -> tuple[float, float]:

@@ -33,7 +33,11 @@ class GenerationConfig:
     """``math`` (math-verify), ``exact_match``, or a function with AReaL's reward signature by
     dotted path (``package.module.fn``)."""
     n_samples: int = 1
-    """Answers per prompt. With ``temperature`` 0 only one is drawn (greedy decoding)."""
+    """Sampled answers per prompt (pass@k, maj@k, mean_reward). With ``temperature`` 0 there is
+    one, the greedy answer."""
+    greedy: bool = True
+    """With ``temperature`` > 0: also decode a greedy answer per prompt, whose reward is
+    ``accuracy``; False: ``accuracy`` is the first sample's reward."""
     k: list[int] = dataclasses.field(default_factory=list)
     """pass@k and maj@k for each k (at most ``n_samples``); empty: k = ``n_samples`` when above 1."""
     temperature: float = 0.0
@@ -99,10 +103,11 @@ def majority_reward(keys: list[str], rewards: list[float]) -> float:
 
 class SeededSampler:
     """A logits processor that draws each row's next token from that row's own generator (with
-    temperature and top-p) and leaves only it possible, so greedy search takes it."""
+    temperature and top-p) and leaves only it possible, so greedy search takes it. Rows whose
+    seed is None stay greedy."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float):
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+    def __init__(self, seeds: list[int | None], temperature: float, top_p: float):
+        self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -111,8 +116,9 @@ class SeededSampler:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p  # always keeps the top token
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        rows = zip(probs, self.generators, strict=True)
         chosen = torch.stack(
-            [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators, strict=True)]
+            [p.argmax(-1, keepdim=True) if g is None else torch.multinomial(p, 1, generator=g) for p, g in rows]
         )
         forced = torch.full_like(scores, float("-inf"))
         return forced.scatter(-1, chosen.to(scores.device), 0.0)
@@ -131,7 +137,8 @@ class TransformersDecoder:
     def __init__(self, model, tokenizer, cfg: GenerationConfig):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
 
-    def complete(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[Completion]:
+    def complete(self, prompt_ids: list[list[int]], seeds: list[int | None]) -> list[Completion]:
+        """One answer per prompt row: greedy where its seed is None, else sampled from that seed."""
         from transformers import GenerationConfig as HFGenerationConfig
         from transformers import LogitsProcessorList
 
@@ -153,7 +160,7 @@ class TransformersDecoder:
             stop_strings=cfg.stop or None,
         )
         processors = LogitsProcessorList()
-        if cfg.temperature > 0:
+        if any(s is not None for s in seeds):
             processors.append(SeededSampler(seeds, cfg.temperature, cfg.top_p))
         out = self.model.generate(
             input_ids=ids.to(device),
@@ -182,8 +189,15 @@ class TransformersDecoder:
 DECODERS = {"transformers": TransformersDecoder}
 
 
+COUNTS = ("reward_errors", "n_prompts", "n_answers")
+"""Totals reported as they are: rewards that raised (scored 0), prompts, answers decoded."""
+
+
 class GenerationEvaluator(BaseEvaluator):
-    """Accuracy, pass@k, maj@k, response length and truncation of generated answers."""
+    """Per prompt: ``accuracy`` (the greedy answer's reward), ``mean_reward`` over the samples,
+    ``pass_at_K`` and ``maj_at_K`` (pass@k, maj@k: MLflow names allow no ``@``) from them, and
+    the mean length and truncation rate of all its answers;
+    each averaged over prompts, with its standard error."""
 
     name = "generation"
     metric_names = None  # depend on the config: see declared_metric_names
@@ -199,8 +213,8 @@ class GenerationEvaluator(BaseEvaluator):
     @classmethod
     def declared_metric_names(cls, settings) -> tuple[str, ...]:
         names = ["accuracy", "mean_reward", "response_length", "truncation_rate"]
-        names += [f"{kind}@{k}" for k in settings.generation.ks for kind in ("pass", "maj")]
-        return tuple(m for n in names for m in (n, f"{n}_stderr")) + ("reward_errors", "n_prompts", "n_samples")
+        names += [f"{kind}_at_{k}" for k in settings.generation.ks for kind in ("pass", "maj")]
+        return tuple(m for n in names for m in (n, f"{n}_stderr")) + COUNTS
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models)
@@ -224,12 +238,19 @@ class GenerationEvaluator(BaseEvaluator):
     def num_samples(self) -> int:
         return len(self.prompts)
 
+    def answer_seeds(self, prompt_id: int) -> list[int | None]:
+        """The seeds of a prompt's answers: None for its greedy answer (first), then its samples'."""
+        if self.cfg.temperature == 0:
+            return [None]
+        greedy = [None] if self.cfg.greedy else []
+        return greedy + [sample_seed(self.cfg.seed, prompt_id, j) for j in range(self.cfg.n_samples)]
+
     @property
-    def samples_per_prompt(self) -> int:
-        return self.cfg.n_samples
+    def answers_per_prompt(self) -> int:
+        return len(self.answer_seeds(0))
 
     def batches(self, shard, shards, batch_size):
-        per_batch = max(1, batch_size // self.samples_per_prompt)  # a prompt's samples stay together
+        per_batch = max(1, batch_size // self.answers_per_prompt)  # a prompt's answers stay together
         lengths = [len(p) for p in self.prompt_ids]
         for indices in distributed.dealt_batches(lengths, per_batch, shard, shards):
             yield {"prompt_index": torch.tensor(indices, dtype=torch.long)}
@@ -237,26 +258,30 @@ class GenerationEvaluator(BaseEvaluator):
     @torch.inference_mode()
     def batch_sums(self, batch):
         indices = batch["prompt_index"].tolist()
-        n = self.samples_per_prompt
-        rows = [(i, j) for i in indices for j in range(n)]
-        completions = self.decoder.complete(
-            [self.prompt_ids[i] for i, _ in rows], [sample_seed(self.cfg.seed, i, j) for i, j in rows]
-        )
-        sums: dict[str, float] = {"n_prompts": float(len(indices)), "n_samples": float(len(rows)), "reward_errors": 0.0}
+        per_prompt = self.answers_per_prompt
+        seeds = [s for i in indices for s in self.answer_seeds(i)]
+        completions = self.decoder.complete([self.prompt_ids[i] for i in indices for _ in range(per_prompt)], seeds)
+        sums: dict[str, float] = {
+            "n_prompts": float(len(indices)),
+            "n_answers": float(len(seeds)),
+            "reward_errors": 0.0,
+        }
+        n = self.cfg.n_samples
         for p, i in enumerate(indices):
-            mine = completions[p * n : (p + 1) * n]
+            mine = completions[p * per_prompt : (p + 1) * per_prompt]
             rewards = [self._reward(i, c, sums) for c in mine]
+            samples, sample_rewards = mine[per_prompt - n :], rewards[per_prompt - n :]
             values = {
                 "accuracy": rewards[0],
-                "mean_reward": sum(rewards) / n,
-                "response_length": sum(len(c.token_ids) for c in mine) / n,
-                "truncation_rate": sum(c.truncated for c in mine) / n,
+                "mean_reward": sum(sample_rewards) / n,
+                "response_length": sum(len(c.token_ids) for c in mine) / per_prompt,
+                "truncation_rate": sum(c.truncated for c in mine) / per_prompt,
             }
-            correct = sum(r > 0 for r in rewards)  # pass@k: a positive reward is a pass
-            keys = [self.answer_key(c.text) for c in mine]
+            correct = sum(r > 0 for r in sample_rewards)  # pass@k: a positive reward is a pass
+            keys = [self.answer_key(c.text) for c in samples]
             for k in self.cfg.ks:
-                values[f"pass@{k}"] = pass_at_k(n, correct, k)
-                values[f"maj@{k}"] = majority_reward(keys[:k], rewards[:k])
+                values[f"pass_at_{k}"] = pass_at_k(n, correct, k)
+                values[f"maj_at_{k}"] = majority_reward(keys[:k], sample_rewards[:k])
             for name, value in values.items():
                 sums[name] = sums.get(name, 0.0) + value
                 sums[f"{name}_sq"] = sums.get(f"{name}_sq", 0.0) + value * value
@@ -284,7 +309,7 @@ class GenerationEvaluator(BaseEvaluator):
             raise ValueError("evaluation saw no prompts")
         out: dict[str, float] = {}
         for name in sums:
-            if name.endswith("_sq") or name in ("n_prompts", "n_samples", "reward_errors"):
+            if name.endswith("_sq") or name in COUNTS:
                 continue
             out[name], out[f"{name}_stderr"] = mean_and_stderr(sums[name], sums[f"{name}_sq"], n)
-        return {**out, "reward_errors": sums["reward_errors"], "n_prompts": n, "n_samples": sums["n_samples"]}
+        return {**out, **{name: sums[name] for name in COUNTS}}

@@ -27,7 +27,7 @@ import torch
 
 from areal_eval import distributed, jsonl
 from areal_eval.checkpoints.store import open_store
-from areal_eval.evaluation.evaluators import BaseEvaluator, make_evaluator
+from areal_eval.evaluation.evaluators import BaseEvaluator, check_metric_names, make_evaluator
 from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
 from areal_eval.launcher import die_with_parent
 
@@ -154,7 +154,7 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
     evaluator = make_evaluator(spec.evaluator, spec)
     evaluator.load(store.local_path(spec.checkpoint, files, cache_dir), Path(spec.data), allow_pickle=spec.allow_pickle)
     loop_start = time.time()
-    metrics = compute_metrics(evaluator, layout, spec.batch_size, mp_group)
+    metrics = check_metric_names(compute_metrics(evaluator, layout, spec.batch_size, mp_group), spec.evaluator)
     if layout.rank == 0:
         jsonl.write_json(
             Path(spec.out),
