@@ -78,6 +78,15 @@ def trained_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def causal_checkpoint(tmp_path_factory):
+    """A small causal LM trained in this process by SFT on arithmetic problems (about 15 s), and
+    41 validation prompts: (checkpoint directory, prompts file)."""
+    from tests.helpers import train_causal_lm
+
+    return train_causal_lm(tmp_path_factory.mktemp("causal"))
+
+
+@pytest.fixture(scope="session")
 def prefect_server():
     """One Prefect test harness (a real temporary API server) for the whole session."""
     from prefect.testing.utilities import prefect_test_harness

@@ -151,3 +151,48 @@ def copy_trained_run(original, run_root, run_id: str | None = None):
             Manifest(run.manifest).append(dataclasses.replace(event, run_id=run_id))
         run.run_id_file.write_text(run_id)
     return run
+
+
+def train_causal_lm(work: Path, steps: int = 150, valid_problems: int = 41) -> tuple[Path, Path]:
+    """A small causal LM trained in this process by SFT on arithmetic problems for ``steps``
+    steps (half-way up its accuracy curve at 150), saved with its tokenizer; returns (checkpoint
+    directory, validation prompts: an odd number)."""
+    import random
+
+    import torch
+
+    from areal_eval.math_problems import SyntheticMathProblems
+    from areal_eval.objectives import ModelConfig, SFTObjective
+
+    train_path, valid_path = SyntheticMathProblems(
+        SyntheticMathProblems.Config(train_problems=2000, valid_problems=valid_problems)
+    ).generate(work / "data")
+    rows = SFTObjective.read(train_path)
+    SFTObjective.train_tokenizer(rows, work / "tokenizer", 512)
+    tokenizer = SFTObjective.load_tokenizer(work / "tokenizer")
+    torch.manual_seed(0)
+    model = SFTObjective.build_model(ModelConfig(objective="sft", hidden_size=64, num_layers=2, num_heads=2), tokenizer)
+    examples = SFTObjective.encode(tokenizer, rows, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    rng = random.Random(0)
+    for _ in range(steps):
+        batch = SFTObjective.collate([examples[rng.randrange(len(examples))] for _ in range(32)], tokenizer)
+        SFTObjective.loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    checkpoint = work / "checkpoint"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    return checkpoint, valid_path
+
+
+def causal_metrics(checkpoint, data, evaluator="generation", batch_size=7, **settings):
+    """Metrics of the causal-LM ``evaluator`` on ``checkpoint`` in this process, on one rank."""
+    from areal_eval import distributed
+    from areal_eval.evaluation.evaluators import make_evaluator
+    from areal_eval.evaluation.worker import compute_metrics
+    from areal_eval.job_spec import EvaluatorSettings
+
+    evaluator = make_evaluator(evaluator, EvaluatorSettings(**settings))
+    evaluator.load(Path(checkpoint), Path(data))
+    return compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest, describe_files
 from areal_eval.evaluation.evaluators import BaseEvaluator, make_evaluator
+from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
+from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-from tests.helpers import live_processes, single_process_metrics
+from tests.helpers import causal_metrics, live_processes, single_process_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -257,3 +259,27 @@ def test_a_whitespace_only_response_is_refused_naming_its_line_and_no_rank_crash
     with pytest.raises(CorruptCheckpoint, match=rf"{data}:4: field 'rejected' must be a string with text"):
         run_evaluation_job(event, data, EvalConfig(nproc=2, batch_size=2), tmp_path / "evals")
     assert live_processes(str(tmp_path)) == []
+
+
+CAUSAL = EvalConfig(
+    evaluator="generation,lm_loss",
+    batch_size=10,
+    generation=GenerationConfig(n_samples=4, temperature=1.0, top_p=0.9, k=[1, 4], max_new_tokens=16),
+    lm_loss=LMLossConfig(completion_field="answer"),
+)
+
+
+@pytest.mark.parametrize("world,mp", [(1, 1), (2, 1), (3, 1), (4, 2)])
+def test_generation_and_lm_loss_distributed_equal_single_process(causal_checkpoint, warm_ranks, tmp_path, world, mp):
+    """Sampled answers, pass@k, maj@k and token losses of 41 prompts, on every layout."""
+    checkpoint, prompts = causal_checkpoint
+    event = CheckpointEvent("causal", str(checkpoint), 0, 0, 150, 0.0, {}, describe_files(checkpoint))
+    settings = {"generation": CAUSAL.generation, "lm_loss": CAUSAL.lm_loss}
+    reference = causal_metrics(checkpoint, prompts, CAUSAL.evaluator, batch_size=3, **settings)
+    cfg = dataclasses.replace(CAUSAL, nproc=world, mp_size=mp)
+    result = run_evaluation_job(event, prompts, cfg, tmp_path, workers=warm_ranks(world))
+    assert result.metrics["generation/n_prompts"] == 41 and result.metrics["lm_loss/n_texts"] == 41
+    assert set(result.metrics) == set(reference)
+    for key, value in reference.items():
+        assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
+    assert 0 < reference["generation/pass_at_4"] < 1

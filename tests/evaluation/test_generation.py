@@ -1,0 +1,132 @@
+"""The generation evaluator, in this process: metrics against brute force, seeds, bad input."""
+
+import itertools
+import json
+from math import comb
+
+import pytest
+
+from areal_eval.checkpoints.manifest import CheckpointError
+from areal_eval.evaluation import generation
+from areal_eval.evaluation.generation import GenerationConfig, majority_reward, pass_at_k, sample_seed
+from areal_eval.preference_data import DataError
+from tests.helpers import causal_metrics
+
+SAMPLING = GenerationConfig(n_samples=4, temperature=1.0, top_p=0.95, k=[1, 2, 4], max_new_tokens=16)
+
+
+@pytest.mark.parametrize("n,k", [(4, 1), (4, 2), (4, 4), (5, 3)])
+def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_pass(n, k):
+    for correct in range(n + 1):
+        passes = [i < correct for i in range(n)]
+        subsets = list(itertools.combinations(passes, k))
+        assert pass_at_k(n, correct, k) == pytest.approx(sum(any(s) for s in subsets) / comb(n, k))
+
+
+def test_majority_vote_takes_the_most_frequent_answer_first_seen_on_ties_and_ignores_empty_ones():
+    assert majority_reward(["7", "8", "8", "7"], [1.0, 0.0, 0.0, 1.0]) == 1.0  # tie: 7 came first
+    assert majority_reward(["", "", "8"], [0.0, 0.0, 1.0]) == 1.0
+    assert majority_reward(["", ""], [1.0, 1.0]) == 0.0
+
+
+def test_each_sample_has_its_own_seed_from_seed_prompt_and_index():
+    seeds = {sample_seed(s, p, j) for s in (0, 1) for p in range(20) for j in range(4)}
+    assert len(seeds) == 160 and sample_seed(0, 3, 1) == sample_seed(0, 3, 1)
+
+
+def test_greedy_metrics_count_every_prompt_once(causal_checkpoint):
+    checkpoint, prompts = causal_checkpoint
+    m = causal_metrics(checkpoint, prompts)
+    assert m["n_prompts"] == m["n_answers"] == 41
+    assert 0.05 < m["accuracy"] < 0.95  # half-trained: the test sees both outcomes
+    assert m["accuracy"] * 41 == pytest.approx(round(m["accuracy"] * 41))
+    assert m["accuracy_stderr"] == pytest.approx((m["accuracy"] * (1 - m["accuracy"]) / 41) ** 0.5)
+    assert m["truncation_rate"] == 0.0 and 5 < m["response_length"] < 16
+
+
+def test_sampled_metrics_do_not_depend_on_the_batch(causal_checkpoint):
+    checkpoint, prompts = causal_checkpoint
+    by_batch = [causal_metrics(checkpoint, prompts, batch_size=b, generation=SAMPLING) for b in (5, 41 * 5)]
+    assert by_batch[0] == pytest.approx(by_batch[1], abs=1e-9)
+    m = by_batch[0]
+    assert m["n_answers"] == 41 * 5  # a greedy answer and 4 samples per prompt
+    assert m["pass_at_1"] == pytest.approx(m["mean_reward"])  # pass@1 is the mean sample reward
+    assert m["pass_at_1"] <= m["pass_at_2"] <= m["pass_at_4"]
+    assert m["pass_at_4"] > m["accuracy"] * 0.9
+    greedy = causal_metrics(checkpoint, prompts, generation=GenerationConfig(max_new_tokens=16))
+    assert m["accuracy"] == greedy["accuracy"]  # greedy rows beside sampled ones decode alike
+    other_seed = causal_metrics(checkpoint, prompts, generation=GenerationConfig(**{**vars(SAMPLING), "seed": 1}))
+    assert other_seed["mean_reward"] != m["mean_reward"]
+
+
+def test_an_answer_that_reaches_max_new_tokens_is_truncated(causal_checkpoint):
+    checkpoint, prompts = causal_checkpoint
+    m = causal_metrics(checkpoint, prompts, generation=GenerationConfig(max_new_tokens=3))
+    assert m["truncation_rate"] == 1.0 and m["response_length"] == 3.0
+    stopped = causal_metrics(checkpoint, prompts, generation=GenerationConfig(stop=["="], reward="exact_match"))
+    assert stopped["truncation_rate"] == 0.0 and stopped["accuracy"] == 0.0  # cut before the answer
+
+
+def failing_reward(prompt, completions, prompt_ids, completion_ids, answer, **kwargs):
+    if "1" in completions:
+        raise RuntimeError("verifier crashed")
+    return 1.0
+
+
+def test_a_reward_that_raises_scores_zero_and_is_counted(causal_checkpoint):
+    checkpoint, prompts = causal_checkpoint
+    cfg = GenerationConfig(reward=f"{__name__}.failing_reward")
+    m = causal_metrics(checkpoint, prompts, generation=cfg)
+    assert 0 < m["reward_errors"] < 41
+    assert m["accuracy"] == pytest.approx((41 - m["reward_errors"]) / 41)
+
+
+def test_a_reward_that_does_not_import_names_its_dotted_path():
+    with pytest.raises(ValueError, match="'no_such_module.reward' cannot be imported"):
+        generation.GenerationEvaluator(GenerationConfig(reward="no_such_module.reward"))
+
+
+def test_a_prompt_without_an_answer_names_file_and_line(causal_checkpoint, tmp_path):
+    checkpoint, _ = causal_checkpoint
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text(json.dumps({"prompt": "Q: 1 + 1?\nA:", "answer": "2"}) + "\n\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(DataError, match=rf"{bad}:3: no 'answer'"):
+        causal_metrics(checkpoint, bad)
+
+
+def test_gsm8k_rows_are_read_as_prompts(causal_checkpoint, tmp_path):
+    checkpoint, _ = causal_checkpoint
+    rows = tmp_path / "gsm8k.jsonl"
+    rows.write_text(json.dumps({"question": "Q: Ann has 2 coins and gets 3 more. How many?\nA:", "answer": "#### 5"}))
+    assert causal_metrics(checkpoint, rows)["n_prompts"] == 1
+
+
+def test_a_reward_model_checkpoint_is_refused_with_the_reason(trained_run_free_reward_model):
+    with pytest.raises(CheckpointError, match="ForSequenceClassification, a classifier"):
+        causal_metrics(*trained_run_free_reward_model)
+
+
+@pytest.fixture
+def trained_run_free_reward_model(tmp_path):
+    """A fresh reward model saved as a checkpoint, with one prompt to evaluate."""
+    from areal_eval import reward_model
+    from areal_eval.objectives import ModelConfig
+
+    tokenizer = reward_model.train_tokenizer(["a b c d"], tmp_path / "tok", vocab_size=32)
+    model = reward_model.build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
+    model.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b", "answer": "c"}) + "\n")
+    return tmp_path / "rm", prompts
+
+
+def test_settings_that_cannot_work_are_refused_by_field():
+    from areal_eval.config.parsing import FieldError
+
+    with pytest.raises(FieldError, match="n_samples.*temperature"):
+        GenerationConfig(n_samples=4)
+    with pytest.raises(FieldError, match="k.*n_samples"):
+        GenerationConfig(n_samples=2, temperature=1.0, k=[4])
+    with pytest.raises(FieldError, match="top_p"):
+        GenerationConfig(top_p=0.0)

@@ -1,0 +1,75 @@
+"""The lm_loss evaluator, in this process, against a brute-force sum over tokens."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from areal_eval import causal_lm
+from areal_eval.evaluation.lm_loss import LMLossConfig
+from areal_eval.preference_data import DataError
+from tests.helpers import causal_metrics
+
+
+def brute_force_nll(checkpoint, rows):
+    """Sum of -log p(token) over the scored tokens, one unpadded forward pass per row."""
+    model, tok = causal_lm.load_model(checkpoint).eval(), causal_lm.load_tokenizer(checkpoint)
+    total, tokens = 0.0, 0
+    for prompt, completion in rows:
+        context = tok(prompt)["input_ids"]
+        scored = tok(completion)["input_ids"]
+        if not context:
+            context, scored = scored[:1], scored[1:]
+        ids = torch.tensor([context + scored])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+        for pos in range(len(context), len(context) + len(scored)):
+            total -= logprobs[pos - 1, ids[0, pos]].item()
+        tokens += len(scored)
+    return total, tokens
+
+
+def test_loss_counts_completion_tokens_only_and_equals_brute_force(causal_checkpoint, tmp_path):
+    checkpoint, prompts = causal_checkpoint
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()][:9]
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["answer"]}) + "\n" for r in rows))
+    m = causal_metrics(checkpoint, data, "lm_loss", batch_size=4)
+    nll, tokens = brute_force_nll(checkpoint, [(r["prompt"], r["answer"]) for r in rows])
+    assert m["n_texts"] == 9 and m["n_tokens"] == tokens
+    assert m["loss"] == pytest.approx(nll / tokens, rel=1e-6)
+    assert m["perplexity"] == pytest.approx(math.exp(nll / tokens), rel=1e-6)
+    scored_bytes = sum(len(r["answer"].encode()) for r in rows)
+    assert m["bits_per_byte"] == pytest.approx(nll / math.log(2) / scored_bytes, rel=1e-6)
+    assert 0 < m["loss_stderr"] < m["loss"]
+    answers = causal_metrics(checkpoint, prompts, "lm_loss", lm_loss=LMLossConfig(completion_field="answer"))
+    assert answers["n_texts"] == 41
+
+
+def test_text_rows_score_every_token_after_the_first(causal_checkpoint, tmp_path):
+    checkpoint, prompts = causal_checkpoint
+    texts = [r["prompt"] + r["answer"] for r in map(json.loads, prompts.read_text().splitlines())][:5]
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    m = causal_metrics(checkpoint, data, "lm_loss", batch_size=2)
+    nll, tokens = brute_force_nll(checkpoint, [("", t) for t in texts])
+    assert m["n_tokens"] == tokens and m["loss"] == pytest.approx(nll / tokens, rel=1e-6)
+    assert causal_metrics(checkpoint, data, "lm_loss", batch_size=5) == pytest.approx(m, rel=1e-6)
+
+
+def test_a_row_without_text_names_file_and_line(causal_checkpoint, tmp_path):
+    checkpoint, _ = causal_checkpoint
+    data = tmp_path / "texts.jsonl"
+    data.write_text(json.dumps({"text": "Q: 1 + 1"}) + "\n" + json.dumps({"prompt": "Q:"}) + "\n")
+    with pytest.raises(DataError, match=rf"{data}:2: expected 'text', or 'prompt' and 'completion'"):
+        causal_metrics(checkpoint, data, "lm_loss")
+
+
+def test_generation_and_lm_loss_share_one_job_and_name_their_metrics(causal_checkpoint):
+    checkpoint, prompts = causal_checkpoint
+    both = causal_metrics(checkpoint, prompts, "generation,lm_loss", lm_loss=LMLossConfig(completion_field="answer"))
+    alone = causal_metrics(checkpoint, prompts, "lm_loss", lm_loss=LMLossConfig(completion_field="answer"))
+    assert both["lm_loss/loss"] == pytest.approx(alone["loss"], rel=1e-9)
+    assert both["generation/accuracy"] == causal_metrics(checkpoint, prompts)["accuracy"]
+    assert {k.split("/")[0] for k in both} == {"generation", "lm_loss"}
