@@ -190,6 +190,8 @@ def train(spec: TrainJobSpec) -> None:
     if rank == 0:
         store = open_store(spec.storage.run_root(spec.run_id), spec.storage.s3, spec.storage.keep_local_copy)
         store.mirror(run.valid_data, "data/valid.jsonl")  # so a sweep of the store can evaluate the run
+        if run.config_file.exists():  # ... by the evaluators and rules the run was started with
+            store.mirror(run.config_file, run.config_file.name)
         writer = CheckpointWriter(
             model,
             tokenizer,

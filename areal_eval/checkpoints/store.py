@@ -292,6 +292,7 @@ def localize_manifest(manifest: str, s3: S3Config, work_dir: str | Path) -> Path
     return local / "manifest.jsonl"
 
 
-RUN_RECORD_FILES = ("ledger.jsonl", "evaluation_state.json")
+RUN_RECORD_FILES = ("ledger.jsonl", "evaluation_state.json", "pipeline_config.json")
 """What a flow that owned an S3 run mirrors beside its manifest when it ends, so a sweep on
-another machine knows its decisions. A local record, once there, is the one that counts."""
+another machine knows its decisions and judges the run by its settings (training mirrors the
+config at its start too). A local record, once there, is the one that counts."""

@@ -30,6 +30,8 @@ class RunDir:
     manifest = property(lambda self: self.root / "manifest.jsonl")
     train_log = property(lambda self: self.root / "train_log.jsonl")
     train_config = property(lambda self: self.root / "train_config.json")
+    config_file = property(lambda self: self.root / "pipeline_config.json")
+    """The pipeline config the run was started with (webhook redacted): how it is judged."""
     stop_file = property(lambda self: self.root / "control" / "stop.json")
     ledger = property(lambda self: self.root / "ledger.jsonl")
     evals = property(lambda self: self.root / "evals")

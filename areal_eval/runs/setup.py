@@ -87,7 +87,26 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def _record_config(cfg: PipelineConfig, run: RunDir) -> None:
-    jsonl.write_atomic(run.root / "pipeline_config.json", json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
+    jsonl.write_atomic(run.config_file, json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
+
+
+JUDGING = {"eval": ("evaluator", "generation", "lm_loss"), "model": ("max_length",), "alerts": ("rules",)}
+"""What a run is judged by, beside its whole ``scheduler`` section: its evaluators and their
+settings, the token limit, the alert rules (they name the evaluators' metrics)."""
+
+
+def recorded_judging(run: RunDir) -> dict:
+    """The settings ``run`` was started with that decide how it is judged, as config sections
+    ({} when the run recorded none, e.g. one published by a trainer alone). Every path that
+    evaluates the run (the trigger, ``prefect deployment run``, the sweep) starts from them, so
+    a run is judged the same whichever path evaluates it; parameters given there override."""
+    recorded = jsonl.read_json(run.config_file, None)
+    if not isinstance(recorded, dict):
+        return {}
+    judging = {"scheduler": recorded.get("scheduler", {})}
+    for section, fields in JUDGING.items():
+        judging[section] = {f: recorded[section][f] for f in fields if f in recorded.get(section, {})}
+    return {section: values for section, values in judging.items() if values}
 
 
 def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int | None:
