@@ -76,12 +76,16 @@ def test_kubernetes_eval_pool_is_created_from_the_template(server):
 def test_deployments_and_the_automation_are_named(server):
     for name in (
         "train-and-evaluate/pipeline",
+        "train-and-evaluate/sft-math",
         "evaluate-checkpoint/on-checkpoint",
         "sweep-checkpoints/every-30-minutes",
     ):
         assert api_get(server, f"/deployments/name/{name}")["tags"]
     on_checkpoint = api_get(server, "/deployments/name/evaluate-checkpoint/on-checkpoint")
     assert on_checkpoint["parameters"]["gpu_slot"] == "gpu:0" and "evaluation" in on_checkpoint["tags"]
+    sft = api_get(server, "/deployments/name/train-and-evaluate/sft-math")
+    preset = load_pipeline_config(REPO / sft["parameters"]["config_path"])
+    assert preset.eval.evaluator == "generation,lm_loss" and preset.model.objective == "sft"
     automations = api(server, "/automations/filter", {})
     assert [a["name"] for a in automations] == ["evaluate-published-checkpoint"]
 
