@@ -17,6 +17,7 @@ from areal_eval.checkpoints.manifest import FileEntry
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.config.parsing import ConfigError, from_dict
 from areal_eval.evaluation.generation import GenerationConfig
+from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
 
 T = TypeVar("T")
@@ -35,6 +36,8 @@ class EvaluatorSettings:
     """Settings of the ``generation`` evaluator."""
     lm_loss: LMLossConfig = dataclasses.field(default_factory=LMLossConfig)
     """Settings of the ``lm_loss`` evaluator."""
+    lm_eval: LMEvalConfig = dataclasses.field(default_factory=LMEvalConfig)
+    """Settings of the ``lm_eval`` evaluator (lm-evaluation-harness tasks)."""
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
   # torch first, pinned, so nothing resolves a CUDA build.
   .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e '.[test,bench,hf]'
+  .venv/bin/pip install -q -e '.[test,bench,hf,lm-eval]'
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

@@ -196,3 +196,26 @@ def causal_metrics(checkpoint, data, evaluator="generation", batch_size=7, **set
     evaluator = make_evaluator(evaluator, EvaluatorSettings(**settings))
     evaluator.load(Path(checkpoint), Path(data))
     return compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+
+
+def harness_reference(checkpoint, cfg) -> dict:
+    """What a harness user gets: simple_evaluate on an HFLM wrapping the same model (``cfg``: an
+    ``LMEvalConfig``), one process."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    from areal_eval import causal_lm
+    from areal_eval.evaluation.lm_eval_tasks import flatten_results, task_manager
+
+    model, tokenizer = causal_lm.load_model(checkpoint).eval(), causal_lm.load_tokenizer(checkpoint)
+    out = simple_evaluate(
+        model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size),
+        tasks=cfg.tasks,
+        task_manager=task_manager(cfg.include_path, tuple(cfg.tasks)),  # the harness's own, indexed once
+        log_samples=False,
+        random_seed=cfg.seed,
+        numpy_random_seed=cfg.seed,
+        torch_random_seed=cfg.seed,
+        fewshot_random_seed=cfg.seed,
+    )
+    return flatten_results(out["results"])

@@ -202,6 +202,7 @@ EVALUATORS: dict[str, str] = {
     "reward_model": "areal_eval.evaluation.evaluators:RewardModelEvaluator",
     "generation": "areal_eval.evaluation.generation:GenerationEvaluator",
     "lm_loss": "areal_eval.evaluation.lm_loss:LMLossEvaluator",
+    "lm_eval": "areal_eval.evaluation.lm_eval_tasks:LMEvalEvaluator",
 }
 """Built-in evaluators, imported when used (generation needs math-verify, lm_eval the harness)."""
 

@@ -13,6 +13,7 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
 from areal_eval.evaluation.generation import GenerationConfig
+from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
 from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, write_spec
@@ -56,6 +57,8 @@ class EvalConfig:
     """Settings of the ``generation`` evaluator (sampling, reward function, pass@k)."""
     lm_loss: LMLossConfig = dataclasses.field(default_factory=LMLossConfig)
     """Settings of the ``lm_loss`` evaluator."""
+    lm_eval: LMEvalConfig = dataclasses.field(default_factory=LMEvalConfig)
+    """Settings of the ``lm_eval`` evaluator: lm-evaluation-harness tasks (registry or local YAML)."""
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     """Timeout of every collective: a dead or hung rank fails the evaluation."""
     job_timeout_s: float = 600.0
@@ -142,6 +145,7 @@ def run_evaluation_job(
         max_length=max_length,
         generation=cfg.generation,
         lm_loss=cfg.lm_loss,
+        lm_eval=cfg.lm_eval,
         mp_size=cfg.mp_size,
         collective_timeout_s=cfg.collective_timeout_s,
         allow_pickle=cfg.allow_pickle,

@@ -90,7 +90,7 @@ def _record_config(cfg: PipelineConfig, run: RunDir) -> None:
     jsonl.write_atomic(run.config_file, json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
 
 
-JUDGING = {"eval": ("evaluator", "generation", "lm_loss"), "model": ("max_length",), "alerts": ("rules",)}
+JUDGING = {"eval": ("evaluator", "generation", "lm_loss", "lm_eval"), "model": ("max_length",), "alerts": ("rules",)}
 """What a run is judged by, beside its whole ``scheduler`` section: its evaluators and their
 settings, the token limit, the alert rules (they name the evaluators' metrics)."""
 

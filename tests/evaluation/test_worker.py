@@ -12,7 +12,7 @@ from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-from tests.helpers import causal_metrics, live_processes, single_process_metrics
+from tests.helpers import causal_metrics, harness_reference, live_processes, single_process_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -283,3 +283,17 @@ def test_generation_and_lm_loss_distributed_equal_single_process(causal_checkpoi
     for key, value in reference.items():
         assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
     assert 0 < reference["generation/pass_at_4"] < 1
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_lm_eval_tasks_on_the_workers_equal_the_harness_in_one_process(
+    causal_checkpoint, arith_task, warm_ranks, tmp_path, world
+):
+    checkpoint, prompts = causal_checkpoint
+    event = CheckpointEvent("causal", str(checkpoint), 0, 0, 150, 0.0, {}, describe_files(checkpoint))
+    reference = harness_reference(checkpoint, arith_task)
+    cfg = EvalConfig(nproc=world, evaluator="lm_eval", lm_eval=arith_task)
+    result = run_evaluation_job(event, prompts, cfg, tmp_path, workers=warm_ranks(world))
+    assert set(result.metrics) == set(reference) and "arith_mc/acc_stderr" in reference
+    for key, value in reference.items():
+        assert result.metrics[key] == pytest.approx(value, abs=1e-6), key

@@ -1,0 +1,27 @@
+"""The lm_eval evaluator against lm-evaluation-harness's own single-process simple_evaluate."""
+
+import pytest
+
+from areal_eval import causal_lm
+from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig, LMEvalEvaluator, run_tasks
+from tests.helpers import causal_metrics, harness_reference
+
+
+def test_one_rank_equals_the_harness_and_names_metrics_task_slash_metric(causal_checkpoint, arith_task):
+    checkpoint, prompts = causal_checkpoint
+    reference = harness_reference(checkpoint, arith_task)
+    assert set(reference) == {"arith_mc/acc", "arith_mc/acc_stderr", "arith_mc/acc_norm", "arith_mc/acc_norm_stderr"}
+    assert 0 < reference["arith_mc/acc"] < 1 and reference["arith_mc/acc_stderr"] > 0
+    ours = causal_metrics(checkpoint, prompts, "lm_eval", lm_eval=arith_task)
+    assert ours == pytest.approx(reference, abs=1e-6)
+    model, tokenizer = causal_lm.load_shared(checkpoint)
+    assert run_tasks(model, tokenizer, arith_task) == pytest.approx(reference, abs=1e-6)
+
+
+def test_tasks_are_required_and_a_missing_task_directory_is_named(tmp_path):
+    from areal_eval.config.parsing import FieldError
+
+    with pytest.raises(FieldError, match="eval.lm_eval.tasks"):
+        LMEvalEvaluator(LMEvalConfig())
+    with pytest.raises(FieldError, match=f"{tmp_path / 'none'}: no such directory"):
+        LMEvalEvaluator(LMEvalConfig(tasks=["x"], include_path=str(tmp_path / "none")))
