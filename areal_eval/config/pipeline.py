@@ -80,7 +80,7 @@ class PipelineConfig:
             return
         watched = [
             ("scheduler.metric", self.scheduler.metric),
-            ("scheduler.stderr_metric", self.scheduler.stderr_metric),
+            ("scheduler.stderr_metric", self.scheduler.stderr_name),
         ]
         watched += [
             (f"alerts.rules[{i}].metric", r.metric)

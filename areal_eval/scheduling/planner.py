@@ -150,10 +150,10 @@ class EvaluationPlanner:
         # What decide() reads, kept per record: a decision costs the same at any run length.
         self._decisions = DecisionHistory(cfg.higher_is_better)
         for entry in ledger.entries():
-            self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_metric))
+            self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_name))
 
     def history(self):
-        return self.ledger.history(self.cfg.metric, self.cfg.stderr_metric)
+        return self.ledger.history(self.cfg.metric, self.cfg.stderr_name)
 
     def _record(
         self,
@@ -166,7 +166,7 @@ class EvaluationPlanner:
         owner: str | None = None,
     ) -> None:
         entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner)
-        self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_metric))
+        self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_name))
 
     @_locked
     def decide(self, event: CheckpointEvent) -> Decision:

@@ -62,8 +62,9 @@ class SchedulerConfig:
     """``adaptive``: follow the metric; ``fixed``: every ``fixed_interval_steps``."""
     metric: str = "accuracy"
     """Monitored evaluation metric."""
-    stderr_metric: str | None = "accuracy_stderr"
-    """Metric holding the monitored metric's standard error (None: use ``default_stderr``)."""
+    stderr_metric: str | None = "{metric}_stderr"
+    """Metric holding the monitored metric's standard error; ``{metric}`` stands for ``metric``
+    (``generation/accuracy`` -> ``generation/accuracy_stderr``). None: use ``default_stderr``."""
     higher_is_better: bool = True
     """Direction of the monitored metric (for regressions)."""
     fixed_interval_steps: int = 100
@@ -93,6 +94,11 @@ class SchedulerConfig:
     coalesce: bool = True
     """When evaluation falls behind, evaluate the newest waiting checkpoint and record the older
     ones as superseded. False evaluates every scheduled checkpoint in order (offline sweeps)."""
+
+    @property
+    def stderr_name(self) -> str | None:
+        """The name of the monitored metric's standard error (None: none is reported)."""
+        return self.stderr_metric.format(metric=self.metric) if self.stderr_metric else None
 
     def __post_init__(self):
         check_ranges(
