@@ -9,6 +9,7 @@ import pytest
 from areal_eval.checkpoints.manifest import CheckpointError
 from areal_eval.evaluation import generation
 from areal_eval.evaluation.generation import GenerationConfig, majority_reward, pass_at_k, sample_seed
+from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.preference_data import DataError
 from tests.helpers import causal_metrics
 
@@ -130,3 +131,37 @@ def test_settings_that_cannot_work_are_refused_by_field():
         GenerationConfig(n_samples=2, temperature=1.0, k=[4])
     with pytest.raises(FieldError, match="top_p"):
         GenerationConfig(top_p=0.0)
+
+
+def test_the_chat_template_wraps_each_prompt(causal_checkpoint, tmp_path):
+    """A tokenizer whose template adds the demo's "Q: ...\\nA:" frame: bare questions under it score
+    as the framed prompts do without it."""
+    import shutil
+
+    from areal_eval import causal_lm
+
+    checkpoint, prompts = causal_checkpoint
+    templated = tmp_path / "templated"
+    shutil.copytree(checkpoint, templated)
+    tokenizer = causal_lm.load_tokenizer(templated)
+    tokenizer.chat_template = "{% for m in messages %}Q: {{ m['content'] }}\nA:{% endfor %}"
+    tokenizer.save_pretrained(templated)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({**r, "prompt": r["prompt"][3:-3]}) + "\n" for r in rows))
+    assert rows[0]["prompt"].startswith("Q: ") and rows[0]["prompt"].endswith("\nA:")
+    framed = causal_metrics(checkpoint, prompts)
+    assert causal_metrics(templated, bare, generation=GenerationConfig(chat_template=True)) == framed
+    with pytest.raises(ValueError, match="has no chat template"):
+        causal_metrics(checkpoint, bare, generation=GenerationConfig(chat_template=True))
+
+
+def test_evaluators_in_one_job_load_the_model_once(causal_checkpoint, monkeypatch):
+    from areal_eval import causal_lm
+
+    checkpoint, prompts = causal_checkpoint
+    loads = []
+    load_model = causal_lm.load_model
+    monkeypatch.setattr(causal_lm, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
+    causal_metrics(checkpoint, prompts, "generation,lm_loss", lm_loss=LMLossConfig(completion_field="answer"))
+    assert len(loads) == 1
