@@ -36,13 +36,35 @@ class AlertRule:
     """Direction of ``metric`` for regressions."""
     min_step: int = 0
     """Ignore checkpoints before this step (e.g. the untrained baseline)."""
+    stderrs: float | None = None
+    """Noise-aware (threshold, regression): a breach fires when the result lies this many
+    standard errors past the line (a regression: past the best before it, their errors combined;
+    a threshold: past ``value``). A result without a standard error counts as past. None: the
+    noise is not looked at."""
+    consecutive: int | None = None
+    """Noise-aware (threshold, regression): a breach also fires when this many evaluations in a
+    row, in step order, breach the line, however small each breach. With ``stderrs`` unset and
+    this unset, every breach fires."""
+    stderr_metric: str = "{metric}_stderr"
+    """Where ``metric``'s standard error is (``{metric}`` stands for the metric's name)."""
     stop_training: bool = False
     """Ask training to stop when this rule fires."""
     throttle_secs: float = 300.0
     """After a notification, further firings of this rule are only logged for this long."""
 
     def __post_init__(self):
-        check_ranges(self, tolerance=NON_NEGATIVE, min_step=NON_NEGATIVE, throttle_secs=NON_NEGATIVE)
+        check_ranges(
+            self,
+            tolerance=NON_NEGATIVE,
+            min_step=NON_NEGATIVE,
+            throttle_secs=NON_NEGATIVE,
+            stderrs=NON_NEGATIVE,
+            consecutive=(1, None),
+        )
+
+    @property
+    def noise_aware(self) -> bool:
+        return self.stderrs is not None or self.consecutive is not None
 
 
 @dataclasses.dataclass
@@ -74,6 +96,11 @@ class AlertsConfig:
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise ValueError(f"alerts.rules: duplicate rule names {sorted(dupes)}")
+
+
+def _ratio(distance: float, stderr: float | None) -> float:
+    """``distance`` in standard errors (infinite without a known, positive error)."""
+    return distance / stderr if stderr else math.inf
 
 
 def has_credentials(url: str) -> bool:
@@ -159,19 +186,61 @@ class AlertEngine:
         value = metrics.get(rule.metric)
         if value is None or not math.isfinite(value):
             return None
+        breach = self._breach(rule, step, value, metrics.get(rule.stderr_metric.format(metric=rule.metric)))
+        if breach is None:
+            return None
+        message, separated = breach
+        if not rule.noise_aware:
+            return message
+        if rule.stderrs is not None and separated >= rule.stderrs:
+            return f"{message} ({separated:.1f} standard errors)"
+        if rule.consecutive is not None:
+            streak = self._streak(rule, step)
+            if streak + 1 >= rule.consecutive:
+                return f"{message} ({streak + 1} evaluations in a row)"
+        return None
+
+    def _breach(self, rule: AlertRule, step: int, value: float, stderr: float | None) -> tuple[str, float] | None:
+        """(message, how many standard errors past the line) when ``value`` at ``step`` breaches
+        the rule's line, else None."""
         if rule.kind == "threshold":
             crossed = value < rule.value if rule.op == "<" else value > rule.value
-            return f"{rule.metric}={value:.4g} {rule.op} {rule.value} at step {step}" if crossed else None
+            if not crossed:
+                return None
+            return f"{rule.metric}={value:.4g} {rule.op} {rule.value} at step {step}", _ratio(
+                abs(value - rule.value), stderr
+            )
         if rule.kind == "regression":
             best = self.best_before(rule.metric, step, rule.higher_is_better)
             if best is None:
                 return None
             drop = (best - value) if rule.higher_is_better else (value - best)
-            if drop > rule.tolerance:
-                return (
-                    f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than the best {best:.4g} before it"
-                )
+            if drop <= rule.tolerance:
+                return None
+            best_stderr = self._value_at(rule.stderr_metric.format(metric=rule.metric), self._best_step(rule, step))
+            combined = math.hypot(stderr or 0.0, best_stderr or 0.0) if stderr or best_stderr else None
+            message = f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than the best {best:.4g} before it"
+            return message, _ratio(drop, combined)
         return None
+
+    def _best_step(self, rule: AlertRule, step: int) -> int | None:
+        earlier = [(v, s) for s, v in self._results.get(rule.metric, ()) if s < step]
+        if not earlier:
+            return None
+        return (max if rule.higher_is_better else min)(earlier)[1]
+
+    def _value_at(self, key: str, step: int | None) -> float | None:
+        return next((v for s, v in self._results.get(key, ()) if s == step), None)
+
+    def _streak(self, rule: AlertRule, step: int) -> int:
+        """How many evaluations right before ``step`` (in step order) breached the rule."""
+        streak = 0
+        for s, v in reversed([(s, v) for s, v in self._results.get(rule.metric, ()) if rule.min_step <= s < step]):
+            stderr = self._value_at(rule.stderr_metric.format(metric=rule.metric), s)
+            if self._breach(rule, s, v, stderr) is None:
+                break
+            streak += 1
+        return streak
 
     def _throttle(self, rule: AlertRule, step: int, message: str) -> Alert:
         now = self._clock()

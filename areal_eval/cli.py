@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from areal_eval.alerts import AlertRule
 from areal_eval.scheduling import replay as replay_mod
 
 
@@ -19,7 +20,11 @@ def _replay(args) -> int:
     curves = replay_mod.read_curves(args.curves)
     specs = args.policy or ["adaptive", "fixed:1", "fixed:2", "fixed:3", "fixed:4"]
     policies = [replay_mod.parse_policy(s) for s in specs]
-    result = replay_mod.replay(curves, policies, regression=args.inject_regression, seed=args.seed)
+    rules = [
+        AlertRule("any_drop", "regression"),
+        AlertRule("noise_aware", "regression", stderrs=args.alert_stderrs, consecutive=args.alert_consecutive),
+    ]
+    result = replay_mod.replay(curves, policies, regression=args.inject_regression, seed=args.seed, alert_rules=rules)
     if not args.json or sys.stdout.isatty():
         cols = ["evaluations", "mean_tracking_error", "mean_regret", "max_regret"] + (
             ["detection_delay"] if args.inject_regression else []
@@ -28,6 +33,9 @@ def _replay(args) -> int:
         print(f"{'policy':<28}" + "".join(f"{c:>22}" for c in cols))
         for name, row in result["policies"].items():
             print(f"{name:<28}" + "".join(f"{row[c]:>22}" for c in cols))
+        for name, row in result["policies"].items():
+            for rule, scores in row["alerts"].items():
+                print(f"{name:<28}alert rule {rule}: " + ", ".join(f"{k} {v}" for k, v in scores.items()))
     if args.json:
         print(json.dumps(result))
     return 0
@@ -63,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         "--inject-regression", action="store_true", help="drop 5 stderr from a seeded checkpoint in the second half"
     )
     rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument(
+        "--alert-stderrs", type=float, default=3.0, help="the noise-aware regression rule's stderrs (AlertRule.stderrs)"
+    )
+    rp.add_argument(
+        "--alert-consecutive", type=int, default=None, help="... and its consecutive (AlertRule.consecutive)"
+    )
     rp.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     rp.set_defaults(run=_replay)
     fp = sub.add_parser("follow-node", help="serve evaluations started by node 0 (multi-node pools)")

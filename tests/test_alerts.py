@@ -58,3 +58,35 @@ def test_repeated_alerts_are_throttled():
 def test_duplicate_rule_names_rejected():
     with pytest.raises(ValueError, match="duplicate"):
         AlertsConfig(rules=[AlertRule("a", "nonfinite"), AlertRule("a", "eval_failed")])
+
+
+def test_a_noise_aware_regression_fires_past_k_combined_standard_errors():
+    e = engine(AlertRule("reg", "regression", stderrs=2.0, throttle_secs=0))
+    assert e.check(1, {"accuracy": 0.80, "accuracy_stderr": 0.01}) == []
+    assert e.check(2, {"accuracy": 0.78, "accuracy_stderr": 0.01}) == []  # 0.02 / 0.0141: 1.4 se
+    [alert] = e.check(3, {"accuracy": 0.77, "accuracy_stderr": 0.01})  # 0.03 / 0.0141: 2.1 se
+    assert "worse than the best 0.8" in alert.message and "2.1 standard errors" in alert.message
+    # Without a standard error the noise is unknown: a breach fires.
+    unknown = engine(AlertRule("r", "regression", stderrs=2.0))
+    assert unknown.check(1, {"accuracy": 0.80}) == [] and len(unknown.check(2, {"accuracy": 0.79})) == 1
+
+
+def test_a_noise_aware_rule_fires_on_a_run_of_small_breaches():
+    e = engine(AlertRule("reg", "regression", stderrs=3.0, consecutive=3, throttle_secs=0))
+    results = [0.80, 0.79, 0.80, 0.79, 0.79, 0.79]  # each 0.7 se below the best
+    fired = [bool(e.check(step, {"accuracy": v, "accuracy_stderr": 0.01})) for step, v in enumerate(results)]
+    assert fired == [False, False, False, False, False, True]
+    low = engine(AlertRule("low", "threshold", value=0.5, consecutive=2, stderr_metric="{metric}_se"))
+    assert [bool(low.check(s, {"accuracy": v})) for s, v in enumerate([0.4, 0.6, 0.45, 0.48])] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+
+
+def test_a_noise_aware_threshold_needs_distance_from_its_value():
+    e = engine(AlertRule("low", "threshold", value=0.6, stderrs=2.0, throttle_secs=0))
+    assert e.check(1, {"accuracy": 0.59, "accuracy_stderr": 0.01}) == []
+    [alert] = e.check(2, {"accuracy": 0.57, "accuracy_stderr": 0.01})
+    assert "3.0 standard errors" in alert.message

@@ -12,6 +12,11 @@ checkpoint's value is revealed to the policy only when the policy evaluates it. 
   5-stderr drop (seeded, second half, to the end) and the first evaluation at or after it.
   An evaluation counts when it happened: the refinement after the final checkpoint sees
   nothing earlier than the final checkpoint's own evaluation.
+* ``alerts`` (given alert rules): each rule judges the policy's results in the order they
+  were evaluated. Without injection, ``false_alerts_per_100_curves`` counts the curves where
+  it fired at all; with injection, ``detected_within_2`` is the share of curves where it fired
+  on a result at or after the drop, evaluated at most 2 checkpoints after it began, and
+  ``false_alerts_per_100_curves`` counts the curves where it fired before the drop.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import statistics
 from pathlib import Path
 
 from areal_eval import jsonl
+from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 from areal_eval.config.parsing import from_dict
 from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, SchedulerConfig, decide, refine
 
@@ -160,11 +166,18 @@ def score(curve: Curve, chosen: list[int]) -> dict:
     }
 
 
-def replay(curves: list[Curve], policies: list[Policy], regression: bool = False, seed: int = 0) -> dict:
+def replay(
+    curves: list[Curve],
+    policies: list[Policy],
+    regression: bool = False,
+    seed: int = 0,
+    alert_rules: list[AlertRule] | None = None,
+) -> dict:
     """Each policy's evaluations, ``compute`` (a full evaluation counts 1), tracking error, regret
     and, with ``regression``, detection delay; for every policy that is not ``fixed:K``, the
-    compute the fixed-interval frontier needs for the same tracking error, and the ratio."""
-    results = {policy.name: _replay_one(curves, policy, regression, seed) for policy in policies}
+    compute the fixed-interval frontier needs for the same tracking error, and the ratio; and how
+    each of ``alert_rules`` (on the curve's metric) fired."""
+    results = {policy.name: _replay_one(curves, policy, regression, seed, alert_rules) for policy in policies}
     fixed: dict[int, dict] = {}
     for policy in policies:
         if not isinstance(policy, FixedEvery):
@@ -186,7 +199,7 @@ def fixed_frontier_compute(
     k = 1
     while True:
         if k not in fixed:
-            fixed[k] = _replay_one(curves, FixedEvery(k), regression, seed)
+            fixed[k] = _replay_one(curves, FixedEvery(k), regression, seed)  # no alert rules: compute only
         if fixed[k]["mean_tracking_error"] >= tracking_error or k >= longest:
             break
         k += 1
@@ -201,9 +214,26 @@ def fixed_frontier_compute(
     return before["compute"] + share * (here["compute"] - before["compute"])
 
 
-def _replay_one(curves: list[Curve], policy: Policy, regression: bool, seed: int) -> dict:
+def alerts_fired(curve: Curve, evaluations: list[tuple[int, int]], rule: AlertRule) -> list[tuple[int, int]]:
+    """The evaluations ``(checkpoint, when)`` on which ``rule`` fires, judged in the order they
+    were evaluated, as the pipeline's alert engine judges them (each point's stderr as its noise)."""
+    rule = dataclasses.replace(rule, metric="value", higher_is_better=curve.higher_is_better, throttle_secs=0.0)
+    engine = AlertEngine(AlertsConfig(rules=[rule]), clock=lambda: 0.0)
+    fired = []
+    for index, when in sorted(evaluations, key=lambda e: (e[1], e[0])):
+        point = curve.points[index]
+        if engine.check(point.step, {"value": point.value, "value_stderr": point.stderr}):
+            fired.append((index, when))
+    return fired
+
+
+def _replay_one(
+    curves: list[Curve], policy: Policy, regression: bool, seed: int, alert_rules: list[AlertRule] | None = None
+) -> dict:
     """One policy over every curve (with the same injected regressions for every policy)."""
     per_curve, delays = [], []
+    false_alerts = {rule.name: 0 for rule in alert_rules or ()}
+    detected = {rule.name: 0 for rule in alert_rules or ()}
     for curve in curves:
         start = None
         if regression:
@@ -215,6 +245,10 @@ def _replay_one(curves: list[Curve], policy: Policy, regression: bool, seed: int
         if start is not None:
             seen = [when for i, when in evaluations if i >= start] + [len(curve.points) - 1]
             delays.append(min(seen) - start)
+        for rule in alert_rules or ():
+            fired = alerts_fired(curve, evaluations, rule)
+            false_alerts[rule.name] += any(start is None or when < start for _, when in fired)
+            detected[rule.name] += start is not None and any(i >= start and when <= start + 2 for i, when in fired)
     out = {
         "evaluations": sum(r["evaluations"] for r in per_curve),
         "compute": float(sum(r["evaluations"] for r in per_curve)),
@@ -224,4 +258,10 @@ def _replay_one(curves: list[Curve], policy: Policy, regression: bool, seed: int
     }
     if regression:
         out["detection_delay"] = round(statistics.fmean(delays), 3)
+    if alert_rules:
+        out["alerts"] = {
+            name: {"false_alerts_per_100_curves": round(100 * false_alerts[name] / len(curves), 2)}
+            | ({"detected_within_2": round(detected[name] / len(curves), 4)} if regression else {})
+            for name in false_alerts
+        }
     return out

@@ -131,3 +131,27 @@ def test_the_frontier_is_the_fixed_compute_at_the_same_tracking_error_interpolat
     assert replay.fixed_frontier_compute(curves, target, False, 0, {}) == pytest.approx(expected)
     # Worse than every fixed:K: the sparsest one's compute.
     assert replay.fixed_frontier_compute(curves, 1e9, False, 0, {}) == 2.0
+
+
+def noisy_plateaus(count=100, points=40, se=0.01, seed=0):
+    """Flat curves measured with Gaussian noise of their stated standard error."""
+    import random
+
+    rng = random.Random(seed)
+    return [
+        Curve(f"flat-{c}", True, tuple(Point(i * 10, 0.8 + rng.gauss(0, se), se) for i in range(points)))
+        for c in range(count)
+    ]
+
+
+def test_replay_counts_false_alerts_and_detections_of_alert_rules():
+    from areal_eval.alerts import AlertRule
+
+    rules = [AlertRule("any_drop", "regression"), AlertRule("noise_aware", "regression", stderrs=4.0)]
+    curves, every = noisy_plateaus(), [FixedEvery(1)]
+    clean = replay.replay(curves, every, alert_rules=rules)["policies"]["fixed:1"]["alerts"]
+    assert clean["any_drop"]["false_alerts_per_100_curves"] > 90  # noise alone breaks a plateau's best
+    assert clean["noise_aware"]["false_alerts_per_100_curves"] <= 5
+    injected = replay.replay(curves, every, regression=True, alert_rules=rules)["policies"]["fixed:1"]["alerts"]
+    assert injected["noise_aware"]["detected_within_2"] >= 0.9
+    assert injected["any_drop"]["detected_within_2"] == 1.0
