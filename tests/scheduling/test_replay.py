@@ -88,7 +88,9 @@ def test_cli_json_on_the_shipped_curves(capsys):
     for name, row in policies.items():
         frontier = {"frontier_compute", "frontier_ratio"} if name == "adaptive" else set()
         scores = {"evaluations", "compute", "mean_tracking_error", "mean_regret", "max_regret", "detection_delay"}
-        assert set(row) == scores | frontier and row["compute"] == row["evaluations"]
+        assert set(row) == scores | frontier | {"alerts"} and row["compute"] == row["evaluations"]
+        assert set(row["alerts"]) == {"any_drop", "noise_aware"}  # the CLI's two regression rules
+        assert set(row["alerts"]["noise_aware"]) == {"false_alerts_per_100_curves", "detected_within_2"}
     # The targets: tracking better than fixed:2, so fixed:1 is the policy to beat; at most
     # 60% of its evaluations, regret within 0.005 of its 0, regressions seen within a checkpoint.
     adaptive = policies["adaptive"]
