@@ -13,8 +13,9 @@ from pathlib import Path
 from areal_eval.alerts import AlertRule, AlertsConfig
 from areal_eval.checkpoints.store import StorageConfig
 from areal_eval.config.parsing import POSITIVE, FieldError, check_ranges, from_dict, merge, parse_overrides, read_file
-from areal_eval.evaluation.evaluators import produced_metrics
+from areal_eval.evaluation.evaluators import make_evaluator, produced_metrics
 from areal_eval.evaluation.jobs import EvalConfig
+from areal_eval.job_spec import EvaluatorSettings
 from areal_eval.math_problems import SyntheticMathProblems
 from areal_eval.objectives import ModelConfig
 from areal_eval.preference_data import SyntheticPreferences
@@ -74,6 +75,10 @@ class PipelineConfig:
         fire: refuse it before anything starts."""
         try:
             produced = produced_metrics(self.eval.evaluator, self.eval)
+            # Built once here, so settings an evaluator refuses fail before anything starts.
+            make_evaluator(self.eval.evaluator, self.evaluator_settings)
+        except FieldError:
+            raise
         except (ImportError, AttributeError, ValueError) as exc:
             raise FieldError("eval.evaluator", f"{self.eval.evaluator!r} cannot be loaded: {exc}") from exc
         if produced is None:
@@ -94,6 +99,14 @@ class PipelineConfig:
                     f"{metric!r} is not a metric of evaluator {self.eval.evaluator!r} "
                     f"(it produces {', '.join(produced)})",
                 )
+
+    @property
+    def evaluator_settings(self) -> EvaluatorSettings:
+        """What configures the evaluators, as their jobs receive it."""
+        e = self.eval
+        return EvaluatorSettings(
+            max_length=self.model.max_length, generation=e.generation, lm_loss=e.lm_loss, lm_eval=e.lm_eval
+        )
 
     @property
     def run_root(self) -> Path:

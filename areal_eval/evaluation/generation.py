@@ -73,6 +73,10 @@ class GenerationConfig:
             raise FieldError("k", f"{bad[0]} must be between 1 and n_samples ({self.n_samples})")
         if self.backend not in DECODERS:
             raise FieldError("backend", f"{self.backend!r} is not one of {', '.join(DECODERS)}")
+        try:  # a reward that cannot be imported fails the config, not every evaluation
+            load_reward(self.reward)
+        except ValueError as exc:
+            raise FieldError("reward", str(exc)) from None
 
     @property
     def ks(self) -> list[int]:

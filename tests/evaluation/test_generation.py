@@ -82,9 +82,15 @@ def test_a_reward_that_raises_scores_zero_and_is_counted(causal_checkpoint):
     assert m["accuracy"] == pytest.approx((41 - m["reward_errors"]) / 41)
 
 
-def test_a_reward_that_does_not_import_names_its_dotted_path():
+def test_a_reward_that_does_not_import_names_its_dotted_path_before_anything_starts():
+    from areal_eval.config.parsing import ConfigError
+    from areal_eval.config.pipeline import load_pipeline_config
+
     with pytest.raises(ValueError, match="'no_such_module.reward' cannot be imported"):
         generation.GenerationEvaluator(GenerationConfig(reward="no_such_module.reward"))
+    overrides = ["eval.evaluator=generation", "eval.generation.reward=no_such_module.reward"]
+    with pytest.raises(ConfigError, match="^eval.generation.reward: reward function 'no_such_module.reward'"):
+        load_pipeline_config(overrides=overrides)
 
 
 def test_a_prompt_without_an_answer_names_file_and_line(causal_checkpoint, tmp_path):

@@ -19,7 +19,11 @@ def test_one_rank_equals_the_harness_and_names_metrics_task_slash_metric(causal_
 
 
 def test_tasks_are_required_and_a_missing_task_directory_is_named(tmp_path):
-    from areal_eval.config.parsing import FieldError
+    from areal_eval.config.parsing import ConfigError, FieldError
+    from areal_eval.config.pipeline import load_pipeline_config
+
+    with pytest.raises(ConfigError, match="eval.lm_eval.tasks: name at least one"):
+        load_pipeline_config(overrides=["eval.evaluator=lm_eval"])
 
     with pytest.raises(FieldError, match="eval.lm_eval.tasks"):
         LMEvalEvaluator(LMEvalConfig())
