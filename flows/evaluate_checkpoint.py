@@ -20,14 +20,13 @@ from prefect.runtime import flow_run
 
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
-from areal_eval.config.parsing import merge
 from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
 from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.runs.record import RunRecord
-from areal_eval.runs.setup import recorded_judging
+from areal_eval.runs.setup import judged_config
 from areal_eval.tracking import plot_curve
 from tasks.alerts import send_alert
 from tasks.mlflow_logging import finish_tracking, log_evaluation, start_tracking_run, tracker_for
@@ -83,7 +82,7 @@ def evaluate_checkpoint(
     local_manifest = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
     run = RunDir(local_manifest.resolve().parent)
     # The run's own evaluators, schedule and rules, unless these parameters set them.
-    cfg = load_pipeline_config(params=merge(recorded_judging(run), set_fields(params) or {}))
+    cfg = judged_config(run, set_fields(params))
     published = Manifest(local_manifest)
     if dispatched:
         event = published.find(global_step)

@@ -19,6 +19,7 @@ from areal_eval.config.pipeline import load_pipeline_config
 from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.runs.directory import RunDir, owned_by_live_process
 from areal_eval.runs.record import RunRecord
+from areal_eval.runs.setup import judged_config
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from tasks.mlflow_logging import tracker_for
 from tasks.orchestration import flow_run_alive
@@ -85,7 +86,8 @@ def sweep_checkpoints(store: str, params: PipelineParams | None = None, reevalua
         if owned_by_live_process(run):
             logger.info("run %s: its train-and-evaluate flow is live and evaluates it", events[0].run_id)
             continue
-        record = RunRecord(run, Manifest(local), cfg.scheduler, cfg.alerts, events[0].run_id)
+        judged = judged_config(run, set_fields(params))  # the run's scheduler and rules, as evaluate-checkpoint's
+        record = RunRecord(run, Manifest(local), judged.scheduler, judged.alerts, events[0].run_id)
         steps = record.unhandled(flow_run_alive) + (record.skipped() if reevaluate_skipped else [])
         steps = sorted(set(steps) - (tracker.deleted_steps(mlflow_run) if mlflow_run else set()))
         finals = [e.global_step for e in events if e.final]

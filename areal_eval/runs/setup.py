@@ -10,7 +10,8 @@ from pathlib import Path
 from areal_eval import jsonl
 from areal_eval.alerts import recorded_config
 from areal_eval.checkpoints.manifest import Manifest
-from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.config.parsing import merge
+from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.job_spec import write_spec
 from areal_eval.objectives import objective
 from areal_eval.runs.directory import RunDir
@@ -107,6 +108,12 @@ def recorded_judging(run: RunDir) -> dict:
     for section, fields in JUDGING.items():
         judging[section] = {f: recorded[section][f] for f in fields if f in recorded.get(section, {})}
     return {section: values for section, values in judging.items() if values}
+
+
+def judged_config(run: RunDir, params: dict | None) -> PipelineConfig:
+    """The config ``run`` is evaluated with: what it was started with (:func:`recorded_judging`),
+    then ``params`` (the fields a flow's caller set) over it."""
+    return load_pipeline_config(params=merge(recorded_judging(run), params or {}))
 
 
 def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int | None:
