@@ -45,6 +45,11 @@ class BaseEvaluator:
         """The metric names an instance configured from ``settings`` will return."""
         return declared_metrics(cls)
 
+    @classmethod
+    def check_data(cls, path: Path, settings) -> None:
+        """Read evaluation data ``path`` as :meth:`load` will, so that a bad row is named (file
+        and line) before anything starts. Default: not checked."""
+
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         """Load the model and the evaluation data (called on every rank)."""
         raise NotImplementedError
@@ -82,6 +87,10 @@ class RewardModelEvaluator(BaseEvaluator):
 
     def __init__(self, max_length: int = 64):
         self.max_length = max_length
+
+    @classmethod
+    def check_data(cls, path: Path, settings) -> None:
+        read_pairs(path)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         self.tokenizer = reward_model.load_tokenizer(checkpoint_dir)
@@ -234,6 +243,12 @@ def make_evaluator(spec: str, settings=None) -> BaseEvaluator:
         settings = EvaluatorSettings()
     parts = [evaluator_class(n).from_settings(settings) for n in evaluator_names(spec)]
     return parts[0] if len(parts) == 1 else CombinedEvaluator(parts)
+
+
+def check_evaluation_data(spec: str, path: Path, settings) -> None:
+    """Every evaluator of ``spec`` reads ``path`` as it will in the workers."""
+    for name in evaluator_names(spec):
+        evaluator_class(name).check_data(Path(path), settings)
 
 
 def produced_metrics(spec: str, settings) -> tuple[str, ...] | None:

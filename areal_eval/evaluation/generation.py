@@ -220,6 +220,10 @@ class GenerationEvaluator(BaseEvaluator):
         names += [f"{kind}_at_{k}" for k in settings.generation.ks for kind in ("pass", "maj")]
         return tuple(m for n in names for m in (n, f"{n}_stderr")) + COUNTS
 
+    @classmethod
+    def check_data(cls, path: Path, settings) -> None:
+        read_prompts(path, settings.generation.prompt_field, settings.generation.answer_field)
+
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models)
         self.prompts = read_prompts(data_path, self.cfg.prompt_field, self.cfg.answer_field)

@@ -44,6 +44,10 @@ class LMLossEvaluator(BaseEvaluator):
     def from_settings(cls, settings) -> LMLossEvaluator:
         return cls(settings.lm_loss)
 
+    @classmethod
+    def check_data(cls, path: Path, settings) -> None:
+        read_texts(path, settings.lm_loss.completion_field)
+
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models)
         self.rows = [self._encode(row, data_path) for row in read_texts(data_path, self.cfg.completion_field)]

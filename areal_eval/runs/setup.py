@@ -12,6 +12,7 @@ from areal_eval.alerts import recorded_config
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.config.parsing import merge
 from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
+from areal_eval.evaluation.evaluators import check_evaluation_data
 from areal_eval.job_spec import write_spec
 from areal_eval.objectives import objective
 from areal_eval.runs.directory import RunDir
@@ -42,23 +43,26 @@ def prepare_run(cfg: PipelineConfig) -> RunDir:
     return run
 
 
-def check_inputs(cfg: PipelineConfig) -> dict[str, list[dict]]:
-    """The given data files, read and validated (DataError names file and line)."""
-    read = objective(cfg.model.objective).read
-    return {
-        target: read(path)
-        for path, target in ((cfg.data.train_path, "train"), (cfg.data.valid_path, "valid"))
-        if path is not None
-    }
+def check_inputs(cfg: PipelineConfig) -> dict[str, Path]:
+    """The given data files, validated (DataError names file and line): training data as the
+    objective reads it, validation data as each evaluator reads it. Returns them by role."""
+    given = {}
+    if cfg.data.train_path is not None:
+        objective(cfg.model.objective).read(cfg.data.train_path)
+        given["train"] = Path(cfg.data.train_path)
+    if cfg.data.valid_path is not None:
+        check_evaluation_data(cfg.eval.evaluator, Path(cfg.data.valid_path), cfg.evaluator_settings)
+        given["valid"] = Path(cfg.data.valid_path)
+    return given
 
 
-def _new_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> str:
+def _new_run(cfg: PipelineConfig, run: RunDir, given: dict[str, Path]) -> str:
     run.root.mkdir(parents=True, exist_ok=True)
     task = objective(cfg.model.objective)
     if cfg.data.train_path is None or cfg.data.valid_path is None:
         task.synthetic(cfg.data).generate(run.data)
-    for name, rows in given.items():
-        _write_rows(run.train_data if name == "train" else run.valid_data, rows)
+    for name, path in given.items():
+        _copy_data(path, run.train_data if name == "train" else run.valid_data)
     if cfg.model.tokenizer_path is None and cfg.model.pretrained_path is None:
         task.train_tokenizer(task.read(run.train_data), run.tokenizer, cfg.model.vocab_size)
     # One id per training run: MLflow run, manifest entries and events all carry it. Written last:
@@ -68,7 +72,7 @@ def _new_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> 
     return run_id
 
 
-def _external_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]) -> RunDir:
+def _external_run(cfg: PipelineConfig, run: RunDir, given: dict[str, Path]) -> RunDir:
     """A run trained elsewhere: its id is the one its publisher used, else the directory's name
     (what the trainer callbacks default to); validation data given in the config goes to
     ``data/valid.jsonl`` beside the manifest, where evaluation looks when events name none."""
@@ -77,14 +81,14 @@ def _external_run(cfg: PipelineConfig, run: RunDir, given: dict[str, list[dict]]
         published = Manifest(run.manifest).events() if run.manifest.exists() else []
         jsonl.write_atomic(run.run_id_file, published[0].run_id if published else run.root.name)
     if "valid" in given:
-        _write_rows(run.valid_data, given["valid"])
+        _copy_data(given["valid"], run.valid_data)
     _record_config(cfg, run)
     return run
 
 
-def _write_rows(path: Path, rows: list[dict]) -> None:
-    """Validated rows, without the reader's bookkeeping (``line``, ``id``)."""
-    jsonl.write_rows(path, [{k: v for k, v in row.items() if k not in ("line", "id")} for row in rows])
+def _copy_data(source: Path, target: Path) -> None:
+    """A validated data file, as given (every field kept: evaluators read fields of their own)."""
+    jsonl.write_atomic(target, source.read_bytes())
 
 
 def _record_config(cfg: PipelineConfig, run: RunDir) -> None:
