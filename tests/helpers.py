@@ -153,6 +153,14 @@ def copy_trained_run(original, run_root, run_id: str | None = None):
     return run
 
 
+def mlflow_run(cfg):
+    """The tracker of ``cfg`` and the MLflow runs of its experiment."""
+    from areal_eval.tracking import Tracker
+
+    tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+    return tracker, tracker.client.search_runs([tracker.experiment_id])
+
+
 def train_causal_lm(work: Path, steps: int = 150, valid_problems: int = 41) -> tuple[Path, Path]:
     """A small causal LM trained in this process by SFT on arithmetic problems for ``steps``
     steps (half-way up its accuracy curve at 150), saved with its tokenizer; returns (checkpoint
