@@ -253,13 +253,13 @@ def check_evaluation_data(spec: str, path: Path, settings) -> None:
 
 def produced_metrics(spec: str, settings) -> tuple[str, ...] | None:
     """What the evaluator(s) of ``spec`` return (None: one of them does not declare it)."""
-    names = evaluator_names(spec)
-    declared = [evaluator_class(n).declared_metric_names(settings) for n in names]
+    classes = [evaluator_class(n) for n in evaluator_names(spec)]
+    declared = [cls.declared_metric_names(settings) for cls in classes]
     if any(d is None for d in declared):
         return None
-    if len(names) == 1:
+    if len(classes) == 1:
         return declared[0]
-    return tuple(f"{n}/{m}" for n, d in zip(names, declared, strict=True) for m in d)
+    return tuple(f"{cls.name}/{m}" for cls, d in zip(classes, declared, strict=True) for m in d)  # as CombinedEvaluator
 
 
 def declared_metrics(cls: type[BaseEvaluator]) -> tuple[str, ...] | None:
