@@ -41,8 +41,9 @@ class LMEvalConfig:
         check_ranges(self, num_fewshot=(0, None), limit=AT_LEAST_1, batch_size=AT_LEAST_1)
 
 
+@functools.cache
 def sharded_lm_class():
-    """:class:`ShardedHFLM`, defined when first asked for: importing the harness takes seconds."""
+    """:class:`ShardedHFLM`, defined once, when first asked for: importing the harness takes seconds."""
     from lm_eval.models.huggingface import HFLM
 
     class ShardedHFLM(HFLM):
