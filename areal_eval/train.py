@@ -23,7 +23,7 @@ from areal_eval import distributed
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
 from areal_eval.checkpoints.saving import CheckpointWriter, read_resume_state, resume_state_path
 from areal_eval.checkpoints.store import StorageConfig, open_store
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
 from areal_eval.job_spec import read_spec
 from areal_eval.launcher import die_with_parent
 from areal_eval.objectives import ModelConfig, objective
@@ -39,11 +39,16 @@ class SaveConfig:
     """Save every this many steps."""
     freq_secs: float | None = None
     """Save every this many seconds of training (monotonic, not counting downtime)."""
+    at_steps: list[int] = dataclasses.field(default_factory=list)
+    """Also save at exactly these steps: a schedule no frequency gives, such as Pythia's
+    log-spaced early checkpoints (1, 2, 4, ... 512)."""
     eval_before_train: bool = True
     """Save the untrained model before step 1, so its evaluation is the baseline."""
 
     def __post_init__(self):
         check_ranges(self, freq_epochs=AT_LEAST_1, freq_steps=AT_LEAST_1, freq_secs=POSITIVE)
+        if any(step < 1 for step in self.at_steps):
+            raise FieldError("at_steps", f"steps must be >= 1, got {self.at_steps}")
 
 
 @dataclasses.dataclass
@@ -260,7 +265,8 @@ def train(spec: TrainJobSpec) -> None:
                 stop_reason = stop.requested() or "stop requested"
                 break
             is_last = global_step >= total
-            if ctl.check(epochs=int(epoch_step == epoch_steps - 1), steps=1) and not is_last and writer:
+            due = ctl.check(epochs=int(epoch_step == epoch_steps - 1), steps=1)
+            if (due or global_step in cfg.save.at_steps) and not is_last and writer:
                 writer.save(
                     epoch,
                     epoch_step,

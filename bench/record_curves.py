@@ -1,12 +1,17 @@
 """Record learning curves from our own training runs, for tuning and checking the scheduler.
 
     .venv/bin/python bench/record_curves.py [--out bench/curves/areal-demo.jsonl] [--runs 3]
+    .venv/bin/python bench/record_curves.py --geometric   # -> bench/curves/areal-demo-geometric.jsonl
 
 Trains the demo's reward model (2 DDP ranks) with a few seeds and label-noise levels, then
 evaluates every checkpoint once (2 torchrun ranks) and writes one curve per run and metric
 (accuracy, higher is better; Bradley-Terry loss, lower is better) in the replay format
 ``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``. Ends by replaying
 them through the adaptive and fixed policies; prints one JSON line.
+
+``--geometric`` saves at steps 1, 2, 4, ... before the even cadence takes over, as Pythia's
+published schedule does (0, 1, 2, 4, ... 512, then every 1000): the schedule whose growing gaps
+a scheduler must not mistake for "too long without an evaluation".
 """
 
 from __future__ import annotations
@@ -24,19 +29,29 @@ RUNS = [  # (seed, label noise, checkpoint every N steps): uneven spacing on pur
     (3, 0.10, 40),
     (4, 0.20, 15),
 ]
+GEOMETRIC_RUNS = [  # (seed, label noise, then every N steps), saving first at 1, 2, 4, ... < N
+    (5, 0.15, 50),
+    (6, 0.20, 100),
+    (7, 0.10, 64),
+]
 
 
-def record_run(work: Path, seed: int, noise: float, every: int) -> list[dict]:
+def doubling_steps(below: int) -> list[int]:
+    return [2**i for i in range(below.bit_length()) if 2**i < below]
+
+
+def record_run(work: Path, seed: int, noise: float, every: int, geometric: bool = False) -> list[dict]:
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.evaluation.jobs import run_evaluation_job
     from areal_eval.evaluation.worker_pool import WarmEvalWorkers
     from areal_eval.launcher import TorchrunJob
 
-    name = f"seed{seed}-noise{noise}-every{every}"
+    name = f"seed{seed}-noise{noise}-{'doubling-then-' if geometric else ''}every{every}"
+    at_steps = doubling_steps(every) if geometric else []
     cfg, run = prepared_run(
         name,
         work,
-        train={"seed": seed, "save": {"freq_steps": every}},
+        train={"seed": seed, "save": {"freq_steps": every, "at_steps": at_steps}},
         data={"synthetic": {"seed": seed, "label_noise": noise}},
     )
     job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
@@ -60,14 +75,17 @@ def record_run(work: Path, seed: int, noise: float, every: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "bench" / "curves" / "areal-demo.jsonl"))
-    parser.add_argument("--runs", type=int, default=len(RUNS))
+    parser.add_argument("--geometric", action="store_true", help="log-spaced early saves (GEOMETRIC_RUNS)")
+    parser.add_argument("--out", help="default: bench/curves/areal-demo[-geometric].jsonl")
+    parser.add_argument("--runs", type=int, help="the first N runs only")
     args = parser.parse_args()
     from areal_eval.scheduling import replay
 
+    runs = GEOMETRIC_RUNS if args.geometric else RUNS
     work = Path(tempfile.mkdtemp(prefix="bench-curves-"))
-    curves = [c for seed, noise, every in RUNS[: args.runs] for c in record_run(work, seed, noise, every)]
-    out = Path(args.out)
+    curves = [c for s, noise, every in runs[: args.runs] for c in record_run(work, s, noise, every, args.geometric)]
+    suffix = "-geometric" if args.geometric else ""
+    out = Path(args.out or ROOT / "bench" / "curves" / f"areal-demo{suffix}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(c) + "\n" for c in curves))
     policies = [replay.parse_policy(p) for p in ("adaptive", "fixed:1", "fixed:2", "fixed:3", "fixed:4")]

@@ -59,12 +59,12 @@ def run_training(run, timeout_s=300):
 def test_a_killed_job_resumes_from_its_newest_checkpoint_as_if_never_stopped(tmp_path):
     # The same run trained straight through, and killed after its step-12 checkpoint then run
     # again: model, optimizer, schedule, trigger state and data position come back, so the final
-    # weights agree and every checkpoint is announced once.
+    # weights agree and every checkpoint is announced once; log-spaced early saves included.
     import time
 
     import torch
 
-    sections = {"train": {"max_steps": 24, "epochs": 3, "save": {"freq_steps": 6}}}
+    sections = {"train": {"max_steps": 24, "epochs": 3, "save": {"freq_steps": 6, "at_steps": [1, 2, 4]}}}
     straight = prepare_run(tiny_config(tmp_path / "straight", **sections))
     run_training(straight)
     resumed = prepare_run(tiny_config(tmp_path / "resumed", **sections))
@@ -79,7 +79,7 @@ def test_a_killed_job_resumes_from_its_newest_checkpoint_as_if_never_stopped(tmp
     assert again.run_id == resumed.run_id
     run_training(again)
     steps = [e.global_step for e in Manifest(resumed.manifest).events()]
-    assert steps == [0, 6, 12, 18, 24] and Manifest(resumed.manifest).events()[-1].final
+    assert steps == [0, 1, 2, 4, 6, 12, 18, 24] and Manifest(resumed.manifest).events()[-1].final
     a = load_model(straight.checkpoints / "global_step_00000024").state_dict()
     b = load_model(resumed.checkpoints / "global_step_00000024").state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

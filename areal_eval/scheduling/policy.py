@@ -11,15 +11,16 @@ regression would hide, and where the best checkpoint may be:
   after subtracting their noise, and evaluates once the drift predicted since the last
   evaluation reaches ``drift_tolerance`` standard errors, so it is dense while the metric
   moves, sparse on a plateau, and dense again after a regression;
-* cover: it never lets more than ``max_interval_checkpoints`` checkpoint spacings (measured in
-  steps, from the checkpoints offered so far) pass unevaluated, since a regression on a plateau
-  shows no movement beforehand and is seen only by looking;
+* cover: it never lets more than ``max_interval_checkpoints`` checkpoints in a row go
+  unevaluated, since a regression on a plateau shows no movement beforehand and is seen only by
+  looking; counting checkpoints (not step gaps against a typical gap) keeps the bound blind to
+  the schedule's shape, so a geometric, bursty or resumed schedule forces nothing by itself;
 * refinement: after the final checkpoint, the skipped neighbours of the best result whose
   interpolated value comes close to it are evaluated, because the best checkpoint is most often
   a peak that the sparse evaluations stepped over.
 
-It reasons in steps (drift per step, intervals in steps), so uneven checkpoint spacing does not
-change it, and it always evaluates the first and the final checkpoint.
+Movement is reasoned in steps (drift per step), so uneven checkpoint spacing does not change it,
+and it always evaluates the first and the final checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-import statistics
 from collections.abc import Collection, Sequence
 from typing import Literal, Protocol
 
@@ -73,10 +73,10 @@ class SchedulerConfig:
     """Never evaluate two checkpoints closer than this (the final one excepted)."""
     max_interval_steps: int | None = None
     """Adaptive: always evaluate once this many steps passed since the last evaluation."""
-    max_interval_checkpoints: float | None = 3.0
-    """Adaptive: also evaluate once the gap reaches this many checkpoint spacings (the median step
-    gap of the last checkpoints offered), whatever the run's scale. With 3 a regression is seen
-    at most 2 checkpoints late, 1 on average on a plateau. None: bound in steps only."""
+    max_interval_checkpoints: int | None = 3
+    """Adaptive: evaluate at least every this many checkpoints offered (at most 1024), however they are
+    spaced. With 3 a regression is seen at most 2 checkpoints late, 1 on average on a plateau.
+    None: bound in steps only."""
     drift_tolerance: float = 4.0
     """Evaluate when the predicted drift since the last evaluation reaches this many stderr."""
     noise_discount: float = 2.0
@@ -106,7 +106,7 @@ class SchedulerConfig:
             fixed_interval_steps=AT_LEAST_1,
             min_interval_steps=NON_NEGATIVE,
             max_interval_steps=AT_LEAST_1,
-            max_interval_checkpoints=POSITIVE,
+            max_interval_checkpoints=(1, COVER_WINDOW),
             drift_tolerance=NON_NEGATIVE,
             noise_discount=NON_NEGATIVE,
             refine_stderrs=NON_NEGATIVE,
@@ -140,33 +140,21 @@ def decide(
         if gap >= cfg.fixed_interval_steps:
             return Decision(True, f"fixed interval: {gap} >= {cfg.fixed_interval_steps} steps")
         return Decision(False, f"fixed interval: {gap} < {cfg.fixed_interval_steps} steps")
-    limit = max_interval(step, offered_steps, cfg)
-    if limit is not None and gap >= limit[0]:
-        return Decision(True, f"{gap} steps since step {last.step} >= max interval {limit[0]:.0f} ({limit[1]})")
+    if cfg.max_interval_steps is not None and gap >= cfg.max_interval_steps:
+        return Decision(True, f"{gap} steps since step {last.step} >= max interval {cfg.max_interval_steps}")
+    since = checkpoints_since(last.step, step, offered_steps)
+    if cfg.max_interval_checkpoints is not None and since >= cfg.max_interval_checkpoints:
+        return Decision(True, f"checkpoint {since} since step {last.step} (max_interval_checkpoints)")
     return _adaptive(step, last, history, cfg)
 
 
-SPACING_WINDOW = 8
-"""Checkpoint gaps the cadence is the median of."""
+COVER_WINDOW = 1024
+"""The most checkpoints the cover bound counts (and ``DecisionHistory`` hands it)."""
 
 
-def checkpoint_spacing(step: int, offered_steps: Sequence[int], window: int = SPACING_WINDOW) -> float | None:
-    """The median step gap between the last ``window`` checkpoints up to ``step``: the run's
-    checkpoint cadence, robust to a few uneven saves."""
-    steps = sorted({s for s in offered_steps if s < step} | {step})[-(window + 1) :]
-    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
-    return statistics.median(gaps) if gaps else None
-
-
-def max_interval(step: int, offered_steps: Sequence[int], cfg: SchedulerConfig) -> tuple[float, str] | None:
-    """The largest gap allowed before ``step`` and where it comes from: the tighter of the step
-    bound and the cover bound."""
-    bounds = [(b, "max_interval_steps") for b in (cfg.max_interval_steps,) if b is not None]
-    spacing = checkpoint_spacing(step, offered_steps)
-    if cfg.max_interval_checkpoints is not None and spacing is not None:
-        cover = max(cfg.min_interval_steps, cfg.max_interval_checkpoints * spacing)
-        bounds.append((cover, f"{cfg.max_interval_checkpoints:g} checkpoint spacings of {spacing:g} steps"))
-    return min(bounds) if bounds else None
+def checkpoints_since(last_step: int, step: int, offered_steps: Sequence[int]) -> int:
+    """Checkpoints offered after ``last_step`` up to ``step``, this one included."""
+    return 1 + sum(1 for s in set(offered_steps) if last_step < s < step)
 
 
 def _stderr(h: HistoryEntry, cfg: SchedulerConfig) -> float:
@@ -272,10 +260,12 @@ class DecisionHistory:
         if i == len(self._offered) or self._offered[i] != step:
             self._offered.insert(i, step)
 
-    def offered_before(self, step: int, window: int = SPACING_WINDOW) -> list[int]:
-        """The last ``window + 1`` offered steps before ``step``: all that the cover bound reads."""
+    def offered_before(self, step: int, window: int = COVER_WINDOW) -> list[int]:
+        """The steps offered before ``step`` and after the newest entry (at most ``window``): all
+        that the cover bound counts."""
         i = bisect.bisect_left(self._offered, step)
-        return self._offered[max(0, i - window - 1) : i]
+        j = bisect.bisect_right(self._offered, self._steps[-1]) if self._steps else i
+        return self._offered[max(j, i - window) : i]
 
     def set(self, step: int, entry: HistoryEntry | None) -> None:
         """``step``'s entry is now ``entry`` (None: not in the history, e.g. superseded or failed)."""

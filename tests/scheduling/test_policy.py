@@ -8,7 +8,6 @@ from areal_eval.scheduling.policy import (
     DecisionHistory,
     HistoryEntry,
     SchedulerConfig,
-    checkpoint_spacing,
     decide,
     refine,
 )
@@ -93,10 +92,11 @@ def test_fixed_policy():
     assert decide(Ev(101, final=True), [H(0, 0.5), H(100, 0.5)], cfg).evaluate
 
 
-def _evaluated_steps(checkpoint_steps, value):
+def _evaluated_steps(checkpoint_steps, value, cfg=ADAPTIVE):
     history = []
     for i, step in enumerate(checkpoint_steps):
-        if decide(Ev(step, final=i == len(checkpoint_steps) - 1), history, ADAPTIVE).evaluate:
+        event = Ev(step, final=i == len(checkpoint_steps) - 1)
+        if decide(event, history, cfg, checkpoint_steps[:i]).evaluate:
             history.append(H(step, value(step)))
     return [h.step for h in history]
 
@@ -117,23 +117,27 @@ def test_uneven_spacing_reasons_in_steps():
     assert 3 < len(coarse) < 60
 
 
-def test_cover_bound_counts_checkpoint_spacings_in_steps():
+def test_cover_bound_counts_checkpoints_whatever_their_spacing():
     cfg = SchedulerConfig(max_interval_checkpoints=3, drift_tolerance=1e9)
-    for every in (100, 100_000):  # the same bound at any scale
-        offered = [i * every for i in range(6)]
-        flat = [H(0, 0.8), H(every, 0.8), H(2 * every, 0.8)]
-        assert not decide(Ev(4 * every), flat, cfg, offered[:4]).evaluate  # 2 spacings
-        d = decide(Ev(5 * every), flat, cfg, offered[:5])
-        assert d.evaluate and "max interval" in d.reason  # 3 spacings
-    assert not decide(Ev(500), [H(0, 0.8), H(100, 0.8), H(200, 0.8)], cfg).evaluate  # no spacing known: no cover
+    even = [0, 100, 200, 300, 400, 500]
+    geometric = [0, 1, 2, 4, 8, 16, 32]
+    bursty = [0, 1000, 1001, 1002, 5000, 9000]
+    for steps in (even, geometric, bursty):
+        flat = [H(s, 0.8) for s in steps[:3]]
+        assert not decide(Ev(steps[4]), flat, cfg, steps[:4]).evaluate  # the 2nd since the last
+        d = decide(Ev(steps[5]), flat, cfg, steps[:5])
+        assert d.evaluate and d.reason == f"checkpoint 3 since step {steps[2]} (max_interval_checkpoints)"
+    # a resumed run's gap in steps is one checkpoint like any other
+    assert not decide(Ev(90_000), [H(0, 0.8), H(10, 0.8), H(20, 0.8)], cfg, [0, 10, 20]).evaluate
+    # checkpoints offered before the last evaluation do not count
+    assert not decide(Ev(40), [H(0, 0.8), H(10, 0.8), H(30, 0.8)], cfg, [0, 10, 20, 30]).evaluate
 
 
-def test_checkpoint_spacing_is_the_median_of_recent_gaps():
-    assert checkpoint_spacing(0, []) is None
-    assert checkpoint_spacing(30, [0, 10, 20]) == 10
-    # one burst of quick saves does not shrink the cadence
-    assert checkpoint_spacing(500, [0, 100, 200, 300, 310, 320, 400]) == 100
-    assert checkpoint_spacing(50, [0, 10, 20, 60]) == 10  # later steps are ignored
+def test_the_cover_bound_never_forces_every_checkpoint_of_a_geometric_schedule():
+    cfg = SchedulerConfig(drift_tolerance=1e9, refine_stderrs=None)
+    steps = [0] + [2**i for i in range(16)]
+    evaluated = _evaluated_steps(steps, lambda step: 0.8, cfg)
+    assert evaluated == [0, 1, 8, 64, 512, 4096, 32768]  # first, trend, every 3rd, final
 
 
 def test_config_validation():
