@@ -49,7 +49,9 @@ TINY = {
     "data": {"synthetic": {"train_pairs": 256, "valid_pairs": 101}},
     "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2},
     "train": {"epochs": 1, "batch_size": 8, "max_steps": 12, "log_every": 2, "save": {"freq_steps": 4}},
-    "eval": {"batch_size": 16, "collective_timeout_s": 30, "job_timeout_s": 120},
+    # One evaluation rank: the flow tests are about what happens around evaluations; every world
+    # size and fault of the ranks is tested in tests/evaluation (and end to end on 2 ranks).
+    "eval": {"nproc": 1, "batch_size": 16, "collective_timeout_s": 30, "job_timeout_s": 120},
     "scheduler": {"min_interval_steps": 0, "max_interval_steps": 8},
     "poll_interval_s": 0.2,
 }

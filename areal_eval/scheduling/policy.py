@@ -11,6 +11,8 @@ regression would hide, and where the best checkpoint may be:
   after subtracting their noise, and evaluates once the drift predicted since the last
   evaluation reaches ``drift_tolerance`` standard errors, so it is dense while the metric
   moves, sparse on a plateau, and dense again after a regression;
+* growth: early in a run, where learning curves move per doubling of steps, it evaluates once
+  training has grown by ``max_interval_growth`` since the last evaluation;
 * cover: it never lets more than ``max_interval_checkpoints`` checkpoints in a row go
   unevaluated, since a regression on a plateau shows no movement beforehand and is seen only by
   looking; counting checkpoints (not step gaps against a typical gap) keeps the bound blind to
@@ -77,6 +79,11 @@ class SchedulerConfig:
     """Adaptive: evaluate at least every this many checkpoints offered (at most 1024), however they are
     spaced. With 3 a regression is seen at most 2 checkpoints late, 1 on average on a plateau.
     None: bound in steps only."""
+    max_interval_growth: float | None = 0.5
+    """Adaptive: also evaluate once the steps since the last evaluation reach this fraction of
+    its step (0.5: training grew by half since), since early training moves the metric per
+    doubling of steps rather than per step. It binds early in a run, whatever the schedule;
+    later the other bounds do. None: off."""
     drift_tolerance: float = 4.0
     """Evaluate when the predicted drift since the last evaluation reaches this many stderr."""
     noise_discount: float = 2.0
@@ -107,6 +114,7 @@ class SchedulerConfig:
             min_interval_steps=NON_NEGATIVE,
             max_interval_steps=AT_LEAST_1,
             max_interval_checkpoints=(1, COVER_WINDOW),
+            max_interval_growth=POSITIVE,
             drift_tolerance=NON_NEGATIVE,
             noise_discount=NON_NEGATIVE,
             refine_stderrs=NON_NEGATIVE,
@@ -122,7 +130,7 @@ def decide(
     event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConfig, offered_steps: Sequence[int] = ()
 ) -> Decision:
     """Evaluate this checkpoint? ``offered_steps``: every checkpoint offered before it, evaluated or
-    not (their spacing sets the cover bound)."""
+    not (the cover bound counts those after the newest entry in ``history``)."""
     step = event.global_step
     if any(h.step == step for h in history):
         return Decision(False, f"step {step} already evaluated or queued")
@@ -142,6 +150,8 @@ def decide(
         return Decision(False, f"fixed interval: {gap} < {cfg.fixed_interval_steps} steps")
     if cfg.max_interval_steps is not None and gap >= cfg.max_interval_steps:
         return Decision(True, f"{gap} steps since step {last.step} >= max interval {cfg.max_interval_steps}")
+    if cfg.max_interval_growth is not None and gap >= cfg.max_interval_growth * max(1, last.step):
+        return Decision(True, f"{gap} steps since step {last.step} >= max_interval_growth {cfg.max_interval_growth:g}x")
     since = checkpoints_since(last.step, step, offered_steps)
     if cfg.max_interval_checkpoints is not None and since >= cfg.max_interval_checkpoints:
         return Decision(True, f"checkpoint {since} since step {last.step} (max_interval_checkpoints)")

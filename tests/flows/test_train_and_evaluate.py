@@ -44,7 +44,7 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
         "value": 0.0,
         "throttle_secs": 3600,
     }
-    cfg = tiny_config(tmp_path, alerts={"webhook_url_env": "ALERT_HOOK", "rules": [always]})
+    cfg = tiny_config(tmp_path, eval={"nproc": 2}, alerts={"webhook_url_env": "ALERT_HOOK", "rules": [always]})
     state = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))), return_state=True)
     assert state.is_completed(), state
     summary = state.result()
@@ -170,7 +170,7 @@ def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_
     cfg = dataclasses.replace(
         cfg,
         work_dir=str(tmp_path),
-        eval=dataclasses.replace(cfg.eval, retries=1),
+        eval=dataclasses.replace(cfg.eval, nproc=2, retries=1),
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
     )
     run = copy_trained_run(original, cfg.run_root)

@@ -8,7 +8,7 @@ def ev(step, final=False):
     return CheckpointEvent("r", f"/ckpt/{step}", 0, step, step, 0.0, {}, final=final)
 
 
-CFG = SchedulerConfig(min_interval_steps=0, max_interval_steps=None, queue_capacity=2)
+CFG = SchedulerConfig(min_interval_steps=0, max_interval_steps=None, max_interval_growth=None, queue_capacity=2)
 
 
 def test_queue_coalesces_to_newest():

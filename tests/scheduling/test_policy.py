@@ -27,6 +27,7 @@ ADAPTIVE = SchedulerConfig(
     min_interval_steps=10,
     max_interval_steps=400,
     max_interval_checkpoints=None,
+    max_interval_growth=None,
     drift_tolerance=1.0,
     noise_discount=1.0,
     regression_z=2.0,
@@ -118,7 +119,7 @@ def test_uneven_spacing_reasons_in_steps():
 
 
 def test_cover_bound_counts_checkpoints_whatever_their_spacing():
-    cfg = SchedulerConfig(max_interval_checkpoints=3, drift_tolerance=1e9)
+    cfg = SchedulerConfig(max_interval_checkpoints=3, max_interval_growth=None, drift_tolerance=1e9)
     even = [0, 100, 200, 300, 400, 500]
     geometric = [0, 1, 2, 4, 8, 16, 32]
     bursty = [0, 1000, 1001, 1002, 5000, 9000]
@@ -134,10 +135,23 @@ def test_cover_bound_counts_checkpoints_whatever_their_spacing():
 
 
 def test_the_cover_bound_never_forces_every_checkpoint_of_a_geometric_schedule():
-    cfg = SchedulerConfig(drift_tolerance=1e9, refine_stderrs=None)
+    cfg = SchedulerConfig(drift_tolerance=1e9, refine_stderrs=None, max_interval_growth=None)
     steps = [0] + [2**i for i in range(16)]
     evaluated = _evaluated_steps(steps, lambda step: 0.8, cfg)
     assert evaluated == [0, 1, 8, 64, 512, 4096, 32768]  # first, trend, every 3rd, final
+
+
+def test_growth_bound_evaluates_once_training_grew_by_the_fraction_whatever_the_spacing():
+    cfg = SchedulerConfig(drift_tolerance=1e9, refine_stderrs=None, max_interval_checkpoints=None)
+    assert cfg.max_interval_growth == 0.5
+    flat = [H(0, 0.8), H(100, 0.8), H(1000, 0.8)]
+    assert not decide(Ev(1499), flat, cfg).evaluate
+    d = decide(Ev(1500), flat, cfg)
+    assert d.evaluate and d.reason == "500 steps since step 1000 >= max_interval_growth 0.5x"
+    # early, on a doubling schedule: every checkpoint; later, on an even one: ever sparser
+    assert _evaluated_steps([0, 1, 2, 4, 8, 16, 32], lambda step: 0.8, cfg) == [0, 1, 2, 4, 8, 16, 32]
+    late = _evaluated_steps(range(1000, 10001, 100), lambda step: 0.8, cfg)
+    assert late == [1000, 1100, 1700, 2600, 3900, 5900, 8900, 10000]
 
 
 def test_config_validation():
