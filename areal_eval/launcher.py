@@ -80,15 +80,17 @@ class NodeLayout:
 
 
 def torchrun_command(module: str, args: list[str], nproc: int, nodes: NodeLayout = NodeLayout()) -> list[str]:
+    """torchrun's command line, run by :mod:`areal_eval.forked_ranks`: ranks forked from an agent
+    that imported torch and transformers once, instead of each importing them again."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "areal_eval.forked_ranks",
         *nodes.torchrun_args(),
         f"--nproc-per-node={nproc}",
         # A failing rank brings the job down at once instead of being restarted.
         "--max-restarts=0",
-        "--monitor-interval=0.5",
+        "--monitor-interval=0.05",  # a failed rank is seen in time to name it first (forked_ranks)
         "-m",
         module,
         *args,

@@ -1,0 +1,85 @@
+"""torchrun whose ranks are forked from an agent that has already imported torch, transformers
+and the rank's module.
+
+A rank that torchrun spawns imports torch and transformers on its own: 7-9 CPU-seconds per rank
+here (transformers 5 pulls in ``torch.distributed.tensor`` and ``torch._dynamo``), most of what
+an evaluation or a short training job costs on CPU, paid again by every rank of every job.
+Forked, the ranks share the agent's imports copy-on-write and start in a fraction of a second.
+
+Arguments are torchrun's, and the module must have ``main(argv) -> int``, which each rank calls::
+
+    python -m areal_eval.forked_ranks --standalone --nproc-per-node=2 -m areal_eval.train --config c.json
+
+Everything else is torchrun's own: the agent, rendezvous, failure report and exit code.
+
+Forking is safe because the agent runs no torch computation (no OpenMP pool to inherit) and
+never touches the CUDA driver (``PYTORCH_NVML_BASED_CUDA_CHECK`` makes ``is_available`` ask NVML
+instead): a CUDA context does not survive ``fork``, so each rank initializes its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+import uuid
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # before torch is imported
+
+PRELOAD = (
+    "transformers.modeling_utils",
+    "transformers.masking_utils",
+    "transformers.activations",
+    "transformers.generation.utils",
+)
+"""The bulk of loading any transformers model (its model file itself is small)."""
+
+
+FAILED_RANK_LINGER_S = 0.3
+"""How long a rank that fails by returning waits before it exits. Forked ranks are reported by
+the first failure the agent sees, and a rank whose peer crashed fails a moment later (its
+collective breaks): lingering lets the agent name the crashed peer, the cause."""
+
+
+def run_main(module: str, *args: str) -> int:
+    """In a forked rank: the module's ``main``, as ``python -m module`` would run it. A nonzero
+    code exits the rank with it; a rank must return (not ``os._exit``) for torchrun to collect it."""
+    from areal_eval.launcher import die_with_parent
+
+    die_with_parent()  # the agent: if it is killed outright, its ranks go too
+    code = importlib.import_module(module).main(list(args))
+    if code:
+        time.sleep(FAILED_RANK_LINGER_S)
+        raise SystemExit(code)
+    return 0
+
+
+def preload(module: str) -> None:
+    importlib.import_module(module)
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # transformers is optional for a rank that does not load models
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+
+    args = torchrun.parse_args(argv)
+    if not args.module:
+        raise SystemExit("areal_eval.forked_ranks runs a module: -m MODULE")
+    if args.standalone:  # as torchrun does
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    args.start_method = "fork"
+    config, _, _ = torchrun.config_from_args(args)
+    preload(args.training_script)
+    record(elastic_launch(config, run_main))(args.training_script, *args.training_script_args)
+
+
+if __name__ == "__main__":
+    main()
