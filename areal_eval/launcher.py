@@ -79,13 +79,19 @@ class NodeLayout:
         ]
 
 
+FORK_RANKS_ENV = "AREAL_EVAL_FORK_RANKS"
+"""``0``: plain torchrun, each rank a fresh interpreter (the way out if forking ever misbehaves)."""
+
+
 def torchrun_command(module: str, args: list[str], nproc: int, nodes: NodeLayout = NodeLayout()) -> list[str]:
-    """torchrun's command line, run by :mod:`areal_eval.forked_ranks`: ranks forked from an agent
-    that imported torch and transformers once, instead of each importing them again."""
+    """torchrun's command line, run by :mod:`areal_eval.forked_ranks` (ranks forked from an agent
+    that imported torch and transformers once, instead of each importing them again) unless
+    :data:`FORK_RANKS_ENV` is ``0``."""
+    forked = os.environ.get(FORK_RANKS_ENV, "1") != "0"
     return [
         sys.executable,
         "-m",
-        "areal_eval.forked_ranks",
+        "areal_eval.forked_ranks" if forked else "torch.distributed.run",
         *nodes.torchrun_args(),
         f"--nproc-per-node={nproc}",
         # A failing rank brings the job down at once instead of being restarted.

@@ -5,6 +5,17 @@ import pytest
 from areal_eval.launcher import failure_summary, lower_priority
 
 
+def test_ranks_are_forked_from_a_warmed_up_agent_unless_turned_off(monkeypatch):
+    from areal_eval.launcher import FORK_RANKS_ENV, torchrun_command
+
+    monkeypatch.delenv(FORK_RANKS_ENV, raising=False)
+    command = torchrun_command("areal_eval.train", ["--config", "c.json"], 2)
+    assert command[1:3] == ["-m", "areal_eval.forked_ranks"]
+    assert command[-4:] == ["-m", "areal_eval.train", "--config", "c.json"]  # torchrun's own arguments
+    monkeypatch.setenv(FORK_RANKS_ENV, "0")
+    assert torchrun_command("areal_eval.train", [], 2)[1:3] == ["-m", "torch.distributed.run"]
+
+
 @pytest.mark.integration
 def test_lower_priority_reaches_the_scheduler():
     # Run in a new session as the launcher does: with autogroup on, the group's nice is what counts.
