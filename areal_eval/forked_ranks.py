@@ -44,9 +44,10 @@ collective breaks): lingering lets the agent name the crashed peer, the cause.""
 def run_main(module: str, *args: str) -> int:
     """In a forked rank: the module's ``main``, as ``python -m module`` would run it. A nonzero
     code exits the rank with it; a rank must return (not ``os._exit``) for torchrun to collect it."""
-    from areal_eval.launcher import die_with_parent
+    from areal_eval.launcher import die_with_parent, name_process
 
     die_with_parent()  # the agent: if it is killed outright, its ranks go too
+    name_process(f"{module.rsplit('.', 1)[-1]}-rank-{os.environ.get('RANK', '?')}")  # e.g. train-rank-1
     code = importlib.import_module(module).main(list(args))
     if code:
         time.sleep(FAILED_RANK_LINGER_S)

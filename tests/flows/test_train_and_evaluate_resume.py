@@ -122,13 +122,8 @@ def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_ha
             300,
             f"training past step 12 (flow log {log.name})",
         )
-        ranks = [
-            p
-            for p in psutil.Process(flow.pid).children(recursive=True)
-            if "areal_eval.train" in " ".join(p.cmdline())
-            and "torchrun" not in " ".join(p.cmdline())
-            and p.environ().get("RANK") == "1"
-        ]
+        # Training ranks are forked from their torchrun agent (areal_eval.forked_ranks), named by rank.
+        ranks = [p for p in psutil.Process(flow.pid).children(recursive=True) if p.name() == "train-rank-1"]
         assert len(ranks) == 1
         ranks[0].kill()
         assert flow.wait(300) != 0
