@@ -8,6 +8,9 @@ checkpoint's value is revealed to the policy only when the policy evaluates it. 
   or before it; error |value - shown| / stderr, averaged over checkpoints, then curves;
 * ``mean_regret`` / ``max_regret``: best value among all checkpoints minus the value of the
   checkpoint the policy would pick as best from what it evaluated (in the curve's direction);
+* ``oracle_compute`` / ``oracle_ratio`` (adaptive policies): the least compute any policy, even
+  a clairvoyant one, could spend at the policy's tracking error (:mod:`.oracle`), and that
+  against the fixed frontier: how much saving there is to be had at all;
 * ``detection_delay`` (with an injected regression): checkpoints between the start of a
   5-stderr drop (seeded, second half, to the end) and the first evaluation at or after it.
   An evaluation counts when it happened: the refinement after the final checkpoint sees
@@ -30,6 +33,7 @@ from pathlib import Path
 from areal_eval import jsonl
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 from areal_eval.config.parsing import from_dict
+from areal_eval.scheduling.oracle import MAX_CHECKPOINTS, oracle_compute
 from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, SchedulerConfig, decide, refine
 
 DEFAULT_STDERR = 0.01
@@ -175,17 +179,23 @@ def replay(
 ) -> dict:
     """Each policy's evaluations, ``compute`` (a full evaluation counts 1), tracking error, regret
     and, with ``regression``, detection delay; for every policy that is not ``fixed:K``, the
-    compute the fixed-interval frontier needs for the same tracking error, and the ratio; and how
-    each of ``alert_rules`` (on the curve's metric) fired."""
+    compute the fixed-interval frontier needs for the same tracking error, and the ratio, and the
+    least compute any policy could spend there (``oracle_compute``, see :mod:`.oracle`; left out
+    for curves over ``MAX_CHECKPOINTS`` long) with its ratio to the frontier; and how each of
+    ``alert_rules`` (on the curve's metric) fired."""
     results = {policy.name: _replay_one(curves, policy, regression, seed, alert_rules) for policy in policies}
     fixed: dict[int, dict] = {}
+    replayed = [curve for curve, _ in _as_replayed(curves, regression, seed)]
     for policy in policies:
         if not isinstance(policy, FixedEvery):
-            frontier = fixed_frontier_compute(
-                curves, results[policy.name]["mean_tracking_error"], regression, seed, fixed
-            )
-            results[policy.name]["frontier_compute"] = round(frontier, 2)
-            results[policy.name]["frontier_ratio"] = round(results[policy.name]["compute"] / frontier, 4)
+            row = results[policy.name]
+            frontier = fixed_frontier_compute(curves, row["mean_tracking_error"], regression, seed, fixed)
+            row["frontier_compute"] = round(frontier, 2)
+            row["frontier_ratio"] = round(row["compute"] / frontier, 4)
+            if max(len(c.points) for c in curves) <= MAX_CHECKPOINTS:  # else left out: too slow
+                floor = oracle_compute(replayed, row["mean_tracking_error"])
+                row["oracle_compute"] = round(floor, 2)
+                row["oracle_ratio"] = round(floor / frontier, 4)
     return {"policies": results}
 
 
@@ -227,6 +237,14 @@ def alerts_fired(curve: Curve, evaluations: list[tuple[int, int]], rule: AlertRu
     return fired
 
 
+def _as_replayed(curves: list[Curve], regression: bool, seed: int) -> list[tuple[Curve, int | None]]:
+    """The curves as every policy sees them: with ``regression``, each with its injected drop
+    and where it starts (the same for every policy)."""
+    if not regression:
+        return [(curve, None) for curve in curves]
+    return [inject_regression(curve, random.Random(f"{seed}:{curve.name}")) for curve in curves]
+
+
 def _replay_one(
     curves: list[Curve], policy: Policy, regression: bool, seed: int, alert_rules: list[AlertRule] | None = None
 ) -> dict:
@@ -234,10 +252,7 @@ def _replay_one(
     per_curve, delays = [], []
     false_alerts = {rule.name: 0 for rule in alert_rules or ()}
     detected = {rule.name: 0 for rule in alert_rules or ()}
-    for curve in curves:
-        start = None
-        if regression:
-            curve, start = inject_regression(curve, random.Random(f"{seed}:{curve.name}"))
+    for curve, start in _as_replayed(curves, regression, seed):
         evaluations = policy.select(curve)
         if 0 not in (i for i, _ in evaluations):
             evaluations.insert(0, (0, 0))  # every policy evaluates the first checkpoint

@@ -87,7 +87,8 @@ def test_cli_json_on_the_shipped_curves(capsys):
     assert set(policies) == {"adaptive", "fixed:1", "fixed:2"}
     assert policies["fixed:1"]["evaluations"] == 1920 and policies["fixed:1"]["mean_tracking_error"] == 0
     for name, row in policies.items():
-        frontier = {"frontier_compute", "frontier_ratio"} if name == "adaptive" else set()
+        frontier = {"frontier_compute", "frontier_ratio", "oracle_compute", "oracle_ratio"}
+        frontier = frontier if name == "adaptive" else set()
         scores = {"evaluations", "compute", "mean_tracking_error", "mean_regret", "max_regret", "detection_delay"}
         assert set(row) == scores | frontier | {"alerts"} and row["compute"] == row["evaluations"]
         assert set(row["alerts"]) == {"any_drop", "noise_aware"}  # the CLI's two regression rules
@@ -98,6 +99,7 @@ def test_cli_json_on_the_shipped_curves(capsys):
     adaptive = policies["adaptive"]
     assert adaptive["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
     assert adaptive["frontier_ratio"] <= 0.85
+    assert adaptive["oracle_compute"] <= adaptive["compute"] and adaptive["oracle_ratio"] < adaptive["frontier_ratio"]
     assert adaptive["mean_regret"] <= 0.005 and adaptive["detection_delay"] <= 1.0
 
 
