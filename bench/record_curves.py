@@ -9,6 +9,11 @@ evaluates every checkpoint once (2 torchrun ranks) and writes one curve per run 
 ``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``. Ends by replaying
 them through the adaptive and fixed policies; prints one JSON line.
 
+Each checkpoint is also evaluated on a fixed random subset of the validation pairs (a fifth,
+``--subset-fraction``), recorded as ``subset_value`` / ``subset_stderr`` beside the full value:
+what a probe of tiered evaluation would have seen there. ``bench/probe_noise.py`` checks replay's
+model of probe noise against them, and replay uses them as the probes' results.
+
 ``--geometric`` saves at steps 1, 2, 4, ... before the even cadence takes over, as Pythia's
 published schedule does (0, 1, 2, 4, ... 512, then every 1000): the schedule whose growing gaps
 a scheduler must not mistake for "too long without an evaluation".
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import tempfile
 from pathlib import Path
 
@@ -40,7 +46,20 @@ def doubling_steps(below: int) -> list[int]:
     return [2**i for i in range(below.bit_length()) if 2**i < below]
 
 
-def record_run(work: Path, seed: int, noise: float, every: int, geometric: bool = False) -> list[dict]:
+def write_subset(valid: Path, fraction: float, seed: int) -> Path:
+    """A fixed random ``fraction`` of the validation rows, in their order: the probes' items."""
+    from areal_eval import jsonl
+
+    lines = valid.read_text().splitlines(keepends=True)
+    keep = sorted(random.Random(seed).sample(range(len(lines)), max(1, round(fraction * len(lines)))))
+    subset = valid.with_name(f"{valid.stem}-subset{valid.suffix}")
+    jsonl.write_atomic(subset, "".join(lines[i] for i in keep))
+    return subset
+
+
+def record_run(
+    work: Path, seed: int, noise: float, every: int, geometric: bool = False, subset_fraction: float = 0.2
+) -> list[dict]:
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.evaluation.jobs import run_evaluation_job
     from areal_eval.evaluation.worker_pool import WarmEvalWorkers
@@ -57,18 +76,31 @@ def record_run(work: Path, seed: int, noise: float, every: int, geometric: bool 
     job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
     job.wait(1800)
     job.raise_for_status("training")
+    subset = write_subset(Path(run.valid_data), subset_fraction, seed)
     points: dict[str, list[dict]] = {"accuracy": [], "loss": []}
     with WarmEvalWorkers(cfg.eval.nproc, run.evals) as workers:
         for event in Manifest(run.manifest).events():
-            metrics = run_evaluation_job(
-                event, run.valid_data, cfg.eval, run.evals, cfg.model.max_length, workers=workers
-            ).metrics
+            full, part = (
+                run_evaluation_job(event, data, cfg.eval, run.evals, cfg.model.max_length, workers=workers).metrics
+                for data in (run.valid_data, subset)
+            )
             for metric in points:
                 points[metric].append(
-                    {"step": event.global_step, "value": metrics[metric], "stderr": metrics[f"{metric}_stderr"]}
+                    {
+                        "step": event.global_step,
+                        "value": full[metric],
+                        "stderr": full[f"{metric}_stderr"],
+                        "subset_value": part[metric],
+                        "subset_stderr": part[f"{metric}_stderr"],
+                    }
                 )
     return [
-        {"curve": f"areal-demo/{name}/{metric}", "higher_is_better": metric == "accuracy", "points": pts}
+        {
+            "curve": f"areal-demo/{name}/{metric}",
+            "higher_is_better": metric == "accuracy",
+            "subset_fraction": subset_fraction,
+            "points": pts,
+        }
         for metric, pts in points.items()
     ]
 
@@ -78,12 +110,17 @@ def main() -> None:
     parser.add_argument("--geometric", action="store_true", help="log-spaced early saves (GEOMETRIC_RUNS)")
     parser.add_argument("--out", help="default: bench/curves/areal-demo[-geometric].jsonl")
     parser.add_argument("--runs", type=int, help="the first N runs only")
+    parser.add_argument("--subset-fraction", type=float, default=0.2, help="share of the validation rows probed")
     args = parser.parse_args()
     from areal_eval.scheduling import replay
 
     runs = GEOMETRIC_RUNS if args.geometric else RUNS
     work = Path(tempfile.mkdtemp(prefix="bench-curves-"))
-    curves = [c for s, noise, every in runs[: args.runs] for c in record_run(work, s, noise, every, args.geometric)]
+    curves = [
+        c
+        for s, noise, every in runs[: args.runs]
+        for c in record_run(work, s, noise, every, args.geometric, args.subset_fraction)
+    ]
     suffix = "-geometric" if args.geometric else ""
     out = Path(args.out or ROOT / "bench" / "curves" / f"areal-demo{suffix}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)

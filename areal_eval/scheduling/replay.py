@@ -34,9 +34,11 @@ from areal_eval import jsonl
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 from areal_eval.config.parsing import from_dict
 from areal_eval.scheduling.oracle import MAX_CHECKPOINTS, oracle_compute
-from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, SchedulerConfig, decide, refine
+from areal_eval.scheduling.policy import SchedulerConfig
+from areal_eval.scheduling.probes import ProbeSettings, select_with_probes
 
 DEFAULT_STDERR = 0.01
+PROBE_FIELDS = dataclasses.fields(ProbeSettings)
 REGRESSION_STDERRS = 5.0
 
 
@@ -45,6 +47,8 @@ class Point:
     step: int
     value: float
     stderr: float
+    subset: tuple[float, float] | None = None
+    """(value, stderr) on the curve's fixed probe subset, where it was recorded."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,24 +56,28 @@ class Curve:
     name: str
     higher_is_better: bool
     points: tuple[Point, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Event:
-    global_step: int
-    final: bool
+    subset_fraction: float | None = None
+    """The share of the validation set the points' ``subset`` values were measured on."""
 
 
 def read_curves(path: str | Path) -> list[Curve]:
-    """Curves JSONL (``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``)."""
+    """Curves JSONL (``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``;
+    optionally ``subset_fraction`` and, per point, ``subset_value`` and ``subset_stderr``)."""
     curves = []
     for lineno, row in jsonl.rows(path):
         try:
+            fraction = row.get("subset_fraction")
             points = tuple(
-                Point(int(p["step"]), float(p["value"]), float(p.get("stderr") or DEFAULT_STDERR))
+                Point(
+                    int(p["step"]),
+                    float(p["value"]),
+                    float(p.get("stderr") or DEFAULT_STDERR),
+                    (float(p["subset_value"]), float(p["subset_stderr"])) if fraction else None,
+                )
                 for p in row["points"]
             )
-            curve = Curve(str(row["curve"]), bool(row.get("higher_is_better", True)), points)
+            higher = bool(row.get("higher_is_better", True))
+            curve = Curve(str(row["curve"]), higher, points, float(fraction) if fraction else None)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: bad curve: {exc!r}") from exc
         if not points or any(b.step <= a.step for a, b in zip(points, points[1:], strict=False)):
@@ -82,11 +90,16 @@ def read_curves(path: str | Path) -> list[Curve]:
 
 class Policy:
     name: str
+    probes: ProbeSettings | None = None
 
     def select(self, curve: Curve) -> list[tuple[int, int]]:
         """The checkpoints this policy evaluates, in order: (index, index of the newest checkpoint
         when it was evaluated)."""
         raise NotImplementedError
+
+    def select_and_probe(self, curve: Curve, seed: str) -> tuple[list[tuple[int, int]], int]:
+        """:meth:`select`, and how many probes it ran (``seed`` draws their simulated noise)."""
+        return self.select(curve), 0
 
 
 class FixedEvery(Policy):
@@ -103,32 +116,23 @@ class FixedEvery(Policy):
 
 
 class SchedulerPolicy(Policy):
-    """The production scheduler (``decide``), fed one checkpoint event at a time."""
+    """The production scheduler (``decide``), fed one checkpoint event at a time; with ``probes``,
+    a simulated probe wherever it skips (:mod:`.probes`)."""
 
-    def __init__(self, name: str, cfg: SchedulerConfig):
-        self.name, self.cfg = name, cfg
+    def __init__(self, name: str, cfg: SchedulerConfig, probes: ProbeSettings | None = None):
+        self.name, self.cfg, self.probes = name, cfg, probes
 
     def select(self, curve):
+        return self.select_and_probe(curve, "0")[0]
+
+    def select_and_probe(self, curve, seed):
         cfg = dataclasses.replace(self.cfg, higher_is_better=curve.higher_is_better)
-        points = curve.points
-        history: list[HistoryEntry] = []
-        index = DecisionHistory(cfg.higher_is_better)  # what the pipeline's planner decides from
-        chosen, skipped = [], []
-        for i, p in enumerate(points):
-            if decide(_Event(p.step, i == len(points) - 1), index.view(), cfg, index.offered_before(p.step)).evaluate:
-                chosen.append((i, i))
-                history.append(HistoryEntry(p.step, float(p.step), p.value, p.stderr))  # revealed now
-                index.set(p.step, history[-1])
-            else:
-                skipped.append(p.step)
-                index.offer(p.step)
-        index = {p.step: i for i, p in enumerate(points)}
-        chosen += [(index[step], len(points) - 1) for step, _ in refine(history, skipped, cfg)]
-        return chosen
+        return select_with_probes(curve, cfg, self.probes, seed)
 
 
 def parse_policy(spec: str) -> Policy:
-    """``fixed:K``, ``adaptive`` or ``adaptive:field=value,field=value`` (scheduler fields)."""
+    """``fixed:K``, ``adaptive`` or ``adaptive:field=value,field=value`` (scheduler fields, and
+    ``probe_fraction`` / ``probe_escalate_stderrs`` to simulate probes where it skips)."""
     if spec.startswith("fixed:"):
         return FixedEvery(int(spec.split(":", 1)[1]))
     if spec == "adaptive" or spec.startswith("adaptive:"):
@@ -137,7 +141,12 @@ def parse_policy(spec: str) -> Policy:
             for item in spec.split(":", 1)[1].split(","):
                 key, value = item.split("=", 1)
                 overrides[key] = json.loads(value)
-        return SchedulerPolicy(spec, from_dict(SchedulerConfig, {"stderr_metric": None, **overrides}, "adaptive"))
+        probe_fields = {
+            f.name: overrides.pop(f"probe_{f.name}") for f in PROBE_FIELDS if f"probe_{f.name}" in overrides
+        }
+        probes = ProbeSettings(**probe_fields) if probe_fields else None
+        cfg = from_dict(SchedulerConfig, {"stderr_metric": None, **overrides}, "adaptive")
+        return SchedulerPolicy(spec, cfg, probes)
     raise ValueError(f"unknown policy {spec!r} (fixed:K, adaptive, adaptive:field=value,...)")
 
 
@@ -249,14 +258,15 @@ def _replay_one(
     curves: list[Curve], policy: Policy, regression: bool, seed: int, alert_rules: list[AlertRule] | None = None
 ) -> dict:
     """One policy over every curve (with the same injected regressions for every policy)."""
-    per_curve, delays = [], []
+    per_curve, delays, probes_run = [], [], 0
     false_alerts = {rule.name: 0 for rule in alert_rules or ()}
     detected = {rule.name: 0 for rule in alert_rules or ()}
     for curve, start in _as_replayed(curves, regression, seed):
-        evaluations = policy.select(curve)
+        evaluations, probes = policy.select_and_probe(curve, str(seed))
         if 0 not in (i for i, _ in evaluations):
             evaluations.insert(0, (0, 0))  # every policy evaluates the first checkpoint
         per_curve.append(score(curve, sorted(i for i, _ in evaluations)))
+        probes_run += probes
         if start is not None:
             seen = [when for i, when in evaluations if i >= start] + [len(curve.points) - 1]
             delays.append(min(seen) - start)
@@ -266,11 +276,15 @@ def _replay_one(
             detected[rule.name] += start is not None and any(i >= start and when <= start + 2 for i, when in fired)
     out = {
         "evaluations": sum(r["evaluations"] for r in per_curve),
-        "compute": float(sum(r["evaluations"] for r in per_curve)),
+        "compute": round(
+            sum(r["evaluations"] for r in per_curve) + probes_run * (policy.probes.fraction if policy.probes else 0), 2
+        ),
         "mean_tracking_error": round(statistics.fmean(r["tracking_error"] for r in per_curve), 4),
         "mean_regret": round(statistics.fmean(r["regret"] for r in per_curve), 5),
         "max_regret": round(max(r["regret"] for r in per_curve), 5),
     }
+    if policy.probes:
+        out["probes"] = probes_run
     if regression:
         out["detection_delay"] = round(statistics.fmean(delays), 3)
     if alert_rules:

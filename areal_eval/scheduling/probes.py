@@ -1,0 +1,95 @@
+"""Tiered evaluation, simulated in replay: is a cheap probe worth running where the scheduler skips?
+
+A probe evaluates a checkpoint on a fixed random subset of the validation set (a ``fraction`` of
+it), so it costs that fraction of a full evaluation. It escalates to a full evaluation when it
+differs from the subset value of the last full evaluation by more than ``escalate_stderrs``
+standard errors of the difference. Probes never change what the dashboard shows: tracking error
+is still scored on full results alone.
+
+Where a curve was recorded with subset values (``bench/record_curves.py``), a probe's result is
+the recorded one. Elsewhere it is simulated, and this is the noise model. A recorded point is a full evaluation on N
+items with standard error ``se``. A subset of n = fraction * N of those items has standard error
+``se * sqrt(N / n)``; given the full value, the subset value lies around it with standard
+deviation ``se * sqrt(N / n - 1)`` (the subset is part of the full set). So a probe, and the
+subset value of each full evaluation, is the point's value plus Gaussian noise of that size,
+drawn independently for every checkpoint (seeded by curve, checkpoint and seed). Independent
+noise ignores that the same items are scored each time; a paired comparison on real data would
+be less noisy, which per-item scores would be needed to simulate.
+
+This module is replay's alone: the pipeline does not run probes (see the README's scheduling
+section for what replay measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, decide, refine
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSettings:
+    fraction: float = 0.2
+    """Share of the validation set a probe evaluates; a probe costs this much compute."""
+    escalate_stderrs: float = 2.0
+    """Escalate to a full evaluation when the probe differs from the last full evaluation's
+    subset value by more than this many standard errors of the difference."""
+
+    def __post_init__(self):
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"probe_fraction must be in (0, 1), got {self.fraction}")
+        if self.escalate_stderrs < 0:
+            raise ValueError(f"probe_escalate_stderrs must be >= 0, got {self.escalate_stderrs}")
+
+
+def subset_result(curve, i: int, fraction: float, seed: str) -> tuple[float, float]:
+    """Checkpoint ``i``'s (value, stderr) on the probe subset: recorded, where the curve was
+    recorded with subset values of this ``fraction``; else simulated (see the module)."""
+    point = curve.points[i]
+    if point.subset is not None and curve.subset_fraction == fraction:
+        return point.subset
+    rng = random.Random(f"{seed}:{curve.name}:{i}")
+    noise = rng.gauss(0.0, point.stderr * math.sqrt(1.0 / fraction - 1.0))
+    return point.value + noise, point.stderr / math.sqrt(fraction)
+
+
+def probe_moved(probe: float, probe_stderr: float, reference: float, reference_stderr: float, stderrs: float) -> bool:
+    """Did the probe move beyond its noise from the last full evaluation's subset value?"""
+    return abs(probe - reference) > stderrs * math.hypot(probe_stderr, reference_stderr)
+
+
+def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> tuple[list[tuple[int, int]], int]:
+    """The production scheduler (``decide``, ``refine``), with ``probes`` a probe wherever it
+    skips: the evaluations ``(index, when)`` as ``replay.Policy.select`` gives them, and the
+    number of probes run."""
+    points = curve.points
+    history: list[HistoryEntry] = []
+    index = DecisionHistory(cfg.higher_is_better)
+    chosen, skipped, probes_run = [], [], 0
+    reference = None  # (subset value, its stderr) of the newest full evaluation
+    for i, p in enumerate(points):
+        event = _Event(p.step, i == len(points) - 1)
+        evaluate = decide(event, index.view(), cfg, index.offered_before(p.step)).evaluate
+        if not evaluate and probes and reference is not None:
+            probes_run += 1
+            evaluate = probe_moved(*subset_result(curve, i, probes.fraction, seed), *reference, probes.escalate_stderrs)
+        if evaluate:
+            chosen.append((i, i))
+            history.append(HistoryEntry(p.step, float(p.step), p.value, p.stderr))
+            index.set(p.step, history[-1])
+            if probes:  # its own subset result: what a probe here saw (a full result contains it)
+                reference = subset_result(curve, i, probes.fraction, seed)
+        else:
+            skipped.append(p.step)
+            index.offer(p.step)
+    at = {p.step: i for i, p in enumerate(points)}
+    chosen += [(at[step], len(points) - 1) for step, _ in refine(history, skipped, cfg)]
+    return chosen, probes_run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Event:
+    global_step: int
+    final: bool
