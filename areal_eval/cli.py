@@ -66,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="score scheduling policies on recorded learning curves")
     rp.add_argument("curves", help="curves JSONL: one {curve, higher_is_better, points:[{step,value,stderr}]} a line")
-    rp.add_argument("--policy", action="append", help="adaptive | adaptive:field=value,... | fixed:K (repeatable)")
+    rp.add_argument(
+        "--policy",
+        action="append",
+        help="adaptive | adaptive:field=value,... (scheduler fields; probe_fraction and probe_escalate_stderrs "
+        "simulate probes) | fixed:K (repeatable)",
+    )
     rp.add_argument(
         "--inject-regression", action="store_true", help="drop 5 stderr from a seeded checkpoint in the second half"
     )

@@ -64,3 +64,13 @@ def test_bad_probe_settings_are_named():
         parse_policy("adaptive:probe_fraction=1.5")
     with pytest.raises(ValueError, match="probe_escalate_stderrs"):
         parse_policy("adaptive:probe_escalate_stderrs=-1")
+
+
+def test_our_recorded_curves_carry_subset_results_that_replay_probes_with():
+    from tests.scheduling.test_replay import DEMO_CURVES, GEOMETRIC_CURVES
+
+    for path in (DEMO_CURVES, GEOMETRIC_CURVES):
+        curves = replay.read_curves(path)
+        assert all(c.subset_fraction == 0.2 and all(p.subset for p in c.points) for c in curves)
+        c = curves[0]
+        assert subset_result(c, 3, 0.2, "0") == c.points[3].subset  # recorded, not drawn
