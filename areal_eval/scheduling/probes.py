@@ -7,14 +7,15 @@ standard errors of the difference. Probes never change what the dashboard shows:
 is still scored on full results alone.
 
 Where a curve was recorded with subset values (``bench/record_curves.py``), a probe's result is
-the recorded one. Elsewhere it is simulated, and this is the noise model. A recorded point is a full evaluation on N
-items with standard error ``se``. A subset of n = fraction * N of those items has standard error
-``se * sqrt(N / n)``; given the full value, the subset value lies around it with standard
-deviation ``se * sqrt(N / n - 1)`` (the subset is part of the full set). So a probe, and the
-subset value of each full evaluation, is the point's value plus Gaussian noise of that size,
-drawn independently for every checkpoint (seeded by curve, checkpoint and seed). Independent
-noise ignores that the same items are scored each time; a paired comparison on real data would
-be less noisy, which per-item scores would be needed to simulate.
+the recorded one. Elsewhere it is simulated, and this is the noise model. A recorded point is a
+full evaluation on N items with standard error ``se``. A subset of n = fraction * N of those
+items has standard error ``se * sqrt(N / n)``; given the full value, the subset value lies around
+it with standard deviation ``se * sqrt(N / n - 1)`` (the subset is part of the full set). So a
+probe, and the subset value of each full evaluation, is the point's value plus Gaussian noise of
+that size, drawn independently for every checkpoint (seeded by curve, checkpoint and seed).
+Independent noise ignores that the same items are scored each time: on our recorded subsets the
+offset persists between checkpoints, and comparisons err by about half of what this model says
+(``bench/probe_noise.py``), so the model is pessimistic for probes.
 
 This module is replay's alone: the pipeline does not run probes (see the README's scheduling
 section for what replay measured).

@@ -3,7 +3,8 @@
 Each curve's checkpoints are fed in order, as checkpoint events, to the real scheduler code; a
 checkpoint's value is revealed to the policy only when the policy evaluates it. Scores:
 
-* ``evaluations``: evaluations spent, summed over curves;
+* ``evaluations``: evaluations spent, summed over curves; ``compute`` the same, plus each
+  simulated probe (:mod:`.probes`, counted in ``probes``) at its fraction of a full evaluation;
 * ``mean_tracking_error``: at each checkpoint the dashboard shows the latest evaluated value at
   or before it; error |value - shown| / stderr, averaged over checkpoints, then curves;
 * ``mean_regret`` / ``max_regret``: best value among all checkpoints minus the value of the
@@ -274,11 +275,10 @@ def _replay_one(
             fired = alerts_fired(curve, evaluations, rule)
             false_alerts[rule.name] += any(start is None or when < start for _, when in fired)
             detected[rule.name] += start is not None and any(i >= start and when <= start + 2 for i, when in fired)
+    probe_compute = probes_run * policy.probes.fraction if policy.probes else 0.0  # a probe costs its share
     out = {
         "evaluations": sum(r["evaluations"] for r in per_curve),
-        "compute": round(
-            sum(r["evaluations"] for r in per_curve) + probes_run * (policy.probes.fraction if policy.probes else 0), 2
-        ),
+        "compute": round(sum(r["evaluations"] for r in per_curve) + probe_compute, 2),
         "mean_tracking_error": round(statistics.fmean(r["tracking_error"] for r in per_curve), 4),
         "mean_regret": round(statistics.fmean(r["regret"] for r in per_curve), 5),
         "max_regret": round(max(r["regret"] for r in per_curve), 5),
