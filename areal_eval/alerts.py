@@ -41,6 +41,11 @@ class AlertRule:
     standard errors past the line (a regression: past the best before it, their errors combined;
     a threshold: past ``value``). A result without a standard error counts as past. None: the
     noise is not looked at."""
+    baseline_results: int | None = None
+    """Regression: compare with the mean of this many most recent results before the step
+    (their errors averaged too) instead of the best. The best of several noisy results sits
+    above the true level by their noise, so a drop below it is partly luck; a recent mean does
+    not, and its error shrinks with every result in it. None: the best so far."""
     consecutive: int | None = None
     """Noise-aware (threshold, regression): a breach also fires when this many evaluations in a
     row, in step order, breach the line, however small each breach. With ``stderrs`` unset and
@@ -60,6 +65,7 @@ class AlertRule:
             throttle_secs=NON_NEGATIVE,
             stderrs=NON_NEGATIVE,
             consecutive=(1, None),
+            baseline_results=(1, None),
         )
 
     @property
@@ -211,17 +217,32 @@ class AlertEngine:
                 abs(value - rule.value), stderr
             )
         if rule.kind == "regression":
+            baseline = self._baseline(rule, step)
+            if baseline is None:
+                return None
+            level, level_stderr, what = baseline
+            drop = (level - value) if rule.higher_is_better else (value - level)
+            if drop <= rule.tolerance:
+                return None
+            combined = math.hypot(stderr or 0.0, level_stderr or 0.0) if stderr or level_stderr else None
+            message = f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than {what} {level:.4g} before it"
+            return message, _ratio(drop, combined)
+        return None
+
+    def _baseline(self, rule: AlertRule, step: int) -> tuple[float, float | None, str] | None:
+        """What a regression at ``step`` is measured from: (level, its standard error, its name)."""
+        stderr_key = rule.stderr_metric.format(metric=rule.metric)
+        if rule.baseline_results is None:
             best = self.best_before(rule.metric, step, rule.higher_is_better)
             if best is None:
                 return None
-            drop = (best - value) if rule.higher_is_better else (value - best)
-            if drop <= rule.tolerance:
-                return None
-            best_stderr = self._value_at(rule.stderr_metric.format(metric=rule.metric), self._best_step(rule, step))
-            combined = math.hypot(stderr or 0.0, best_stderr or 0.0) if stderr or best_stderr else None
-            message = f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than the best {best:.4g} before it"
-            return message, _ratio(drop, combined)
-        return None
+            return best, self._value_at(stderr_key, self._best_step(rule, step)), "the best"
+        recent = [(s, v) for s, v in self._results.get(rule.metric, ()) if s < step][-rule.baseline_results :]
+        if not recent:
+            return None
+        errors = [self._value_at(stderr_key, s) for s, _ in recent]
+        level_stderr = math.sqrt(sum(e * e for e in errors)) / len(recent) if all(errors) else None
+        return sum(v for _, v in recent) / len(recent), level_stderr, f"the mean of the {len(recent)} results"
 
     def _best_step(self, rule: AlertRule, step: int) -> int | None:
         earlier = [(v, s) for s, v in self._results.get(rule.metric, ()) if s < step]

@@ -22,7 +22,13 @@ def _replay(args) -> int:
     policies = [replay_mod.parse_policy(s) for s in specs]
     rules = [
         AlertRule("any_drop", "regression"),
-        AlertRule("noise_aware", "regression", stderrs=args.alert_stderrs, consecutive=args.alert_consecutive),
+        AlertRule(
+            "noise_aware",
+            "regression",
+            stderrs=args.alert_stderrs,
+            consecutive=args.alert_consecutive,
+            baseline_results=args.alert_baseline_results,
+        ),
     ]
     result = replay_mod.replay(curves, policies, regression=args.inject_regression, seed=args.seed, alert_rules=rules)
     if not args.json or sys.stdout.isatty():
@@ -81,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     rp.add_argument(
         "--alert-consecutive", type=int, default=None, help="... and its consecutive (AlertRule.consecutive)"
+    )
+    rp.add_argument(
+        "--alert-baseline-results",
+        type=int,
+        default=None,
+        help="... measured from the mean of this many recent results, not the best (AlertRule.baseline_results)",
     )
     rp.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     rp.set_defaults(run=_replay)

@@ -90,3 +90,30 @@ def test_a_noise_aware_threshold_needs_distance_from_its_value():
     assert e.check(1, {"accuracy": 0.59, "accuracy_stderr": 0.01}) == []
     [alert] = e.check(2, {"accuracy": 0.57, "accuracy_stderr": 0.01})
     assert "3.0 standard errors" in alert.message
+
+
+def test_a_regression_can_be_measured_from_the_mean_of_recent_results():
+    rule = AlertRule("reg", "regression", stderrs=2.0, baseline_results=2, throttle_secs=0)
+    e = engine(rule)
+    for step, value in enumerate([0.70, 0.86, 0.80, 0.82]):  # a lucky 0.86 among them
+        assert e.check(step, {"accuracy": value, "accuracy_stderr": 0.02}) == []
+    # 0.79 is 0.07 below the best (2.5 combined errors) but 0.02 below the mean of the last two
+    # (0.81, its error 0.02 / sqrt(2)): 0.8 combined errors, no alert.
+    assert e.check(4, {"accuracy": 0.79, "accuracy_stderr": 0.02}) == []
+    best = engine(AlertRule("best", "regression", stderrs=2.0))
+    for step, value in enumerate([0.70, 0.86, 0.80, 0.82]):
+        best.check(step, {"accuracy": value, "accuracy_stderr": 0.02})
+    assert best.check(4, {"accuracy": 0.79, "accuracy_stderr": 0.02})
+    # Measured from the recent mean, a real drop fires: 0.74 is 0.065 below 0.805 (2.7 errors).
+    [alert] = e.check(5, {"accuracy": 0.74, "accuracy_stderr": 0.02})
+    assert "worse than the mean of the 2 results 0.805 before it" in alert.message
+    # The recent results are those of earlier steps, whatever order results arrive in.
+    late = engine(rule)
+    for step, value in [(0, 0.80), (2, 0.80), (3, 0.74), (1, 0.80)]:
+        late.check(step, {"accuracy": value, "accuracy_stderr": 0.02})
+    assert late._baseline(rule, 3)[0] == pytest.approx(0.80)
+
+
+def test_baseline_results_must_be_positive():
+    with pytest.raises(ValueError, match="baseline_results"):
+        AlertRule("reg", "regression", baseline_results=0)
