@@ -167,3 +167,18 @@ def test_replay_counts_false_alerts_and_detections_of_alert_rules():
     injected = replay.replay(curves, every, regression=True, alert_rules=rules)["policies"]["fixed:1"]["alerts"]
     assert injected["noise_aware"]["detected_within_2"] >= 0.9
     assert injected["any_drop"]["detected_within_2"] == 1.0
+
+
+def test_replay_judges_a_regression_from_the_recent_mean_when_the_rule_says_so():
+    from areal_eval.alerts import AlertRule
+
+    # One lucky result, then the level it came from: 0.25 below the best (3.5 combined errors),
+    # 0.08 below the mean of the last three (1.4).
+    spike = [curve([0.70, 0.95, 0.70, 0.70, 0.70], se=0.05)]
+    rules = [
+        AlertRule("from_best", "regression", stderrs=2.5),
+        AlertRule("from_mean", "regression", stderrs=2.5, baseline_results=3),
+    ]
+    alerts = replay.replay(spike, [FixedEvery(1)], alert_rules=rules)["policies"]["fixed:1"]["alerts"]
+    assert alerts["from_best"]["false_alerts_per_100_curves"] == 100
+    assert alerts["from_mean"]["false_alerts_per_100_curves"] == 0
