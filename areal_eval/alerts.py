@@ -67,6 +67,8 @@ class AlertRule:
             consecutive=(1, None),
             baseline_results=(1, None),
         )
+        if self.baseline_results is not None and self.kind != "regression":
+            raise FieldError("baseline_results", f"is for regression rules, not {self.kind}")
 
     @property
     def noise_aware(self) -> bool:

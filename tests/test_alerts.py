@@ -117,3 +117,5 @@ def test_a_regression_can_be_measured_from_the_mean_of_recent_results():
 def test_baseline_results_must_be_positive():
     with pytest.raises(ValueError, match="baseline_results"):
         AlertRule("reg", "regression", baseline_results=0)
+    with pytest.raises(ValueError, match="baseline_results: is for regression rules, not threshold"):
+        AlertRule("low", "threshold", baseline_results=3)
