@@ -150,21 +150,9 @@ def run_pipeline(server, params: dict) -> None:
     cli_or_fail(server, *run)
 
 
-def test_deployment_run_train_and_evaluate(server, tmp_path):
-    from tests.conftest import TINY
-
-    params = {**TINY, "work_dir": str(tmp_path), "run_name": "served"}
-    started = time.monotonic()
-    run_pipeline(server, params)
-    print(f"train-and-evaluate deployment run to completion: {time.monotonic() - started:.1f}s")
-    run_id = (tmp_path / "served" / "run_id").read_text().strip()
-    steps = eval_steps(server, run_id)
-    assert steps[0] == 0 and steps[-1] == 12
-    [flow_run] = [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["name"] == "served"]
-    assert f"run:{run_id}" in flow_run["tags"] and "training" in flow_run["tags"]  # its own and the deployment's
-
-
-def test_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_path):
+def test_deployment_run_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_path):
+    """The README's ``prefect deployment run train-and-evaluate/pipeline`` on the train pool's
+    worker, its evaluations dispatched as evaluate-checkpoint runs to the eval pool's."""
     from tests.conftest import TINY
 
     params = {
@@ -174,9 +162,13 @@ def test_train_and_evaluate_dispatches_evaluations_to_the_eval_pool(server, tmp_
         "eval": {**TINY["eval"], "deployment": "evaluate-checkpoint/on-checkpoint"},
         "scheduler": {"min_interval_steps": 12, "max_interval_steps": 12},  # fewer dispatches: 0, the final 12
     }
+    started = time.monotonic()
     run_pipeline(server, params)
+    print(f"train-and-evaluate deployment run to completion: {time.monotonic() - started:.1f}s")
     run_id = (tmp_path / "dispatched" / "run_id").read_text().strip()
     steps = eval_steps(server, run_id)
+    [flow_run] = [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["name"] == "dispatched"]
+    assert f"run:{run_id}" in flow_run["tags"] and "training" in flow_run["tags"]  # its own and the deployment's
     # Dispatched evaluate-checkpoint runs, and no trigger-started ones: the flow's own events
     # (areal.source=flow) do not match the trigger.
     children = [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("run_id") == run_id]
