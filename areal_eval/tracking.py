@@ -11,6 +11,7 @@ Logging is idempotent without rereading histories, so its cost stays flat over a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from areal_eval.config.parsing import flatten
+from areal_eval.runs.directory import file_lock
 from areal_eval.runs.ledger import LedgerEntry
 
 RUN_ID_TAG = "areal.run_id"
@@ -83,21 +85,33 @@ class Tracker:
         )
         return runs[0].info.run_id if runs else None
 
-    def start_run(self, training_run_id: str, params: dict, tags: dict | None = None, reopen: bool = False) -> str:
+    def start_run(
+        self,
+        training_run_id: str,
+        params: dict,
+        tags: dict | None = None,
+        reopen: bool = False,
+        lock: Path | None = None,
+    ) -> str:
         """The MLflow run of a training run: created once, reused when a flow resumes it
-        (``reopen``: marked RUNNING again, as the resumed training goes on)."""
+        (``reopen``: marked RUNNING again, as the resumed training goes on).
+
+        ``lock``: a file held while finding or creating it. Flow runs of one training run that
+        start together (checkpoints published close together) would otherwise each find none
+        and each create one, splitting the run's metrics between them."""
         from mlflow.entities import Param
 
-        run_id = self.find_run(training_run_id)
-        if reopen and run_id is not None and self.client.get_run(run_id).info.status != "RUNNING":
-            self.client.update_run(run_id, status="RUNNING")  # resumed: the same run goes on
-        if run_id is None:
-            run = self.client.create_run(
-                self.experiment_id, run_name=training_run_id, tags={RUN_ID_TAG: training_run_id, **(tags or {})}
-            )
-            run_id = run.info.run_id
-            items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
-            self.client.log_batch(run_id, params=items)  # the client splits it into requests
+        with file_lock(lock) if lock is not None else contextlib.nullcontext():
+            run_id = self.find_run(training_run_id)
+            if reopen and run_id is not None and self.client.get_run(run_id).info.status != "RUNNING":
+                self.client.update_run(run_id, status="RUNNING")  # resumed: the same run goes on
+            if run_id is None:
+                run = self.client.create_run(
+                    self.experiment_id, run_name=training_run_id, tags={RUN_ID_TAG: training_run_id, **(tags or {})}
+                )
+                run_id = run.info.run_id
+                items = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(params).items())]
+                self.client.log_batch(run_id, params=items)  # the client splits it into requests
         return run_id
 
     def train_logged_through(self, run_id: str) -> int:

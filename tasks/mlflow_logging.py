@@ -35,7 +35,11 @@ def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str, 
     """The MLflow run of a training run (created once), with the whole config as params;
     ``reopen`` marks it RUNNING again (a resumed run)."""
     return tracker_for(cfg).start_run(
-        training_run_id, recorded_config(dataclasses.asdict(cfg)), tags={"areal.run_dir": run_dir}, reopen=reopen
+        training_run_id,
+        recorded_config(dataclasses.asdict(cfg)),
+        tags={"areal.run_dir": run_dir},
+        reopen=reopen,
+        lock=RunDir(run_dir).tracking_lock,
     )
 
 

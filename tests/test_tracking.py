@@ -20,6 +20,27 @@ def test_one_run_per_training_run_with_params(tracker):
     assert params["train.lr"] == "0.001" and params["train.save.freq_steps"] == "25"
 
 
+def test_flow_runs_starting_at_once_share_one_mlflow_run(tracker, tmp_path):
+    """Triggered flow runs of one training run (checkpoints published close together) each find
+    or create its MLflow run at the same moment: they must all get the same one."""
+    import threading
+
+    trackers = [Tracker(tracker.client.tracking_uri, "test") for _ in range(4)]  # a process's each
+    ready, found = threading.Barrier(len(trackers)), []
+
+    def start(t):
+        ready.wait()
+        found.append(t.start_run("burst-1", {"eval": {"nproc": 1}}, lock=tmp_path / "tracking.lock"))
+
+    threads = [threading.Thread(target=start, args=(t,)) for t in trackers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    runs = tracker.client.search_runs([tracker.experiment_id], filter_string="tags.`areal.run_id` = 'burst-1'")
+    assert len(runs) == 1 and found == [runs[0].info.run_id] * len(trackers)
+
+
 def test_evaluation_logging_is_idempotent(tracker):
     run_id = tracker.start_run("r", {})
     metrics = {"accuracy": 0.8, "loss": 0.4, "n_pairs": 101.0}

@@ -39,8 +39,11 @@ class RunDir:
     run_id_file = property(lambda self: self.root / "run_id")
     lock_file = property(lambda self: self.root / "owner.lock")
     decisions_lock = property(lambda self: self.root / "decisions.lock")
-    registry_lock = property(lambda self: self.root / "registry.lock")
     """Held while one of the flow runs sharing a run (triggered, manual, sweep) decides or records."""
+    registry_lock = property(lambda self: self.root / "registry.lock")
+    """Held while a flow run compares its result with the registered best and moves the alias."""
+    tracking_lock = property(lambda self: self.root / "tracking.lock")
+    """Held while a flow run finds or creates the run's MLflow run: one MLflow run per run."""
     record_state = property(lambda self: self.root / "evaluation_state.json")
     """What those flow runs share beyond the ledger: alert throttling, refinement and the end."""
 
