@@ -15,6 +15,14 @@ from areal_eval.launcher import stay_offline
 from tests.helpers import sqlite_mlflow_uri
 
 stay_offline()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Lanes side by side (scripts/test.sh): torch's default of a thread per core would have each
+    # lane's OpenMP threads, and those of the jobs it starts, spin against the other lane's (the
+    # fast lane took 122 s instead of 54).
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 SERVICE_FIXTURES = {"trained_run", "prefect_server", "webhook", "s3_server", "s3_bucket"}
 """Fixtures that start a process or a server: a test using one is an integration test."""
@@ -26,6 +34,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+    # Longest files first, so that no lane of ``scripts/test.sh`` (``--dist loadfile``) ends alone
+    # on a long one: the flow tests, then the other files that start processes, then unit tests.
+    slow = {item.path for item in items if item.get_closest_marker("integration")}
+    items.sort(key=lambda item: (item.path.parent.name != "flows", item.path not in slow))
 
 
 @pytest.fixture(autouse=True)
