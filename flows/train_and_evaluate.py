@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
 from areal_eval.alerts import AlertEngine
 from areal_eval.checkpoints.manifest import Manifest
@@ -162,6 +164,15 @@ PRESETS = {path.stem: path for path in (Path(__file__).resolve().parents[1] / "c
 """Configs shipped with the project, by name (``configs/NAME.yaml``)."""
 
 
+def patient_temporary_server() -> contextlib.AbstractContextManager:
+    """Without a server (no ``PREFECT_API_URL``) the flow starts a temporary one, which on 2 busy
+    cores can take longer than Prefect's 20 s start-up limit (a fresh database is migrated
+    first): wait up to 120 s unless the limit is set."""
+    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ:
+        return contextlib.nullcontext()
+    return temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 120})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the train-and-evaluate flow (Prefect, MLflow, torchrun).")
     source = parser.add_mutually_exclusive_group()
@@ -182,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     watch_over_children()  # before Prefect starts its temporary server, so that it is reaped too
     start = time.monotonic()
-    summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)
+    with patient_temporary_server():
+        summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)
     minutes = (time.monotonic() - start) / 60
     curve = ", ".join(f"{s}:{v}" for s, v in summary["curve"])
     print(
