@@ -6,5 +6,5 @@ bash scripts/setup.sh
 # Two test files at a time, in the order tests/conftest.py gives them (longest first): most of a
 # test's time is spent waiting on the processes it starts (torchrun jobs, flow-run processes,
 # servers), so one file at a time leaves a core idle.
-# AREAL_EVAL_TEST_LANES=0 runs everything in this process (as does -n 0).
-exec .venv/bin/python -m pytest -n "${AREAL_EVAL_TEST_LANES:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# Add -n 0 to run everything in this one process.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
