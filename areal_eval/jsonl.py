@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -95,17 +96,41 @@ def rows(path: str | Path) -> Iterator[tuple[int, Any]]:
                 yield lineno, loads(text, path, lineno)
 
 
-def write_atomic(path: str | Path, content: str | bytes) -> None:
-    """Replace ``path`` whole: readers see the old file or the new one, never a part."""
-    path = Path(path)
+def _write_temporary(path: Path, content: str | bytes) -> Path:
+    """``content`` on disk in a new file beside ``path``, named for this writer alone: two threads
+    of one process (a flow following its trainer in-process) must not share a temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as fh:
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "wb") as fh:
         fh.write(content.encode() if isinstance(content, str) else content)
         fh.flush()
         os.fsync(fh.fileno())
-    tmp.replace(path)
+    return Path(name)
+
+
+def write_atomic(path: str | Path, content: str | bytes) -> None:
+    """Replace ``path`` whole: readers see the old file or the new one, never a part."""
+    path = Path(path)
+    _write_temporary(path, content).replace(path)
     fsync_dir(path.parent)
+
+
+def create_atomic(path: str | Path, content: str | bytes) -> bool:
+    """Write ``path`` whole unless it exists; False when another writer was first.
+
+    For a value that writers must agree on (the run id): the first one wins, and no reader or
+    later writer ever sees a part of it.
+    """
+    path = Path(path)
+    tmp = _write_temporary(path, content)
+    try:
+        os.link(tmp, path)  # fails if path exists, unlike a rename
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    fsync_dir(path.parent)
+    return True
 
 
 def write_json(path: str | Path, data: Any) -> None:

@@ -97,10 +97,9 @@ class PublishCheckpoints(TrainerCallback):
     def _agree_on_run_id(self) -> None:
         """The run directory's id (a ``train-and-evaluate`` following it may have named it first)
         is the one published; a different ``run_id`` would publish entries the flow skips."""
-        if not self.run.run_id_file.exists():
-            self.run.root.mkdir(parents=True, exist_ok=True)
-            jsonl.write_atomic(self.run.run_id_file, self.run_id)
-        elif not self.run_id_given:
+        if jsonl.create_atomic(self.run.run_id_file, self.run_id):
+            return
+        if not self.run_id_given:
             self.run_id = self.run.run_id
         elif self.run.run_id != self.run_id:
             raise ValueError(f"{self.run.run_id_file} says run id {self.run.run_id!r}, not {self.run_id!r}")

@@ -77,9 +77,9 @@ def _external_run(cfg: PipelineConfig, run: RunDir, given: dict[str, Path]) -> R
     (what the trainer callbacks default to); validation data given in the config goes to
     ``data/valid.jsonl`` beside the manifest, where evaluation looks when events name none."""
     run.root.mkdir(parents=True, exist_ok=True)
-    if not run.exists():
+    if not run.exists():  # the trainer's callback may name it at this very moment: first one wins
         published = Manifest(run.manifest).events() if run.manifest.exists() else []
-        jsonl.write_atomic(run.run_id_file, published[0].run_id if published else run.root.name)
+        jsonl.create_atomic(run.run_id_file, published[0].run_id if published else run.root.name)
     if "valid" in given:
         _copy_data(given["valid"], run.valid_data)
     _record_config(cfg, run)
