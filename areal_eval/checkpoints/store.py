@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
+import tempfile
 from pathlib import Path, PurePosixPath
 
 from areal_eval.checkpoints.manifest import CheckpointError, FileEntry, verify_checkpoint
@@ -214,9 +215,9 @@ class S3Store:
         if target.is_dir():
             verify_checkpoint(target, files, shown_as=uri)
             return target
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # This fetch's own directory: another thread or process may be fetching the same content.
+        partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial"))
         try:
             with create_transfer_manager(self.client, self.transfer_config) as manager:
                 futures = [

@@ -61,6 +61,28 @@ def test_upload_retries_injected_faults_then_download_is_verified_once_per_cache
     proxy.stop()
 
 
+def test_threads_fetching_one_checkpoint_at_once_get_the_same_verified_copy(s3_server, s3_bucket, tmp_path):
+    import threading
+
+    store = S3Store(f"s3://{s3_bucket}/runs/r2", S3Config(endpoint_url=s3_server.url))
+    staged, files = staged_checkpoint(tmp_path, big_mb=1)
+    uri = store.publish(staged, files)
+    barrier, fetched = threading.Barrier(4), []
+
+    def fetch():
+        barrier.wait()
+        fetched.append(store.fetch(uri, files, tmp_path / "cache"))
+
+    threads = [threading.Thread(target=fetch) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert fetched == [tmp_path / "cache" / content_key(files)] * 4
+    assert describe_files(fetched[0]) == files
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [content_key(files)]  # no partial left
+
+
 def test_failed_upload_never_enters_the_manifest(s3_server, s3_bucket, tmp_path):
     proxy = FaultProxy(s3_server.url, kinds=("500",), every=1, limit=10**6, methods=("PUT",))
     store = S3Store(f"s3://{s3_bucket}/r", S3Config(endpoint_url=proxy.url, max_attempts=2))
