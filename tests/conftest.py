@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -77,27 +78,59 @@ def tiny_config(tmp_path: Path, **sections):
     return load_pipeline_config(params=merge(params, sections))
 
 
-@pytest.fixture(scope="session")
-def trained_run(tmp_path_factory):
-    """A run directory trained for 12 steps on 2 ranks: checkpoints at 0, 4, 8 and final 12."""
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """Directory ``name``, filled by ``build(directory)`` once for the whole session: with test
+    lanes (pytest-xdist), the first lane that asks builds it and the others wait for it, instead
+    of each paying for the same training. What is built there is only read."""
+    from areal_eval.runs.directory import file_lock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        work = tmp_path_factory.mktemp(name)
+        build(work)
+        return work
+    work = tmp_path_factory.getbasetemp().parent / name  # shared by the lanes of this session
+    with file_lock(work.with_name(f"{name}.lock")):
+        if not (work / ".built").exists():
+            shutil.rmtree(work, ignore_errors=True)  # a lane that failed half-way
+            work.mkdir()
+            build(work)
+            (work / ".built").touch()
+    return work
+
+
+def _train_tiny_run(work: Path) -> None:
     from areal_eval.launcher import TorchrunJob
     from areal_eval.runs.setup import prepare_run
 
-    cfg = tiny_config(tmp_path_factory.mktemp("trained"))
-    run = prepare_run(cfg)
+    run = prepare_run(tiny_config(work))
     job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], 2, run.logs / "train.log")
     job.wait(300)
     job.raise_for_status("training")
-    return cfg, run
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A run directory trained for 12 steps on 2 ranks: checkpoints at 0, 4, 8 and final 12."""
+    from areal_eval.runs.directory import RunDir
+
+    cfg = tiny_config(built_once(tmp_path_factory, "trained", _train_tiny_run))
+    return cfg, RunDir(cfg.run_root)
+
+
+def _train_causal_lm(work: Path) -> None:
+    from tests.helpers import train_causal_lm
+
+    checkpoint, prompts = train_causal_lm(work)
+    (work / "built.json").write_text(json.dumps([str(checkpoint), str(prompts)]))
 
 
 @pytest.fixture(scope="session")
 def causal_checkpoint(tmp_path_factory):
-    """A small causal LM trained in this process by SFT on arithmetic problems (about 15 s), and
-    41 validation prompts: (checkpoint directory, prompts file)."""
-    from tests.helpers import train_causal_lm
-
-    return train_causal_lm(tmp_path_factory.mktemp("causal"))
+    """A small causal LM trained by SFT on arithmetic problems (about 15 s), and 41 validation
+    prompts: (checkpoint directory, prompts file)."""
+    work = built_once(tmp_path_factory, "causal", _train_causal_lm)
+    checkpoint, prompts = json.loads((work / "built.json").read_text())
+    return Path(checkpoint), Path(prompts)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import socket
 import tempfile
@@ -117,7 +118,11 @@ def start_mlflow_server(db: Path, artifacts: Path, port: int | None = None):
     port = port or free_port()
     command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(artifacts), "--workers", "1"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # MLflow's job runner (huey consumers for its GenAI jobs) is not used here: 2-3 CPU-s a start.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     proc.url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:
