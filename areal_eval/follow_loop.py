@@ -97,6 +97,10 @@ class LoopConfig:
     """Training runs elsewhere (no job to watch): wait up to this long for each next checkpoint,
     and take training metrics from the checkpoints' ``train_metrics``. None: without a training
     job the manifest must already hold the final checkpoint."""
+    refined: bool = False
+    """The run was refined and ended before (its record says so) and no training can add to it:
+    a re-run only reports. Refining again could evaluate more, since a refined neighbour that ties
+    the best becomes the best, with neighbours of its own; every other path refines once too."""
 
 
 @dataclasses.dataclass
@@ -179,7 +183,7 @@ class FollowLoop:
     def _follow(self, decisions: DecisionThread) -> Exception | None:
         """Turn after turn until the final checkpoint and the refinement after it are handled, or
         training died and what it published is; returns training's error, if it died."""
-        final_seen, refined, decided, training_error = False, False, [], None
+        final_seen, refined, decided, training_error = False, self.cfg.refined, [], None
         external = self.cfg.external_timeout_s is not None
         last_checkpoint_at = time.monotonic()
         while True:

@@ -34,7 +34,7 @@ from areal_eval.preference_data import DataError
 from areal_eval.reaper import watch_over_children
 from areal_eval.runs.directory import RunBusy, RunDir, RunLock
 from areal_eval.runs.ledger import Ledger
-from areal_eval.runs.record import mark_over
+from areal_eval.runs.record import mark_over, read_state
 from areal_eval.runs.setup import check_inputs, total_train_steps
 from areal_eval.scheduling.planner import EvaluationPlanner
 from areal_eval.tracking import plot_curve
@@ -143,6 +143,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
         results_logged_by_evaluator=bool(cfg.eval.deployment),
         retention=cfg.storage.retention,
         external_timeout_s=cfg.train.external_timeout_s if cfg.train.external else None,
+        refined=bool(read_state(run).get("refined")) and training is None and not cfg.train.external,
     )
     with warm_workers(cfg, run.evals) as workers:
         io = PrefectLoopIO(cfg, run, mlflow_run_id, planner.ledger, total_train_steps(run, cfg), workers)

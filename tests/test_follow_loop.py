@@ -1,6 +1,7 @@
 """The library's follow loop with plain effects: slots, out-of-order completions, side faults."""
 
 import json
+import shutil
 import threading
 import time
 from concurrent.futures import Future
@@ -21,7 +22,8 @@ def accuracy_at(step):
 class ReversingIO:
     """Completes evaluations newest first whenever two are in flight (out of order)."""
 
-    def __init__(self, fail_steps=(), failing_flushes=1):
+    def __init__(self, fail_steps=(), failing_flushes=1, metric=accuracy_at):
+        self.metric = metric
         self.lock = threading.Lock()
         self.pending: list[tuple[int, Future]] = []
         self.most_in_flight = 0
@@ -46,7 +48,7 @@ class ReversingIO:
                     future.set_exception(EvaluationFailed(f"step {step}: worker died"))
                 else:
                     future.set_result(
-                        EvalResult(step, f"/c/{step}", {"accuracy": accuracy_at(step), "accuracy_stderr": 0.01}, 0.0)
+                        EvalResult(step, f"/c/{step}", {"accuracy": self.metric(step), "accuracy_stderr": 0.01}, 0.0)
                     )
             time.sleep(0.005)
 
@@ -92,12 +94,14 @@ def write_run(tmp_path, steps):
     return manifest, train_log
 
 
-def run_loop(tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=None, delivery_timeout_s=60.0):
+def run_loop(
+    tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=None, delivery_timeout_s=60.0, cfg=None, refined=False
+):
     alerts = alerts or AlertsConfig()
     if not (tmp_path / "manifest.jsonl").exists():
         write_run(tmp_path, list(steps))
     manifest, train_log = Manifest(tmp_path / "manifest.jsonl"), tmp_path / "train_log.jsonl"
-    cfg = SchedulerConfig(policy="fixed", fixed_interval_steps=1, coalesce=False)
+    cfg = cfg or SchedulerConfig(policy="fixed", fixed_interval_steps=1, coalesce=False)
     planner = EvaluationPlanner(cfg, Ledger(tmp_path / "ledger.jsonl"))
     loop = FollowLoop(
         planner,
@@ -105,7 +109,13 @@ def run_loop(tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=None, d
         train_log,
         AlertEngine(alerts),
         io,
-        LoopConfig(poll_interval_s=0.01, train_log_every_s=0.0, slots=slots, delivery_timeout_s=delivery_timeout_s),
+        LoopConfig(
+            poll_interval_s=0.01,
+            train_log_every_s=0.0,
+            slots=slots,
+            delivery_timeout_s=delivery_timeout_s,
+            refined=refined,
+        ),
     )
     try:
         return loop.run()
@@ -188,3 +198,25 @@ def test_results_a_run_could_not_deliver_are_delivered_by_the_next_run_once(tmp_
     assert [r.global_step for r in back.logged] == sorted(r.global_step for r in back.logged)  # in step order
     assert [r["step"] for r in back.rows] == list(range(1, 191))
     assert all(e.delivered for e in ledger.entries() if e.status == "evaluated")
+
+
+def test_a_re_run_of_a_refined_run_evaluates_nothing_more(tmp_path):
+    """A run refined and ended before only reports when run again. Refining again is not a no-op:
+    a refined neighbour that ties the best becomes the best (the earliest wins), with a skipped
+    neighbour of its own, so each re-run walked one checkpoint further down a plateau."""
+
+    def plateau(step):
+        return min(0.5 + step / 200, 0.8)  # best first reached at step 60; 70 was skipped
+
+    every_other = SchedulerConfig(policy="fixed", fixed_interval_steps=20, coalesce=False)
+    run_loop(tmp_path / "run", ReversingIO(failing_flushes=0, metric=plateau), slots=1, cfg=every_other)
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    adaptive = SchedulerConfig(coalesce=False)
+
+    again = ReversingIO(failing_flushes=0, metric=plateau)
+    ledger = run_loop(tmp_path / "run", again, slots=1, cfg=adaptive, refined=True)
+    assert again.logged == [] and ledger.status(70) == "skipped"
+
+    unflagged = ReversingIO(failing_flushes=0, metric=plateau)  # what every re-run did before
+    ledger = run_loop(tmp_path / "copy", unflagged, slots=1, cfg=adaptive)
+    assert [r.global_step for r in unflagged.logged] == [70] and ledger.latest(70).reason.startswith("refine")
