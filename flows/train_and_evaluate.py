@@ -43,7 +43,7 @@ from tasks.alerts import webhook_url
 from tasks.checkpoints import share_run_record
 from tasks.loop_io import PrefectLoopIO
 from tasks.mlflow_logging import finish_tracking, start_tracking
-from tasks.orchestration import tag_flow_run
+from tasks.orchestration import crash_orphaned_runs, tag_flow_run
 from tasks.reports import summarize
 from tasks.scoring import warm_workers
 from tasks.training import prepare_run_dir, start_training, wait_for_training
@@ -101,6 +101,8 @@ def train_and_evaluate(
     with owning_run(RunDir(cfg.run_root)):
         run = prepare_run_dir(cfg)
         tag_flow_run(f"run:{run.run_id}", f"evaluator:{cfg.eval.evaluator}")
+        for orphan in crash_orphaned_runs("train-and-evaluate", f"run:{run.run_id}"):
+            print(f"flow run {orphan!r} of this run had died without ending: marked Crashed")
         mlflow_run_id = start_tracking(cfg, run)
         external = cfg.train.external  # your own trainer publishes to this run's manifest
         training = None if external or training_finished(run, run.run_id) else start_training(cfg, run)

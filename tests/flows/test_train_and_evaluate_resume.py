@@ -4,9 +4,11 @@ Real processes and signals: the flow CLI with its temporary Prefect server, torc
 and warm evaluation workers, MLflow on SQLite.
 """
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -30,10 +32,18 @@ def flow_command(config: Path) -> list[str]:
     return [sys.executable, "-m", "flows.train_and_evaluate", "--config", str(config)]
 
 
-def clean_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # its own temporary server
+def clean_env(prefect_home: Path) -> dict:
+    """Its own temporary Prefect server, on a database of the test's (not ``~/.prefect``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.pop("AREAL_EVAL_OWNER", None)
+    env["PREFECT_HOME"] = str(prefect_home)
     return env
+
+
+def flow_run_states(prefect_home: Path, name: str) -> list[str]:
+    """The states of the flow runs called ``name`` in that temporary server's database."""
+    with contextlib.closing(sqlite3.connect(prefect_home / "prefect.db")) as db:
+        return sorted(state for (state,) in db.execute("SELECT state_type FROM flow_run WHERE name = ?", (name,)))
 
 
 def wait_for(condition, timeout_s: float, what: str):
@@ -59,7 +69,12 @@ def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict):
     config.write_text(json.dumps(params))
     log = (tmp_path / f"{run_name}-flow.log").open("w")
     flow = subprocess.Popen(
-        flow_command(config), cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        flow_command(config),
+        cwd=ROOT,
+        env=clean_env(tmp_path / "prefect"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     return flow, params, config, RunDir(tmp_path / run_name), log
 
@@ -90,9 +105,12 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
         if flow.poll() is None:
             os.killpg(flow.pid, signal.SIGKILL)
 
-    again = subprocess.run(flow_command(config), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    env = clean_env(tmp_path / "prefect")
+    again = subprocess.run(flow_command(config), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert run.run_id == first_id  # resumed, not wiped
+    # The killed flow run no longer shows as running: the one that took the run over ended it.
+    assert flow_run_states(tmp_path / "prefect", "resume") == ["COMPLETED", "CRASHED"]
     events = Manifest(run.manifest).events()
     steps = [e.global_step for e in events]
     assert steps[: len(published)] == published and steps[-1] == 60 and events[-1].final
