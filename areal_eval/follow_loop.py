@@ -163,6 +163,8 @@ class FollowLoop:
             lambda result: self.planner.delivered(result.global_step),
             self.cfg.train_log_every_s,
         )
+        for problem in self.planner.ledger.problems:
+            self.io.warn(problem)
         for entry in self.planner.undelivered():  # results a killed run evaluated but never delivered
             self.delivery.add_result(EvalResult(entry.step, entry.uri, entry.metrics, 0.0), entry.reason)
         try:
@@ -189,7 +191,7 @@ class FollowLoop:
         while True:
             started = time.perf_counter()
             settled = bool(decided)
-            for problem in self.follower.take_problems():
+            for problem in self.follower.take_problems() + self.train_log.take_problems():
                 self.io.warn(problem)
             for event, decision in decided:
                 self.io.announce(event)

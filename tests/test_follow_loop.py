@@ -220,3 +220,25 @@ def test_a_re_run_of_a_refined_run_evaluates_nothing_more(tmp_path):
     unflagged = ReversingIO(failing_flushes=0, metric=plateau)  # what every re-run did before
     ledger = run_loop(tmp_path / "copy", unflagged, slots=1, cfg=adaptive)
     assert [r.global_step for r in unflagged.logged] == [70] and ledger.latest(70).reason.startswith("refine")
+
+
+def test_lines_torn_by_a_crash_in_the_ledger_and_training_log_are_skipped_and_named(tmp_path):
+    io = ReversingIO(failing_flushes=0)
+    first = run_loop(tmp_path, io, slots=1, steps=(0, 10, 20))
+    assert [e.status for e in first.entries()] == ["evaluated"] * 3
+    ledger_path, train_log = tmp_path / "ledger.jsonl", tmp_path / "train_log.jsonl"
+    lines = ledger_path.read_bytes().splitlines(keepends=True)
+    ledger_path.write_bytes(b"".join(lines[:-1]) + lines[-1][:25])  # the last entry torn mid-write
+    with train_log.open("ab") as fh:
+        fh.write(b'{"step": 21, "lo')  # training killed mid-line; the next append closes it
+    from areal_eval import jsonl
+
+    jsonl.append(train_log, {"step": 21, "loss": 0.5})
+
+    again = ReversingIO(failing_flushes=0)
+    ledger = run_loop(tmp_path, again, slots=1, steps=(0, 10, 20))  # the same command again
+    torn_at = len(lines)
+    assert any(w.startswith(f"{ledger_path}:{torn_at}: skipped (torn") for w in again.warnings), again.warnings
+    assert any(f"{train_log}:21: not valid JSON" in w for w in again.warnings), again.warnings
+    assert [e.status for e in ledger.entries()] == ["evaluated"] * 3
+    assert [r["step"] for r in again.rows][-1] == 21

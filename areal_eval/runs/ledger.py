@@ -51,12 +51,24 @@ class Ledger:
         self.path = Path(path)
         self._lock = threading.RLock()
         self._latest: dict[int, LedgerEntry] = {}
-        for lineno, row in jsonl.rows(self.path) if self.path.exists() else ():
+        self.problems: list[str] = []
+        """Lines skipped on reading, as ``path:line: why``: a line that is not JSON was torn by a
+        crash mid-append (the entry before it for that step stands, so nothing is taken as done
+        that was not); a JSON line with the wrong fields is an error, raised."""
+        chunk = jsonl.read_complete(self.path)
+        for lineno, raw in chunk.lines:
+            try:
+                row = jsonl.loads(raw, self.path, lineno)
+            except jsonl.JsonlError as exc:
+                self.problems.append(f"{exc}: skipped (torn or corrupt line)")
+                continue
             try:
                 entry = LedgerEntry(**row)
             except TypeError as exc:
                 raise jsonl.JsonlError(f"{self.path}:{lineno}: bad ledger entry: {exc}") from exc
             self._latest[entry.step] = entry
+        if self.path.exists() and chunk.offset < self.path.stat().st_size:
+            self.problems.append(f"{self.path}:{chunk.line}: skipped (torn or corrupt line): no end of line")
 
     def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
                delivered: bool = False, owner: str | None = None) -> LedgerEntry:

@@ -116,16 +116,29 @@ class ManifestFollower:
 
 
 class JsonlFollower:
-    """New complete JSON lines of a growing file (the training log)."""
+    """New complete JSON lines of a growing file (the training log). A line that is not JSON
+    (torn by a crash, then closed by the next append) is skipped; :meth:`take_problems` says which."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._offset, self._line = 0, 1
+        self._problems: list[str] = []
 
     def poll(self) -> list[dict]:
         chunk = jsonl.read_complete(self.path, self._offset, self._line)
         self._offset, self._line = chunk.offset, chunk.line
-        return [jsonl.loads(raw, self.path, lineno) for lineno, raw in chunk.lines]
+        rows = []
+        for lineno, raw in chunk.lines:
+            try:
+                rows.append(jsonl.loads(raw, self.path, lineno))
+            except jsonl.JsonlError as exc:
+                self._problems.append(f"{exc}: skipped (torn or corrupt line)")
+        return rows
+
+    def take_problems(self) -> list[str]:
+        """Lines skipped since the last call, each as ``path:line: why``."""
+        problems, self._problems = self._problems, []
+        return problems
 
 
 def _locked(method):
