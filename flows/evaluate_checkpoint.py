@@ -98,6 +98,8 @@ def evaluate_checkpoint(
     if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
         raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
     record = RunRecord(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id)
+    for problem in Ledger(run.ledger).problems:  # torn by a crash: skipped here as on every path
+        logger.warning(problem)
     me = str(flow_run.id or "local")
     claim, decided = record.claim(global_step, me, reason, flow_run_alive)
     event = claim.event
