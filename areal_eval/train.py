@@ -16,6 +16,7 @@ import math
 import os
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -128,6 +129,21 @@ def training_finished(run: RunDir, run_id: str) -> bool:
     """The run's final checkpoint is announced: there is nothing left to train."""
     last = last_checkpoint(run, run_id)
     return last is not None and last.final
+
+
+def wrote_done(train_log: Path) -> bool:
+    """The training log ends with the ``done`` row rank 0 writes after the final checkpoint:
+    everything training had to leave is on disk, whatever its processes do next."""
+    try:
+        with open(train_log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
+            lines = fh.read().splitlines()
+    except FileNotFoundError:
+        return False
+    try:
+        return bool(lines) and json.loads(lines[-1]).get("done") is True
+    except ValueError:
+        return False
 
 
 def resume_point(run: RunDir, run_id: str) -> tuple[CheckpointEvent, dict] | None:

@@ -110,7 +110,7 @@ def train_and_evaluate(
         try:
             follow_and_evaluate(cfg, run, mlflow_run_id, training)
             if training is not None:
-                wait_for_training(training)
+                wait_for_training(training, run.train_log)
         except BaseException as exc:  # recorded in MLflow below, then raised
             failure = exc
         finally:

@@ -106,3 +106,34 @@ def test_checkpoints_carry_no_truncation_or_padding_from_training(trained_run):
     for event in Manifest(run.manifest).events():
         saved = json.loads((Path(event.uri) / "tokenizer.json").read_text())
         assert saved["truncation"] is None and saved["padding"] is None
+
+
+def test_wrote_done_reads_only_a_complete_done_row_at_the_end(tmp_path):
+    from areal_eval.train import wrote_done
+
+    log = tmp_path / "train_log.jsonl"
+    assert not wrote_done(log)
+    log.write_text('{"step": 1, "loss": 0.5}\n')
+    assert not wrote_done(log)
+    log.write_text('{"step": 1, "loss": 0.5}\n{"step": 1, "done": true}\n')
+    assert wrote_done(log)
+    log.write_text('{"step": 1, "loss": 0.5}\n{"step": 1, "do')
+    assert not wrote_done(log)
+
+
+def test_a_training_job_that_finished_but_does_not_exit_is_killed_with_a_warning(tmp_path):
+    import time
+
+    from prefect.logging import disable_run_logger
+
+    from areal_eval.launcher import group_alive
+    from tasks.training import wait_for_training
+
+    log = tmp_path / "train_log.jsonl"
+    job = TorchrunJob("tests.hang_after_done", [str(log)], 1, tmp_path / "train.log")
+    deadline = time.monotonic() + 120
+    while not log.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with disable_run_logger():
+        assert wait_for_training.fn(job, log, timeout_s=1) == 0
+    assert not group_alive(job.proc.pid)
