@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from areal_eval import distributed
+from areal_eval import distributed, jsonl
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
 from areal_eval.checkpoints.saving import CheckpointWriter, read_resume_state, resume_state_path
 from areal_eval.checkpoints.store import StorageConfig, open_store
@@ -134,14 +134,11 @@ def training_finished(run: RunDir, run_id: str) -> bool:
 def wrote_done(train_log: Path) -> bool:
     """The training log ends with the ``done`` row rank 0 writes after the final checkpoint:
     everything training had to leave is on disk, whatever its processes do next."""
-    try:
-        with open(train_log, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
-            lines = fh.read().splitlines()
-    except FileNotFoundError:
+    if not train_log.exists():
         return False
+    tail = jsonl.read_complete(train_log, max(0, train_log.stat().st_size - 4096)).lines  # complete lines only
     try:
-        return bool(lines) and json.loads(lines[-1]).get("done") is True
+        return bool(tail) and json.loads(tail[-1][1]).get("done") is True
     except ValueError:
         return False
 
