@@ -19,6 +19,7 @@ instead): a CUDA context does not survive ``fork``, so each rank initializes its
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import time
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
 
+    from areal_eval.launcher import STACKS_SIGNAL
+
     args = torchrun.parse_args(argv)
     if not args.module:
         raise SystemExit("areal_eval.forked_ranks runs a module: -m MODULE")
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.master_port is None:
         args.master_port = 29500
     args.start_method = "fork"
+    # Inherited by the forked ranks: a job that should have ended shows where it is stuck.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     config, _, _ = torchrun.config_from_args(args)
     preload(args.training_script)
     record(elastic_launch(config, run_main))(args.training_script, *args.training_script_args)

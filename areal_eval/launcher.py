@@ -79,6 +79,10 @@ class NodeLayout:
         ]
 
 
+STACKS_SIGNAL = signal.SIGUSR1
+"""``kill -USR1 -<pgid>`` makes every process of a forked-rank job print its Python stacks to the
+job's log (:mod:`areal_eval.forked_ranks` registers :mod:`faulthandler` for it)."""
+
 FORK_RANKS_ENV = "AREAL_EVAL_FORK_RANKS"
 """``0``: plain torchrun, each rank a fresh interpreter (the way out if forking ever misbehaves)."""
 
@@ -215,9 +219,12 @@ class TorchrunJob:
             full_env.setdefault(key, value)
         stay_offline(full_env)
         _prctl()  # resolved here, before the fork
+        command = torchrun_command(module, args, nproc, nodes)
+        self.dumps_stacks = command[2] == "areal_eval.forked_ranks"
+        """Its processes print their Python stacks to the log on :data:`STACKS_SIGNAL`."""
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                torchrun_command(module, args, nproc, nodes),
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=full_env,
@@ -257,11 +264,24 @@ class TorchrunJob:
                 break
             time.sleep(0.05)
 
+    def dump_stacks(self) -> None:
+        """Have every process of the job print its threads' Python stacks to the log, to show
+        where a job that should have ended is stuck (forked-rank jobs only: in a plain torchrun
+        job the signal would kill the ranks)."""
+        if not self.dumps_stacks or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)  # faulthandler writes from the signal handler at once; let every process get to it
+
     def wait(self, timeout_s: float | None) -> int:
-        """Wait for exit; on timeout kill the group and raise WorkerError."""
+        """Wait for exit; on timeout dump the stacks to the log, kill the group and raise WorkerError."""
         try:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill()
             raise WorkerError(
                 f"torchrun job timed out after {timeout_s:.0f}s and was killed; "

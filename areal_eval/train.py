@@ -26,7 +26,7 @@ from areal_eval.checkpoints.saving import CheckpointWriter, read_resume_state, r
 from areal_eval.checkpoints.store import StorageConfig, open_store
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
 from areal_eval.job_spec import read_spec
-from areal_eval.launcher import die_with_parent
+from areal_eval.launcher import TorchrunJob, die_with_parent
 from areal_eval.objectives import ModelConfig, objective
 from areal_eval.runs.directory import RunDir, StopSignal
 from areal_eval.scheduling.freq_ctl import EpochStepTimeFreqCtl
@@ -141,6 +141,44 @@ def wrote_done(train_log: Path) -> bool:
         return bool(tail) and json.loads(tail[-1][1]).get("done") is True
     except ValueError:
         return False
+
+
+DONE_EXIT_GRACE_S = 20.0
+"""How long a training job may take to exit once it wrote its ``done`` row. Every rank has
+only the final barrier and the group's teardown left, well under a second even on a loaded
+machine."""
+
+
+def wait_for_exit(
+    job: TorchrunJob, train_log: Path, timeout_s: float, done_grace_s: float = DONE_EXIT_GRACE_S
+) -> str | None:
+    """Wait for the training job that announced its final checkpoint; raise WorkerError if it
+    failed or does not exit within ``timeout_s``.
+
+    A job that wrote its ``done`` row and is still running ``done_grace_s`` later is stuck
+    tearing down (seen with a forked rank that never returned): its work is all on disk, so it
+    is killed, its stacks first dumped to its log, and the reason is returned as a warning
+    instead of failing a run whose every checkpoint was evaluated.
+    """
+    deadline = time.monotonic() + timeout_s
+    done_at = None
+    while job.poll() is None:
+        now = time.monotonic()
+        if done_at is None and wrote_done(train_log):
+            done_at = now
+        if done_at is not None and now - done_at > done_grace_s:
+            job.dump_stacks()
+            job.kill(grace_s=0)
+            return (
+                f"training finished ({train_log} says done) but had not exited {done_grace_s:.0f}s later; "
+                f"killed, its stacks are in {job.log_path}"
+            )
+        if now > deadline:
+            job.wait(0)  # dumps the stacks, kills and raises
+        time.sleep(0.1)
+    job.wait(None)  # reaps what is left of its process group
+    job.raise_for_status("training")
+    return None
 
 
 def resume_point(run: RunDir, run_id: str) -> tuple[CheckpointEvent, dict] | None:

@@ -8,10 +8,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from areal_eval.config.pipeline import PipelineConfig
-from areal_eval.launcher import TorchrunJob, WorkerError
+from areal_eval.launcher import TorchrunJob
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.setup import prepare_run
-from areal_eval.train import wrote_done
+from areal_eval.train import wait_for_exit
 
 
 @task(cache_policy=NO_CACHE, name="prepare-run")
@@ -28,18 +28,9 @@ def start_training(cfg: PipelineConfig, run: RunDir) -> TorchrunJob:
 
 @task(cache_policy=NO_CACHE, name="wait-for-training")
 def wait_for_training(job: TorchrunJob, train_log: Path, timeout_s: float = 120) -> int:
-    """Training has announced its final checkpoint; collect its exit status.
-
-    A job that wrote its ``done`` row but does not exit within ``timeout_s`` (a rank stuck
-    tearing down; seen once with forked ranks) was killed by ``wait``: its work is all on disk,
-    so it is reported as a warning, not as a failed run whose every checkpoint was evaluated.
-    """
-    try:
-        job.wait(timeout_s)
-    except WorkerError as exc:
-        if not wrote_done(train_log):
-            raise
-        get_run_logger().warning(f"training finished ({train_log} says done) but did not exit: {exc}")
-        return 0
-    job.raise_for_status("training")
-    return job.proc.returncode
+    """Training has announced its final checkpoint; collect its exit status (a job stuck after
+    its ``done`` row is killed with a warning: :func:`areal_eval.train.wait_for_exit`)."""
+    warning = wait_for_exit(job, train_log, timeout_s)
+    if warning:
+        get_run_logger().warning(warning)
+    return 0

@@ -1,11 +1,16 @@
-"""A training job that writes its ``done`` row, then never exits (a rank stuck tearing down)."""
+"""A training job that writes its ``done`` row, then never exits (a rank stuck tearing down);
+with ``--exit CODE``, one that fails after it instead."""
 
 import json
+import os
 import time
 
 
 def main(argv: list[str]) -> int:
-    with open(argv[0], "a") as fh:
-        fh.write(json.dumps({"step": 1, "done": True}) + "\n")
+    if os.environ.get("RANK", "0") == "0":
+        with open(argv[0], "a") as fh:
+            fh.write(json.dumps({"step": 1, "done": True}) + "\n")
+    if "--exit" in argv:
+        return int(argv[argv.index("--exit") + 1])
     time.sleep(3600)
     return 0

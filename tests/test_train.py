@@ -121,19 +121,29 @@ def test_wrote_done_reads_only_a_complete_done_row_at_the_end(tmp_path):
     assert not wrote_done(log)
 
 
-def test_a_training_job_that_finished_but_does_not_exit_is_killed_with_a_warning(tmp_path):
+def test_a_training_job_that_finished_but_does_not_exit_is_killed_with_its_stacks_in_the_log(tmp_path):
     import time
 
-    from prefect.logging import disable_run_logger
-
     from areal_eval.launcher import group_alive
-    from tasks.training import wait_for_training
+    from areal_eval.train import wait_for_exit
 
     log = tmp_path / "train_log.jsonl"
-    job = TorchrunJob("tests.hang_after_done", [str(log)], 1, tmp_path / "train.log")
-    deadline = time.monotonic() + 120
-    while not log.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    with disable_run_logger():
-        assert wait_for_training.fn(job, log, timeout_s=1) == 0
+    job = TorchrunJob("tests.hang_after_done", [str(log)], 2, tmp_path / "train.log")
+    started = time.monotonic()
+    warning = wait_for_exit(job, log, timeout_s=600, done_grace_s=1)
+    assert warning and "says done" in warning and str(tmp_path / "train.log") in warning
+    assert time.monotonic() - started < 300  # the grace, not the timeout, ended the wait
     assert not group_alive(job.proc.pid)
+    # Both ranks and the agent printed where they were: the rank's frame names the stuck line.
+    dumped = (tmp_path / "train.log").read_text()
+    assert dumped.count("hang_after_done.py") >= 2 and "in main" in dumped, dumped[-3000:]
+
+
+def test_a_training_job_that_fails_after_its_done_row_still_fails(tmp_path):
+    from areal_eval.launcher import WorkerError
+    from areal_eval.train import wait_for_exit
+
+    log = tmp_path / "train_log.jsonl"
+    job = TorchrunJob("tests.hang_after_done", [str(log), "--exit", "3"], 1, tmp_path / "train.log")
+    with pytest.raises(WorkerError, match="training failed"):
+        wait_for_exit(job, log, timeout_s=600)
