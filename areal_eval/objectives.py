@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from areal_eval import causal_lm, reward_model
 from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
 from areal_eval.math_problems import SyntheticMathProblems
 from areal_eval.preference_data import SyntheticPreferences, read_pairs
 from areal_eval.prompt_data import read_prompts
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass
@@ -116,6 +118,8 @@ class SFTObjective:
 
     @staticmethod
     def collate(items: list[dict], tokenizer) -> dict[str, torch.Tensor]:
+        import torch
+
         width = max(len(item["ids"]) for item in items)
         ids = torch.full((len(items), width), tokenizer.pad_token_id, dtype=torch.long)
         labels = torch.full_like(ids, -100)

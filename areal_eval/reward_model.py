@@ -2,17 +2,20 @@
 
 Built from a small local config and a tokenizer trained here with ``tokenizers``, or loaded
 with ``from_pretrained`` from any local path (a saved checkpoint, or a downloaded model).
+torch is imported where it is used: the flow process imports this module (through the
+objectives) and never computes with it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from areal_eval.checkpoints import loading
 from areal_eval.preference_data import DataError, line_of_pair
+
+if TYPE_CHECKING:
+    import torch
 
 
 def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512):
@@ -84,6 +87,8 @@ def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, source: str | 
 def collate_pairs(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Pad to the longest sequence in the batch; rows alternate chosen, rejected (as AReaL).
     ``identical`` marks pairs whose two texts have the same tokens (a tie, whatever the scores)."""
+    import torch
+
     seqs = [ids for item in items for ids in (item["chosen_ids"], item["rejected_ids"])]
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -104,6 +109,8 @@ def pair_scores(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
 def pair_scores_trimmed(model, batch: dict[str, torch.Tensor], chunks: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """``pair_scores`` with less padding: rows sorted by length and scored in ``chunks`` forward
     passes, each trimmed to its own longest row. Same scores (right padding is masked)."""
+    import torch
+
     mask = batch["attention_mask"]
     lengths = mask.sum(dim=1)
     order = torch.argsort(lengths)
@@ -118,6 +125,8 @@ def pair_scores_trimmed(model, batch: dict[str, torch.Tensor], chunks: int = 2) 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """``-log sigmoid(r_chosen - r_rejected)``: the pairwise reward-model loss (``reduction``:
     ``mean``, ``sum``, or ``none`` for one loss per pair)."""
+    import torch.nn.functional as F
+
     loss = -F.logsigmoid(chosen - rejected)
     if reduction == "none":
         return loss

@@ -5,6 +5,9 @@
 DDP over torchrun (gloo on CPU, nccl with CUDA), the model's objective (``objectives``), checkpoints on its own
 trigger control. It never waits for an evaluation: checkpoints are written in the background
 and announced in the manifest; a stop request (from an alert) ends it at the next step.
+
+The flow process imports this module for the training settings and the job's state, so torch
+and the checkpoint writer are imported inside :func:`train`, which runs on the ranks.
 """
 
 from __future__ import annotations
@@ -18,11 +21,8 @@ import random
 import time
 from pathlib import Path
 
-import torch
-
-from areal_eval import distributed, jsonl
+from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
-from areal_eval.checkpoints.saving import CheckpointWriter, read_resume_state, resume_state_path
 from areal_eval.checkpoints.store import StorageConfig, open_store
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
 from areal_eval.job_spec import read_spec
@@ -183,6 +183,8 @@ def wait_for_exit(
 
 def resume_point(run: RunDir, run_id: str) -> tuple[CheckpointEvent, dict] | None:
     """Where a restarted job goes on: the newest announced checkpoint and its resume state."""
+    from areal_eval.checkpoints.saving import read_resume_state, resume_state_path
+
     last = last_checkpoint(run, run_id)
     if last is None:
         return None
@@ -200,6 +202,11 @@ def next_position(epoch: int, epoch_step: int, epoch_steps: int) -> tuple[int, i
 
 
 def train(spec: TrainJobSpec) -> None:
+    import torch
+
+    from areal_eval import distributed
+    from areal_eval.checkpoints.saving import CheckpointWriter
+
     cfg, run = spec.train, RunDir(spec.run_dir)
     if training_finished(run, spec.run_id):
         return  # a resumed run whose training was over: only its evaluation goes on
@@ -359,5 +366,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from areal_eval import distributed
+
     die_with_parent()  # the torchrun agent: if it is killed outright, its ranks go too
     distributed.exit_process(main())

@@ -7,6 +7,10 @@ means are taken once, over the exact global counts.
 Add your own by subclassing :class:`BaseEvaluator` and registering it in ``EVALUATORS``
 (or passing its dotted path as ``eval.evaluator``). Several evaluators, comma-separated, run in
 one job on one loaded model (:class:`CombinedEvaluator`); their metrics are ``name/metric``.
+
+The flow process imports the evaluator modules too (settings, metric names, data checks), so
+torch and the model code are imported in the methods that run on the workers: a flow run that
+only starts evaluations never imports them.
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from areal_eval import reward_model
-from areal_eval.distributed import shard_range
 from areal_eval.preference_data import read_pairs
+
+if TYPE_CHECKING:
+    import torch
 
 
 class BaseEvaluator:
@@ -62,7 +66,8 @@ class BaseEvaluator:
         raise NotImplementedError
 
     def batch_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Additive statistics of one batch (called on every rank of the model-parallel group)."""
+        """Additive statistics of one batch (called on every rank of the model-parallel group,
+        under ``torch.inference_mode``)."""
         raise NotImplementedError
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
@@ -93,6 +98,8 @@ class RewardModelEvaluator(BaseEvaluator):
         read_pairs(path)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
+        from areal_eval import reward_model
+
         self.tokenizer = reward_model.load_tokenizer(checkpoint_dir)
         self.model = reward_model.load_model(checkpoint_dir, allow_pickle=allow_pickle)
         self.model.eval()
@@ -102,6 +109,9 @@ class RewardModelEvaluator(BaseEvaluator):
         return len(self.pairs)
 
     def batches(self, shard, shards, batch_size):
+        from areal_eval import reward_model
+        from areal_eval.distributed import shard_range
+
         indices = shard_range(len(self.pairs), shard, shards)
         # Length-grouped batches: less padding, and scores do not depend on the grouping.
         ordered = sorted(
@@ -111,8 +121,11 @@ class RewardModelEvaluator(BaseEvaluator):
             items = [self.pairs[i] for i in ordered[start : start + batch_size]]
             yield reward_model.collate_pairs(items, self.tokenizer.pad_token_id)
 
-    @torch.inference_mode()
     def batch_sums(self, batch):
+        import torch
+
+        from areal_eval import reward_model
+
         chosen, rejected = reward_model.pair_scores_trimmed(self.model, batch)
         chosen, rejected = chosen.double(), rejected.double()
         # A pair of identical texts is a tie, scored once: half correct at any world or batch size
@@ -189,6 +202,8 @@ class CombinedEvaluator(BaseEvaluator):
         return sum(p.num_samples() for p in self.parts)
 
     def batches(self, shard, shards, batch_size):
+        import torch
+
         for i, part in enumerate(self.parts):
             for batch in part.batches(shard, shards, batch_size):
                 yield {**batch, "evaluator_index": torch.tensor([i])}

@@ -17,14 +17,16 @@ import hashlib
 from collections import Counter
 from math import comb
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from areal_eval import causal_lm, distributed
+from areal_eval import causal_lm
 from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr
 from areal_eval.evaluation.rewards import load_reward
 from areal_eval.prompt_data import read_prompts
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass
@@ -111,10 +113,14 @@ class SeededSampler:
     seed is None stay greedy."""
 
     def __init__(self, seeds: list[int | None], temperature: float, top_p: float):
+        import torch
+
         self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
         probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
         if self.top_p < 1.0:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -143,8 +149,11 @@ class TransformersDecoder:
 
     def complete(self, prompt_ids: list[list[int]], seeds: list[int | None]) -> list[Completion]:
         """One answer per prompt row: greedy where its seed is None, else sampled from that seed."""
+        import torch
         from transformers import GenerationConfig as HFGenerationConfig
         from transformers import LogitsProcessorList
+
+        from areal_eval import distributed
 
         tok, cfg = self.tokenizer, self.cfg
         width = max(len(p) for p in prompt_ids)
@@ -258,12 +267,15 @@ class GenerationEvaluator(BaseEvaluator):
         return len(self.answer_seeds(0))
 
     def batches(self, shard, shards, batch_size):
+        import torch
+
+        from areal_eval import distributed
+
         per_batch = max(1, batch_size // self.answers_per_prompt)  # a prompt's answers stay together
         lengths = [len(p) for p in self.prompt_ids]
         for indices in distributed.dealt_batches(lengths, per_batch, shard, shards):
             yield {"prompt_index": torch.tensor(indices, dtype=torch.long)}
 
-    @torch.inference_mode()
     def batch_sums(self, batch):
         indices = batch["prompt_index"].tolist()
         per_prompt = self.answers_per_prompt

@@ -15,9 +15,7 @@ import functools
 import math
 from pathlib import Path
 
-import torch
-
-from areal_eval import causal_lm, distributed
+from areal_eval import causal_lm
 from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator
 
@@ -44,7 +42,10 @@ class LMEvalConfig:
 @functools.cache
 def sharded_lm_class():
     """:class:`ShardedHFLM`, defined once, when first asked for: importing the harness takes seconds."""
+    import torch
     from lm_eval.models.huggingface import HFLM
+
+    from areal_eval import distributed
 
     class ShardedHFLM(HFLM):
         """The harness's HF model, answering shard ``shard`` of ``shards`` of every request list
@@ -156,9 +157,13 @@ class LMEvalEvaluator(BaseEvaluator):
         return 1
 
     def batches(self, shard, shards, batch_size):
+        import torch
+
         yield {"shard": torch.tensor([shard, shards])}  # every data-parallel head takes part
 
     def batch_sums(self, batch):
+        from areal_eval import distributed
+
         shard, shards = batch["shard"].tolist()
         metrics = run_tasks(self.model, self.tokenizer, self.cfg, shard, shards)
         # Every rank's harness saw all the answers, but only rank 0's result counts (the worker

@@ -11,9 +11,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-import torch
-
-from areal_eval import causal_lm, distributed
+from areal_eval import causal_lm
 from areal_eval.config.parsing import check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator
 from areal_eval.prompt_data import read_texts
@@ -72,11 +70,18 @@ class LMLossEvaluator(BaseEvaluator):
         return len(self.rows)
 
     def batches(self, shard, shards, batch_size):
+        import torch
+
+        from areal_eval import distributed
+
         for indices in distributed.dealt_batches([len(r["ids"]) for r in self.rows], batch_size, shard, shards):
             yield {"row_index": torch.tensor(indices, dtype=torch.long)}
 
-    @torch.inference_mode()
     def batch_sums(self, batch):
+        import torch
+
+        from areal_eval import distributed
+
         rows = [self.rows[i] for i in batch["row_index"].tolist()]
         width = max(len(r["ids"]) for r in rows)
         pad = self.tokenizer.pad_token_id

@@ -68,7 +68,8 @@ def compute_metrics(
             batch = distributed.broadcast_tensor_container(batch, src_rank=layout.dp_head, group=mp_group)
         if batch is None:
             break
-        sums = evaluator.batch_sums(batch)
+        with torch.inference_mode():
+            sums = evaluator.batch_sums(batch)
         done += 1
         _inject_fault(done)
         if layout.is_dp_head:  # model-parallel peers computed the same batch: count it once
