@@ -20,6 +20,7 @@ instead): a CUDA context does not survive ``fork``, so each rank initializes its
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import os
 import time
@@ -66,6 +67,11 @@ def preload(module: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Importing torch and transformers allocates millions of objects, and the collections they
+    # trigger find no garbage: off until the imports are done, the agent starts in about a fifth
+    # less CPU. The imported heap is then frozen, so neither the agent nor a forked rank scans
+    # it again, and a rank's collections leave its shared pages uncopied.
+    gc.disable()
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
@@ -84,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.register(STACKS_SIGNAL, all_threads=True)
     config, _, _ = torchrun.config_from_args(args)
     preload(args.training_script)
+    gc.freeze()
+    gc.enable()
     record(elastic_launch(config, run_main))(args.training_script, *args.training_script_args)
 
 
