@@ -80,8 +80,9 @@ class NodeLayout:
 
 
 STACKS_SIGNAL = signal.SIGUSR1
-"""``kill -USR1 -<pgid>`` makes every process of a forked-rank job print its Python stacks to the
-job's log (:mod:`areal_eval.forked_ranks` registers :mod:`faulthandler` for it)."""
+"""``kill -USR1 <pid>`` makes a process of a forked-rank job (its agent or a rank) print its
+threads' Python stacks to the job's log (:mod:`areal_eval.forked_ranks` registers
+:mod:`faulthandler` for it)."""
 
 FORK_RANKS_ENV = "AREAL_EVAL_FORK_RANKS"
 """``0``: plain torchrun, each rank a fresh interpreter (the way out if forking ever misbehaves)."""
@@ -271,24 +272,34 @@ class TorchrunJob:
         if not self.dumps_stacks or self.proc.poll() is not None:
             return
         try:
-            os.killpg(self.proc.pid, STACKS_SIGNAL)
-        except ProcessLookupError:
+            agent = psutil.Process(self.proc.pid)
+            processes = [agent, *agent.children(recursive=True)]
+        except psutil.Error:
             return
-        time.sleep(0.5)  # faulthandler writes from the signal handler at once; let every process get to it
+        for process in processes:  # one at a time: dumps written at once interleave in the shared log
+            try:
+                process.send_signal(STACKS_SIGNAL)
+            except psutil.Error:
+                continue
+            time.sleep(0.2)  # faulthandler writes from the signal handler itself, in a few milliseconds
 
     def wait(self, timeout_s: float | None) -> int:
         """Wait for exit; on timeout dump the stacks to the log, kill the group and raise WorkerError."""
         try:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.dump_stacks()
-            self.kill()
-            raise WorkerError(
-                f"torchrun job timed out after {timeout_s:.0f}s and was killed; "
-                f"log {self.log_path}:\n{log_tail(self.log_path)}"
-            ) from None
+            self.time_out(timeout_s)
         self._reap_group()
         return code
+
+    def time_out(self, timeout_s: float) -> None:
+        """The job ran past ``timeout_s``: dump its stacks to the log, kill it, raise WorkerError."""
+        self.dump_stacks()
+        self.kill()
+        raise WorkerError(
+            f"torchrun job timed out after {timeout_s:.0f}s and was killed; "
+            f"log {self.log_path}:\n{log_tail(self.log_path)}"
+        ) from None  # the subprocess.TimeoutExpired it may be raised from says nothing more
 
     def raise_for_status(self, what: str) -> None:
         code = self.proc.returncode

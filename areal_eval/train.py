@@ -173,8 +173,8 @@ def wait_for_exit(
                 f"training finished ({train_log} says done) but had not exited {done_grace_s:.0f}s later; "
                 f"killed, its stacks are in {job.log_path}"
             )
-        if now > deadline:
-            job.wait(0)  # dumps the stacks, kills and raises
+        if done_at is None and now > deadline:
+            job.time_out(timeout_s)
         time.sleep(0.1)
     job.wait(None)  # reaps what is left of its process group
     job.raise_for_status("training")

@@ -1,6 +1,7 @@
 """Real DDP training over torchrun (2 ranks, gloo)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -134,9 +135,29 @@ def test_a_training_job_that_finished_but_does_not_exit_is_killed_with_its_stack
     assert warning and "says done" in warning and str(tmp_path / "train.log") in warning
     assert time.monotonic() - started < 300  # the grace, not the timeout, ended the wait
     assert not group_alive(job.proc.pid)
-    # Both ranks and the agent printed where they were: the rank's frame names the stuck line.
+    # Both ranks and the agent printed where they were (faulthandler's stacks read "most recent
+    # call first", a traceback "last"), the ranks naming the stuck line.
     dumped = (tmp_path / "train.log").read_text()
-    assert dumped.count("hang_after_done.py") >= 2 and "in main" in dumped, dumped[-3000:]
+    assert dumped.count("(most recent call first)") >= 3, dumped[-3000:]
+    assert re.search(r'hang_after_done\.py", line \d+ in main', dumped), dumped[-3000:]  # no comma: not a traceback
+
+
+def test_a_training_job_that_hangs_before_its_done_row_times_out_with_its_stacks_in_the_log(tmp_path):
+    import time
+
+    from areal_eval.launcher import WorkerError, group_alive
+    from areal_eval.train import wait_for_exit
+
+    log, job_log = tmp_path / "train_log.jsonl", tmp_path / "train.log"
+    job = TorchrunJob("tests.hang_after_done", [str(log), "--no-done"], 1, job_log)
+    deadline = time.monotonic() + 120
+    while "hanging" not in (job_log.read_text() if job_log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(WorkerError, match="timed out after 1s"):
+        wait_for_exit(job, log, timeout_s=1)
+    assert not group_alive(job.proc.pid)
+    dumped = job_log.read_text()
+    assert re.search(r'hang_after_done\.py", line \d+ in main', dumped), dumped[-3000:]
 
 
 def test_a_training_job_that_fails_after_its_done_row_still_fails(tmp_path):
