@@ -67,6 +67,10 @@ def preload(module: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from areal_eval.launcher import STACKS_SIGNAL
+
+    # Inherited by the forked ranks: a job that should have ended shows where it is stuck.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     # Importing torch and transformers allocates millions of objects, and the collections they
     # trigger find no garbage: off until the imports are done, the agent starts in about a fifth
     # less CPU. The imported heap is then frozen, so neither the agent nor a forked rank scans
@@ -76,8 +80,6 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
 
-    from areal_eval.launcher import STACKS_SIGNAL
-
     args = torchrun.parse_args(argv)
     if not args.module:
         raise SystemExit("areal_eval.forked_ranks runs a module: -m MODULE")
@@ -86,8 +88,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.master_port is None:
         args.master_port = 29500
     args.start_method = "fork"
-    # Inherited by the forked ranks: a job that should have ended shows where it is stuck.
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     config, _, _ = torchrun.config_from_args(args)
     preload(args.training_script)
     gc.freeze()
