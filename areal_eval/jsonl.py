@@ -88,6 +88,19 @@ def loads(raw: str | bytes, path: str | Path, lineno: int) -> Any:
         raise JsonlError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
 
 
+def loads_skipping_torn(lines: list[tuple[int, bytes]], path: str | Path) -> tuple[list[tuple[int, Any]], list[str]]:
+    """(line number, parsed row) for each of ``lines`` (from :func:`read_complete`) that is JSON,
+    and a ``path:line: why`` for each that is not: a line torn by a writer that crashed mid-append
+    (closed by the next append) is skipped, not fatal, in a file a run appends to."""
+    parsed, problems = [], []
+    for lineno, raw in lines:
+        try:
+            parsed.append((lineno, loads(raw, path, lineno)))
+        except JsonlError as exc:
+            problems.append(f"{exc}: skipped (torn or corrupt line)")
+    return parsed, problems
+
+
 def rows(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed row) for every non-blank line of a whole file, the last one too."""
     with Path(path).open(encoding="utf-8") as fh:

@@ -51,17 +51,13 @@ class Ledger:
         self.path = Path(path)
         self._lock = threading.RLock()
         self._latest: dict[int, LedgerEntry] = {}
-        self.problems: list[str] = []
+        chunk = jsonl.read_complete(self.path)
+        parsed, problems = jsonl.loads_skipping_torn(chunk.lines, self.path)
+        self.problems: list[str] = problems
         """Lines skipped on reading, as ``path:line: why``: a line that is not JSON was torn by a
         crash mid-append (the entry before it for that step stands, so nothing is taken as done
         that was not); a JSON line with the wrong fields is an error, raised."""
-        chunk = jsonl.read_complete(self.path)
-        for lineno, raw in chunk.lines:
-            try:
-                row = jsonl.loads(raw, self.path, lineno)
-            except jsonl.JsonlError as exc:
-                self.problems.append(f"{exc}: skipped (torn or corrupt line)")
-                continue
+        for lineno, row in parsed:
             try:
                 entry = LedgerEntry(**row)
             except TypeError as exc:

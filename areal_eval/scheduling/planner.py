@@ -127,13 +127,9 @@ class JsonlFollower:
     def poll(self) -> list[dict]:
         chunk = jsonl.read_complete(self.path, self._offset, self._line)
         self._offset, self._line = chunk.offset, chunk.line
-        rows = []
-        for lineno, raw in chunk.lines:
-            try:
-                rows.append(jsonl.loads(raw, self.path, lineno))
-            except jsonl.JsonlError as exc:
-                self._problems.append(f"{exc}: skipped (torn or corrupt line)")
-        return rows
+        parsed, problems = jsonl.loads_skipping_torn(chunk.lines, self.path)
+        self._problems += problems
+        return [row for _, row in parsed]
 
     def take_problems(self) -> list[str]:
         """Lines skipped since the last call, each as ``path:line: why``."""
