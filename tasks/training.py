@@ -27,10 +27,9 @@ def start_training(cfg: PipelineConfig, run: RunDir) -> TorchrunJob:
 
 
 @task(cache_policy=NO_CACHE, name="wait-for-training")
-def wait_for_training(job: TorchrunJob, train_log: Path, timeout_s: float = 120) -> int:
+def wait_for_training(job: TorchrunJob, train_log: Path, timeout_s: float = 120) -> None:
     """Training has announced its final checkpoint; collect its exit status (a job stuck after
     its ``done`` row is killed with a warning: :func:`areal_eval.train.wait_for_exit`)."""
     warning = wait_for_exit(job, train_log, timeout_s)
     if warning:
         get_run_logger().warning(warning)
-    return 0
