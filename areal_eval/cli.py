@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad input or a file that cannot be read: said, not a traceback
         print(f"areal-eval: {exc}", file=sys.stderr)
         return 2
 

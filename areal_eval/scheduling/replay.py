@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import statistics
 from pathlib import Path
@@ -63,7 +64,11 @@ class Curve:
 
 def read_curves(path: str | Path) -> list[Curve]:
     """Curves JSONL (``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``;
-    optionally ``subset_fraction`` and, per point, ``subset_value`` and ``subset_stderr``)."""
+    optionally ``subset_fraction`` and, per point, ``subset_value`` and ``subset_stderr``).
+
+    A stderr that is missing or 0 counts as ``DEFAULT_STDERR``, as the scheduler's
+    ``default_stderr`` does in the pipeline; a value or stderr that is NaN, infinite or (stderr)
+    negative is refused, naming the line and point, since every score divides by the stderr."""
     curves = []
     for lineno, row in jsonl.rows(path):
         try:
@@ -83,6 +88,13 @@ def read_curves(path: str | Path) -> list[Curve]:
             raise ValueError(f"{path}:{lineno}: bad curve: {exc!r}") from exc
         if not points or any(b.step <= a.step for a, b in zip(points, points[1:], strict=False)):
             raise ValueError(f"{path}:{lineno}: points must be non-empty and sorted by step")
+        for i, p in enumerate(points):
+            numbers = (p.value, p.stderr, *(p.subset or ()))
+            if not all(math.isfinite(x) for x in numbers) or p.stderr < 0 or (p.subset and p.subset[1] < 0):
+                raise ValueError(
+                    f"{path}:{lineno}: point {i} (step {p.step}) needs a finite value and a finite stderr >= 0, "
+                    f"got value {p.value}, stderr {p.stderr}" + (f", subset {p.subset}" if p.subset else "")
+                )
         curves.append(curve)
     if not curves:
         raise ValueError(f"{path}: no curves")

@@ -73,6 +73,23 @@ def test_bad_curve_file_names_the_line(tmp_path):
     with pytest.raises(ValueError, match="c.jsonl:2"):
         replay.read_curves(f)
     assert cli.main(["replay", str(f)]) == 2
+    assert cli.main(["replay", str(tmp_path / "missing.jsonl")]) == 2
+
+
+@pytest.mark.parametrize(
+    "point", [{"value": "NaN"}, {"value": "Infinity"}, {"stderr": -0.01}, {"stderr": "NaN"}], ids=str
+)
+def test_a_point_that_no_score_can_use_is_refused_naming_line_and_point(tmp_path, point):
+    f = tmp_path / "c.jsonl"
+    good = {"step": 0, "value": 0.5, "stderr": 0.01}
+    bad = {**good, "step": 5, **point}
+    f.write_text(
+        "".join(
+            json.dumps({"curve": name, "points": points}) + "\n" for name, points in [("a", [good]), ("b", [good, bad])]
+        )
+    )
+    with pytest.raises(ValueError, match=r"c.jsonl:2: point 1 \(step 5\)"):
+        replay.read_curves(f)
 
 
 def replay_against_fixed(curves, capsys) -> dict:
