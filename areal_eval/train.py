@@ -353,6 +353,7 @@ def train(spec: TrainJobSpec) -> None:
             + "\n"
         )
         log.close()
+    del ddp  # before the group goes: see distributed.shutdown
     distributed.shutdown()
 
 

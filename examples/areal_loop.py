@@ -56,6 +56,7 @@ def main() -> None:
             global_step += 1
     if distributed.rank() == 0:
         print(f"published steps {evaluator.published} to {args.run_dir / 'manifest.jsonl'}")
+    del ddp  # free the DDP wrapper before the group goes (see distributed.shutdown)
     distributed.shutdown()
 
 

@@ -43,6 +43,7 @@ def main() -> None:
                 final=step == args.steps,
                 valid_data=valid_path,
             )
+    del ddp  # free the DDP wrapper before the group goes (see distributed.shutdown)
     distributed.shutdown()
 
 

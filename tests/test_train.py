@@ -39,16 +39,21 @@ def test_training_log_has_loss_at_global_steps(trained_run):
     assert done["done"] and done["blocked_s"] < done["train_s"]
 
 
-def test_stop_request_ends_training_at_the_next_step(tmp_path):
+def test_stop_request_ends_training_at_the_next_step_and_no_ddp_model_outlives_the_group(tmp_path):
     cfg = tiny_config(tmp_path, train={"max_steps": 1000, "epochs": 50, "save": {"eval_before_train": False}})
     run = prepare_run(cfg)
     StopSignal(run.stop_file).request("alert accuracy-regression")
-    job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], 2, run.logs / "train.log")
+    # areal_eval.train, counting the DDP models alive as each rank leaves the group.
+    job = TorchrunJob("tests.train_counting_ddp", ["--config", str(run.train_config)], 2, run.logs / "train.log")
     job.wait(300)
     job.raise_for_status("training")
     [final] = Manifest(run.manifest).events()
     assert final.final and final.global_step == 1
     assert final.train_metrics["stopped"] == "alert accuracy-regression"
+    log = (run.logs / "train.log").read_text()
+    assert sorted(re.findall(r"rank (\d) leaves the group with (\d+) DDP", log)) == [("0", "0"), ("1", "0")], log[
+        -2000:
+    ]
 
 
 def run_training(run, timeout_s=300):
