@@ -57,7 +57,8 @@ class TrackingConfig:
 def mlflow_run_url(cfg: TrackingConfig, tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """The run's page in the MLflow UI."""
     base = cfg.ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    # MLflow 3's UI opens in its GenAI view (traces, all empty here) unless told otherwise.
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, work_root: str | Path) -> str:
@@ -68,6 +69,12 @@ def resolve_tracking_uri(cfg: TrackingConfig, work_root: str | Path) -> str:
     return f"sqlite:///{Path(work_root).resolve() / 'mlflow.db'}"
 
 
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+"""The experiment's kind in MLflow 3: model training (runs and metric charts), not GenAI (traces,
+token usage: all empty here). MLflow 3.17's UI decides its view by a workflow switch instead (our
+links set it: :func:`mlflow_run_url`); the tag says the same to tools that read it."""
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
         from mlflow.tracking import MlflowClient
@@ -75,7 +82,13 @@ class Tracker:
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri=tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment, artifact_location)
+        if exp is None:
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location, tags=EXPERIMENT_TAGS)
+        else:
+            self.experiment_id = exp.experiment_id
+            for key, value in EXPERIMENT_TAGS.items():  # an experiment made before: kept if set otherwise
+                if key not in exp.tags:
+                    self.client.set_experiment_tag(self.experiment_id, key, value)
         self._train_through: dict[str, int] = {}
         self._eval_logged: dict[tuple[str, str], set[int]] = {}
 

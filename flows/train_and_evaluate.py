@@ -207,9 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{cfg.scheduler.metric} by step: {curve}")
     print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")
-    print(
-        f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}   then open http://127.0.0.1:5000"
-    )
+    print(f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}")
+    print(f"  then open {summary['mlflow_url']}")
     print(f"Run files: {summary['run_dir']}")
     return 0
 

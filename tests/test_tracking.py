@@ -3,7 +3,14 @@
 import pytest
 
 from areal_eval.runs.ledger import LedgerEntry
-from areal_eval.tracking import TRAIN_WATERMARK_TAG, Tracker, TrackingConfig, plot_curve, resolve_tracking_uri
+from areal_eval.tracking import (
+    TRAIN_WATERMARK_TAG,
+    Tracker,
+    TrackingConfig,
+    mlflow_run_url,
+    plot_curve,
+    resolve_tracking_uri,
+)
 from tests.helpers import sqlite_mlflow_uri
 
 
@@ -18,6 +25,27 @@ def test_one_run_per_training_run_with_params(tracker):
     assert tracker.start_run("demo-2", {}) != run_id
     params = tracker.client.get_run(run_id).data.params
     assert params["train.lr"] == "0.001" and params["train.save.freq_steps"] == "25"
+
+
+def test_the_experiment_opens_as_model_training_in_the_ui_unless_its_kind_was_set(tracker, tmp_path):
+    kind = "mlflow.experimentKind"
+    assert tracker.client.get_experiment(tracker.experiment_id).tags[kind] == "custom_model_development"
+    made_before = tracker.client.create_experiment("made-before")  # by an older version: no kind
+    assert Tracker(tracker.tracking_uri, "made-before").client.get_experiment(made_before).tags[kind] == (
+        "custom_model_development"
+    )
+    tracker.client.set_experiment_tag(made_before, kind, "finetuning")  # the user's choice stays
+    assert Tracker(tracker.tracking_uri, "made-before").client.get_experiment(made_before).tags[kind] == "finetuning"
+
+
+def test_links_open_the_run_in_the_uis_model_training_view():
+    url = "/#/experiments/1/runs/abc?workflowType=machine_learning"  # not MLflow 3's GenAI view
+    assert mlflow_run_url(TrackingConfig(), "sqlite:///m.db", "1", "abc") == "http://127.0.0.1:5000" + url
+    assert mlflow_run_url(TrackingConfig(), "http://mlflow:5000/", "1", "abc") == "http://mlflow:5000" + url
+    assert (
+        mlflow_run_url(TrackingConfig(ui_url="https://ml.example"), "http://x", "1", "abc")
+        == "https://ml.example" + url
+    )
 
 
 def test_flow_runs_starting_at_once_share_one_mlflow_run(tracker, tmp_path):
