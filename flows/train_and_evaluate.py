@@ -103,11 +103,13 @@ def train_and_evaluate(
         tag_flow_run(f"run:{run.run_id}", f"evaluator:{cfg.eval.evaluator}")
         for orphan in crash_orphaned_runs("train-and-evaluate", f"run:{run.run_id}"):
             print(f"flow run {orphan!r} of this run had died without ending: marked Crashed")
-        mlflow_run_id = start_tracking(cfg, run)
         external = cfg.train.external  # your own trainer publishes to this run's manifest
+        # Training first: it never waits for MLflow (a new store's set-up, a server retried).
         training = None if external or training_finished(run, run.run_id) else start_training(cfg, run)
         failure: BaseException | None = None
+        mlflow_run_id = None
         try:
+            mlflow_run_id = start_tracking(cfg, run)
             follow_and_evaluate(cfg, run, mlflow_run_id, training)
             if training is not None:
                 wait_for_training(training, run.train_log)
@@ -124,6 +126,8 @@ def train_and_evaluate(
             mark_over(run)
             share_run_record(cfg, run)
             return summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
+        if mlflow_run_id is None:  # MLflow could not be reached to start with: nothing to record there
+            raise failure
         try:  # best effort: the run's own failure is what gets raised
             finish_tracking(cfg, mlflow_run_id, ledger, plot, status, repr(failure))
             summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)

@@ -318,6 +318,24 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
     assert train_steps == [2, 4, 6, 8, 10, 12]
 
 
+def test_training_starts_before_mlflow_is_reached_and_ends_with_the_flow_when_it_cannot_be(
+    prefect_server, tmp_path, monkeypatch
+):
+    import psutil
+
+    from flows.train_and_evaluate import train_and_evaluate
+    from tests.helpers import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the client gives up at once
+    cfg = tiny_config(tmp_path, tracking={"tracking_uri": f"http://127.0.0.1:{free_port()}"})  # nothing there
+    state = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))), return_state=True)
+    assert state.is_failed() and "127.0.0.1" in str(state.message) + repr(state.result(raise_on_failure=False))
+    run = RunDir(cfg.run_root)
+    assert (run.logs / "train.log").exists()  # training was started, not held back by MLflow
+    config = str(run.train_config)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if config in " ".join(p.info["cmdline"] or [])]
+
+
 def test_main_hands_its_run_lock_to_the_flow_so_no_owner_slips_in_between(tmp_path):
     import flows.train_and_evaluate as module
 
