@@ -75,8 +75,8 @@ def shutdown(clean: bool = True) -> None:
     and freed after this, it drops the group's last reference with the GIL held: the group's
     destructor then waits for a gloo thread that is freeing the barrier's tensors and needs the
     GIL, and the rank hangs after its work is done (seen with py-spy in about 1 training job in
-    60 under load; pytorch/pytorch#56297). Freed before, the group's last
-    reference goes with ``destroy_process_group``, whose binding lets go of the GIL."""
+    60 under load; pytorch/pytorch#56297). Freed before, the group's last reference goes with
+    ``destroy_process_group``, whose binding lets go of the GIL."""
     if dist.is_initialized():
         if clean and world_size() > 1:
             dist.barrier()
