@@ -57,11 +57,12 @@ class LoopIO(Protocol):
     def announce(self, event: CheckpointEvent) -> None:
         """A new durable checkpoint (emit its event for automations and the UI)."""
 
-    def submit(self, event: CheckpointEvent, reason: str) -> EvaluationHandle:
-        """Start evaluating ``event``; returns at once."""
+    def submit(self, event: CheckpointEvent, reason: str, probe: bool = False) -> EvaluationHandle:
+        """Start evaluating ``event`` (``probe``, passed only with probes on: on the probe subset
+        only); returns at once."""
 
     def log_result(self, result: EvalResult, reason: str) -> None:
-        """Record a finished evaluation (metrics at its own step)."""
+        """Record a finished evaluation (metrics at its own step; a probe's as ``eval_probe/*``)."""
 
     def send_alert(self, alert: Alert) -> None: ...
 
@@ -108,6 +109,7 @@ class _InFlight:
     event: CheckpointEvent
     handle: EvaluationHandle
     reason: str
+    probe: bool = False
 
 
 def _favour_the_decision_thread() -> None:
@@ -166,7 +168,8 @@ class FollowLoop:
         for problem in self.planner.ledger.problems:
             self.io.warn(problem)
         for entry in self.planner.undelivered():  # results a killed run evaluated but never delivered
-            self.delivery.add_result(EvalResult(entry.step, entry.uri, entry.metrics, 0.0), entry.reason)
+            result = EvalResult(entry.step, entry.uri, entry.metrics, 0.0, probe_metrics=entry.probe_metrics)
+            self.delivery.add_result(result, entry.reason)
         try:
             with DecisionThread(self.planner, self.follower) as decisions:
                 training_error = self._follow(decisions)
@@ -229,7 +232,7 @@ class FollowLoop:
             decided = decisions.drain(timeout_s=self.cfg.poll_interval_s)
 
     def _log_decision(self, event: CheckpointEvent, decision: Decision) -> None:
-        verdict = "evaluate" if decision.evaluate else "skip"
+        verdict = "probe" if decision.probe else "evaluate" if decision.evaluate else "skip"
         self.io.info(f"checkpoint step {event.global_step}: {verdict} ({decision.reason})")
 
     def _collect_finished(self) -> bool:
@@ -245,10 +248,14 @@ class FollowLoop:
         try:
             result = done.handle.result()
         except Exception as exc:  # noqa: BLE001 - recorded as failed, alerted, the loop goes on
-            self.planner.failed(done.event, str(exc))
+            self.planner.failed(done.event, f"probe failed: {exc}" if done.probe else str(exc))
             alerts = self.alerts.check(step, None, str(exc))
         else:
-            self.planner.evaluated(done.event, result.metrics, delivered=self.cfg.results_logged_by_evaluator)
+            if done.probe:
+                return self._collect_probe(done.event, result)
+            self.planner.evaluated(
+                done.event, result.metrics, self.cfg.results_logged_by_evaluator, result.probe_metrics
+            )
             if not self.cfg.results_logged_by_evaluator:
                 self.delivery.add_result(result, done.reason)
             alerts = self.alerts.check(step, result.metrics)
@@ -258,12 +265,26 @@ class FollowLoop:
             except Exception as exc:  # noqa: BLE001 - a side fault: warned about, the run goes on
                 self.io.warn(f"alert {alert.rule} at step {alert.step} could not be sent: {exc!r}")
 
+    def _collect_probe(self, event: CheckpointEvent, result: EvalResult) -> None:
+        """A probe is not a result (no alert judges it): held, it is logged as ``eval_probe/*``;
+        escalated, the full evaluation it queued logs the subset again with the result."""
+        decision = self.planner.probed(event, result.probe_metrics)
+        self._log_decision(event, decision)
+        if decision.evaluate:
+            return
+        if self.cfg.results_logged_by_evaluator:
+            self.planner.delivered(event.global_step)
+        else:
+            self.delivery.add_result(result, decision.reason)
+
     def _start_evaluations(self) -> None:
         while len(self.in_flight) < self.cfg.slots and (
             event := self.planner.next(self.cfg.slots - len(self.in_flight))
         ):
             reason = self.planner.ledger.latest(event.global_step).reason
-            self.in_flight.append(_InFlight(event, self.io.submit(event, reason), reason))
+            probe = self.planner.is_probe(event.global_step)
+            handle = self.io.submit(event, reason, probe=True) if probe else self.io.submit(event, reason)
+            self.in_flight.append(_InFlight(event, handle, reason, probe))
 
     def _apply_retention(self) -> None:
         sched = self.planner.cfg

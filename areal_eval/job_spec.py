@@ -68,6 +68,11 @@ class EvalJobSpec(EvaluatorSettings):
     """S3 client settings for an ``s3://`` checkpoint."""
     launched_at: float = 0.0
     """The launcher's wall time, for latency records."""
+    probe_fraction: float | None = None
+    """With probes: evaluate the probe subset (this share of the items) and the rest apart, and
+    report the subset's metrics as ``probe_metrics`` too. None: the whole set at once."""
+    probe_only: bool = False
+    """A probe: the subset only (``metrics`` empty)."""
 
 
 def to_json(spec) -> dict:

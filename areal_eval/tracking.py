@@ -30,6 +30,8 @@ splits a ``log_batch`` past 1,000 entities and sends the tags with the *first* r
 between requests would leave a watermark over points never logged. One request each keeps both
 together."""
 EVAL_PREFIX = "eval/"
+PROBE_PREFIX = "eval_probe/"
+"""Probe results (and the subset part of full evaluations, with probes): never posing as ``eval/``."""
 BEST_ALIAS = "best"
 """The registered model's alias that follows the best evaluated checkpoint."""
 TRAIN_PREFIX = "train/"
@@ -177,21 +179,28 @@ class Tracker:
         return {m.step for m in self.client.get_metric_history(run_id, EVAL_PREFIX + key)}
 
     def log_evaluation(
-        self, run_id: str, step: int, metrics: dict, tags: dict | None = None, marker: str = "n_pairs"
+        self,
+        run_id: str,
+        step: int,
+        metrics: dict,
+        tags: dict | None = None,
+        marker: str = "n_pairs",
+        prefix: str = EVAL_PREFIX,
     ) -> bool:
-        """Log one checkpoint's metrics at ``step``; False (and nothing logged) if already there."""
+        """Log one checkpoint's metrics at ``step`` as ``prefix + name``; False (and nothing
+        logged) if already there."""
         from mlflow.entities import Metric, RunTag
 
-        key = marker if marker in metrics else sorted(metrics)[0]
+        key = prefix + (marker if marker in metrics else sorted(metrics)[0])
         if (run_id, key) not in self._eval_logged:
-            self._eval_logged[run_id, key] = self.eval_steps(run_id, key)
+            self._eval_logged[run_id, key] = {m.step for m in self.client.get_metric_history(run_id, key)}
         logged = self._eval_logged[run_id, key]
         if step in logged:
             return False
         now = int(time.time() * 1000)
         self.client.log_batch(
             run_id,
-            metrics=[Metric(EVAL_PREFIX + k, float(v), now, step) for k, v in sorted(metrics.items())],
+            metrics=[Metric(prefix + k, float(v), now, step) for k, v in sorted(metrics.items())],
             tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
         )
         logged.add(step)
@@ -247,6 +256,16 @@ class Tracker:
 
     def eval_history(self, run_id: str, metric: str) -> dict[int, float]:
         return {m.step: m.value for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}
+
+    def step_metrics(self, run_id: str, step: int, logged: dict, prefix: str = EVAL_PREFIX) -> dict[str, float]:
+        """The metrics named ``prefix + name`` at ``step``, by name; ``logged``: the run's latest
+        metrics (``get_run(...).data.metrics``), which name every key logged."""
+        values = {}
+        for key in (k for k in logged if k.startswith(prefix)):
+            at = {m.step: m.value for m in self.client.get_metric_history(run_id, key)}
+            if step in at:
+                values[key.removeprefix(prefix)] = at[step]
+        return values
 
     def scheduler_history(self, run_id: str, metric: str, stderr_metric: str | None):
         """Past evaluations as the scheduler's history: triggered runs share state through MLflow."""

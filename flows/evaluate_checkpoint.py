@@ -59,6 +59,7 @@ def evaluate_checkpoint(
     reason: str | None = None,
     gpu_slot: str | None = None,
     dispatched: bool = False,
+    probe: bool = False,
 ) -> dict:
     """Decide on the checkpoint at ``global_step`` of ``manifest``; evaluate it if chosen.
 
@@ -76,6 +77,8 @@ def evaluate_checkpoint(
         gpu_slot: a Prefect global concurrency limit held while evaluating (e.g. ``gpu:0``).
         dispatched: sent by a ``train-and-evaluate`` flow that decides and records itself: only
             evaluate and log the metrics.
+        probe: with ``dispatched``, a probe: evaluate the probe subset only
+            (``scheduler.probe_fraction``) and log it as ``eval_probe/*``.
     """
     logger = get_run_logger()
     cfg = load_pipeline_config(params=set_fields(params))
@@ -86,10 +89,10 @@ def evaluate_checkpoint(
     published = Manifest(local_manifest)
     if dispatched:
         event = published.find(global_step)
-        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot)
+        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot, probe)
         mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
         log_evaluation(cfg, mlflow_run_id, result, reason or "dispatched")
-        return {"global_step": global_step, "evaluated": True, "metrics": result.metrics}
+        return {"global_step": global_step, "evaluated": not probe, "metrics": result.metrics}
     owner = owner_of(run)
     if owner:  # e.g. the trigger, for a trainer's event while train-and-evaluate follows its run
         logger.info(f"checkpoint step {global_step}: left to its owner: {owner}")
@@ -108,7 +111,9 @@ def evaluate_checkpoint(
     log_decisions(cfg, mlflow_run_id, decided, record)
     logger.info("step %d: %s (%s)", global_step, "evaluate" if claim.evaluate else "nothing to do", claim.reason)
     summary = {"global_step": global_step, "evaluated": claim.evaluate, "reason": claim.reason, "refined": []}
-    if claim.evaluate:
+    if claim.evaluate and claim.probe:
+        summary |= probe_and_record(cfg, record, event, data_path, run, mlflow_run_id, gpu_slot)
+    elif claim.evaluate:
         summary["metrics"] = evaluate_and_record(
             cfg, record, event, claim.reason, data_path, run, mlflow_run_id, gpu_slot
         ).metrics
@@ -172,10 +177,43 @@ def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[Checkpo
 
 
 def evaluate_one(
-    cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None
+    cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None, probe: bool = False
 ) -> EvalResult:
     with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
-        return score_now(event, data, cfg, run.evals)
+        return score_now(event, data, cfg, run.evals, probe)
+
+
+def probe_and_record(
+    cfg: PipelineConfig,
+    record: RunRecord,
+    event: CheckpointEvent,
+    data_path: str | None,
+    run: RunDir,
+    mlflow_run_id: str,
+    gpu_slot: str | None,
+) -> dict:
+    """Probe the checkpoint, as the in-flow loop does: held, the probe is logged as
+    ``eval_probe/*`` and the checkpoint stays skipped; escalated, this flow run evaluates it in
+    full. A failed probe is recorded and alerted on as a failed evaluation, then raised."""
+    try:
+        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot, probe=True)
+    except Exception as exc:
+        for alert in record.record(event, None, f"probe failed: {exc}"):
+            send_alert(alert, cfg, mlflow_run_id, run)
+        raise
+    decision = record.probed(event, result.probe_metrics)
+    get_run_logger().info("step %d: %s", event.global_step, decision.reason)
+    if decision.evaluate:
+        full = evaluate_and_record(cfg, record, event, decision.reason, data_path, run, mlflow_run_id, gpu_slot)
+        return {
+            "evaluated": True,
+            "reason": decision.reason,
+            "probe_metrics": result.probe_metrics,
+            "metrics": full.metrics,
+        }
+    log_evaluation(cfg, mlflow_run_id, result, decision.reason)
+    record.delivered(event.global_step)
+    return {"evaluated": False, "reason": decision.reason, "probe_metrics": result.probe_metrics}
 
 
 def evaluate_and_record(
@@ -197,7 +235,7 @@ def evaluate_and_record(
         for alert in record.record(event, None, str(exc)):
             send_alert(alert, cfg, mlflow_run_id, run)
         raise
-    alerts = record.record(event, result.metrics)
+    alerts = record.record(event, result.metrics, probe_metrics=result.probe_metrics)
     update_evaluation_table(cfg, event.run_id, Ledger(run.ledger))
     for alert in alerts:
         send_alert(alert, cfg, mlflow_run_id, run)

@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nDone in {minutes:.1f} min. Checkpoints: {summary['checkpoints']} "
         f"(evaluated {summary['evaluated']}, skipped {summary['skipped']}, "
         f"superseded {summary['superseded']}, failed {summary['failed']})"
+        + (f"; probes {summary['probed']} (escalated {summary['escalated']})" if "probed" in summary else "")
     )
     print(f"{cfg.scheduler.metric} by step: {curve}")
     print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")

@@ -58,11 +58,11 @@ class PrefectLoopIO:
     def announce(self, event: CheckpointEvent) -> None:
         announce_checkpoint(event, self.run.manifest)
 
-    def submit(self, event: CheckpointEvent, reason: str) -> TaskHandle:
+    def submit(self, event: CheckpointEvent, reason: str, probe: bool = False) -> TaskHandle:
         if self.cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
-            return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg, reason))
+            return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg, reason, probe))
         data = event.valid_data or self.run.valid_data  # what the publisher named, else the run's own
-        return TaskHandle(submit_scoring(event, data, self.cfg, self.run.evals, self.workers))
+        return TaskHandle(submit_scoring(event, data, self.cfg, self.run.evals, self.workers, probe))
 
     def log_result(self, result: EvalResult, reason: str) -> None:
         log_evaluation(self.cfg, self.mlflow_run_id, result, reason, (self.run, self.run.run_id))

@@ -14,7 +14,7 @@ from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import BEST_ALIAS, Tracker, resolve_tracking_uri
+from areal_eval.tracking import BEST_ALIAS, PROBE_PREFIX, Tracker, resolve_tracking_uri
 
 
 def tracker_for(cfg: PipelineConfig) -> Tracker:
@@ -53,18 +53,19 @@ def log_evaluation(
     cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str, recorded_in: tuple[RunDir, str] | None = None
 ) -> bool:
     """Metrics at ``step=global_step`` plus checkpoint tags; False if the step was already logged.
-    Given where the result is recorded (the run directory and training run id), the checkpoint is
-    also registered if it is the best."""
+    Probe metrics go in as ``eval_probe/*`` (a probe has no others). Given where the result is
+    recorded (the run directory and training run id), the checkpoint is also registered if it
+    is the best."""
     step = result.global_step
     tracker = tracker_for(cfg)
-    logged = tracker.log_evaluation(
-        run_id,
-        step,
-        result.metrics,
-        tags={f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason, "last_evaluated_step": step},
-    )
-    if recorded_in is not None and cfg.tracking.registered_model:
-        register_best(cfg, tracker, run_id, *recorded_in, result)
+    tags = {f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason}
+    logged = False
+    if result.probe_metrics:
+        logged = tracker.log_evaluation(run_id, step, result.probe_metrics, tags=tags, prefix=PROBE_PREFIX)
+    if result.metrics:
+        logged = tracker.log_evaluation(run_id, step, result.metrics, tags=tags | {"last_evaluated_step": step})
+        if recorded_in is not None and cfg.tracking.registered_model:
+            register_best(cfg, tracker, run_id, *recorded_in, result)
     return logged
 
 
@@ -110,7 +111,7 @@ def finish_tracking(
     tracker = tracker_for(cfg)
     tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
     tracker.log_artifact(run_id, plot)
-    tags = {f"checkpoints.{k}": v for k, v in ledger.counts().items()}
+    tags = {f"checkpoints.{k}": v for k, v in (ledger.counts() | ledger.probe_counts()).items()}
     tracker.set_tags(run_id, tags | ({"areal.failure": failure[:5000]} if failure else {}))
     if status is not None:
         tracker.finish(run_id, status)

@@ -48,11 +48,15 @@ def summarize(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str,
         "run_dir": str(run.root),
         "checkpoints": sum(counts.values()),
         **{k: counts.get(k, 0) for k in ("evaluated", "skipped", "superseded", "failed")},
+        **ledger.probe_counts(),
         "curve": [(e.step, round(e.metrics.get(cfg.scheduler.metric, float("nan")), 4)) for e in evaluated],
     }
     url = mlflow_run_url(cfg.tracking, tracking_uri, tracker_for(cfg).experiment_id, mlflow_run_id)
     summary["mlflow_url"] = url  # the demo prints it
-    counts_table = "\n".join(f"| {k} | {counts.get(k, 0)} |" for k in COUNTED if counts.get(k))
+    counts_table = "\n".join(
+        [f"| {k} | {counts.get(k, 0)} |" for k in COUNTED if counts.get(k)]
+        + [f"| {k} (probes) | {n} |" for k, n in ledger.probe_counts().items()]
+    )
     curve_table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
     image = base64.b64encode(plot.read_bytes()).decode()
     create_markdown_artifact(

@@ -15,6 +15,7 @@ from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent
 from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.evaluation.jobs import CorruptCheckpoint, EvalResult, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.worker_pool import WarmWorkerGroups
+from areal_eval.tracking import EVAL_PREFIX, PROBE_PREFIX
 from tasks.mlflow_logging import tracker_for
 
 
@@ -37,12 +38,22 @@ def score_checkpoint(
     cfg: PipelineConfig,
     work_dir: Path,
     workers: WarmWorkerGroups | None = None,
+    probe: bool = False,
 ) -> EvalResult:
     """Fetch the checkpoint, load it on ``cfg.eval.nproc`` ranks (a free group of ``workers``)
-    and reduce its metrics; raises on failure."""
+    and reduce its metrics (``probe``: on the probe subset only); raises on failure."""
     with workers.lease() if workers is not None else contextlib.nullcontext() as group:
         return run_evaluation_job(
-            event, data_path, cfg.eval, work_dir, cfg.model.max_length, cfg.storage.s3, cfg.checkpoint_cache, group
+            event,
+            data_path,
+            cfg.eval,
+            work_dir,
+            cfg.model.max_length,
+            cfg.storage.s3,
+            cfg.checkpoint_cache,
+            group,
+            probe_fraction=cfg.scheduler.probe_fraction,
+            probe_only=probe,
         )
 
 
@@ -65,9 +76,11 @@ def serve_warm_workers(cfg: PipelineConfig, work_dir: Path) -> Iterator[WarmWork
             _process_workers = None
 
 
-def score_now(event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path) -> EvalResult:
+def score_now(
+    event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path, probe: bool = False
+) -> EvalResult:
     """Evaluate now (a task run), on the process's warm workers if it keeps some."""
-    return score_checkpoint.with_options(retries=cfg.eval.retries)(event, data_path, cfg, work_dir, _process_workers)
+    return scoring_task(event, cfg, probe)(event, data_path, cfg, work_dir, _process_workers, probe)
 
 
 def submit_scoring(
@@ -76,8 +89,16 @@ def submit_scoring(
     cfg: PipelineConfig,
     work_dir: Path,
     workers: WarmWorkerGroups | None = None,
+    probe: bool = False,
 ):
-    return score_checkpoint.with_options(retries=cfg.eval.retries).submit(event, data_path, cfg, work_dir, workers)
+    return scoring_task(event, cfg, probe).submit(event, data_path, cfg, work_dir, workers, probe)
+
+
+def scoring_task(event: CheckpointEvent, cfg: PipelineConfig, probe: bool):
+    """``score-checkpoint`` with the run's retries; a probe shows as ``probe-step-N`` in the UI."""
+    if probe:
+        return score_checkpoint.with_options(retries=cfg.eval.retries, task_run_name=f"probe-step-{event.global_step}")
+    return score_checkpoint.with_options(retries=cfg.eval.retries)
 
 
 def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractContextManager:
@@ -89,7 +110,7 @@ def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractCont
 
 @task(cache_policy=NO_CACHE, name="dispatch-evaluation", task_run_name="dispatch-step-{event.global_step}")
 def dispatch_evaluation(
-    event: CheckpointEvent, manifest: Path, pipeline_cfg: PipelineConfig, reason: str
+    event: CheckpointEvent, manifest: Path, pipeline_cfg: PipelineConfig, reason: str, probe: bool = False
 ) -> EvalResult:
     """Run ``evaluate-checkpoint`` on the evaluation pool and wait; it logs the metrics to MLflow
     (read back from there: idempotent, so nothing lands twice). The flow decided, and it records
@@ -99,7 +120,8 @@ def dispatch_evaluation(
         cfg.deployment,
         timeout=cfg.job_timeout_s,
         poll_interval=1,
-        idempotency_key=f"{event.run_id}:{event.global_step}",  # a retried dispatch reuses the run
+        # A retried dispatch reuses the run; a probe and the full evaluation it escalates to are two.
+        idempotency_key=f"{event.run_id}:{event.global_step}" + (":probe" if probe else ""),
         parameters={
             "global_step": event.global_step,
             "manifest": str(manifest),
@@ -107,6 +129,7 @@ def dispatch_evaluation(
             "params": dataclasses.asdict(pipeline_cfg),
             "reason": reason,
             "dispatched": True,
+            "probe": probe,
         },
     )
     if not run.state or not run.state.is_completed():
@@ -115,10 +138,9 @@ def dispatch_evaluation(
         )
     tracker = tracker_for(pipeline_cfg)
     mlflow_run = tracker.find_run(event.run_id)
-    metrics = {
-        k.removeprefix("eval/"): v
-        for k, v in tracker.client.get_run(mlflow_run).data.metrics.items()
-        if k.startswith("eval/")
-    }
-    step_metrics = {k: tracker.eval_history(mlflow_run, k).get(event.global_step) for k in metrics}
-    return EvalResult(event.global_step, event.uri, {k: v for k, v in step_metrics.items() if v is not None}, 0.0)
+    logged = tracker.client.get_run(mlflow_run).data.metrics
+    probe_metrics = tracker.step_metrics(mlflow_run, event.global_step, logged, PROBE_PREFIX)
+    if probe:
+        return EvalResult(event.global_step, event.uri, {}, 0.0, probe_metrics=probe_metrics)
+    metrics = tracker.step_metrics(mlflow_run, event.global_step, logged, EVAL_PREFIX)
+    return EvalResult(event.global_step, event.uri, metrics, 0.0, probe_metrics=probe_metrics)

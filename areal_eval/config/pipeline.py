@@ -76,11 +76,17 @@ class PipelineConfig:
         try:
             produced = produced_metrics(self.eval.evaluator, self.eval)
             # Built once here, so settings an evaluator refuses fail before anything starts.
-            make_evaluator(self.eval.evaluator, self.evaluator_settings)
+            evaluator = make_evaluator(self.eval.evaluator, self.evaluator_settings)
         except FieldError:
             raise
         except (ImportError, AttributeError, ValueError) as exc:
             raise FieldError("eval.evaluator", f"{self.eval.evaluator!r} cannot be loaded: {exc}") from exc
+        if self.scheduler.probe_fraction is not None and not evaluator.supports_subsets:
+            raise FieldError(
+                "scheduler.probe_fraction",
+                f"evaluator {self.eval.evaluator!r} cannot evaluate a subset, which probes need "
+                "(reward_model, generation and lm_loss can; a subclass's batches must read items())",
+            )
         if produced is None:
             return
         watched = [

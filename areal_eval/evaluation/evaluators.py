@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,10 @@ class BaseEvaluator:
 
     shared_models: dict | None = None
     """Models already loaded in this job, by checkpoint: evaluators run together share one."""
+
+    supports_subsets = False
+    """Its ``batches`` read :meth:`items`, so :meth:`select` works: probes need it."""
+    _selected: list[int] | None = None
 
     @classmethod
     def from_settings(cls, settings) -> BaseEvaluator:
@@ -61,6 +66,20 @@ class BaseEvaluator:
     def num_samples(self) -> int:
         raise NotImplementedError
 
+    def select(self, choose: Callable[[int], Iterable[int]] | None) -> None:
+        """Evaluate only the items ``choose(n)`` picks of the ``n`` loaded (indices in load
+        order), or all of them again (None): a probe's subset, and in a full evaluation the
+        subset and the rest apart."""
+        if not self.supports_subsets:
+            raise NotImplementedError(
+                f"evaluator {self.name!r} cannot evaluate a subset (probes need batches that read items())"
+            )
+        self._selected = None if choose is None else sorted(set(choose(self.num_samples())))
+
+    def items(self) -> list[int]:
+        """Indices of the items to evaluate: all, unless :meth:`select` picked some."""
+        return list(range(self.num_samples())) if self._selected is None else self._selected
+
     def batches(self, shard: int, shards: int, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
         """This data-parallel shard's batches (called on data-parallel heads only)."""
         raise NotImplementedError
@@ -79,6 +98,7 @@ class RewardModelEvaluator(BaseEvaluator):
     """Pairwise accuracy, Bradley-Terry loss, chosen/rejected scores and margin."""
 
     name = "reward_model"
+    supports_subsets = True
     metric_names = (
         "accuracy",
         "accuracy_stderr",
@@ -112,7 +132,8 @@ class RewardModelEvaluator(BaseEvaluator):
         from areal_eval import reward_model
         from areal_eval.distributed import shard_range
 
-        indices = shard_range(len(self.pairs), shard, shards)
+        items = self.items()
+        indices = [items[i] for i in shard_range(len(items), shard, shards)]
         # Length-grouped batches: less padding, and scores do not depend on the grouping.
         ordered = sorted(
             indices, key=lambda i: max(len(self.pairs[i]["chosen_ids"]), len(self.pairs[i]["rejected_ids"]))
@@ -177,6 +198,18 @@ def check_metric_names(metrics: dict[str, float], evaluator: str) -> dict[str, f
     return metrics
 
 
+def probe_items(n: int, fraction: float) -> list[int]:
+    """The probe subset of ``n`` items: a fixed random ``fraction`` of them (at least one), the
+    same every time, so a probe and the subset part of a full evaluation score the same items."""
+    k = min(n, max(1, round(fraction * n)))
+    return sorted(random.Random(f"areal-eval probe subset of {n}").sample(range(n), k))
+
+
+def probe_rest(n: int, fraction: float) -> list[int]:
+    """The items :func:`probe_items` leaves out."""
+    return sorted(set(range(n)) - set(probe_items(n, fraction)))
+
+
 def mean_and_stderr(total: float, total_sq: float, n: float) -> tuple[float, float]:
     """Mean of ``n`` values from their sum and sum of squares, and its standard error (the
     scheduler's and alerts' notion of noise; floored so a constant metric is not noise-free)."""
@@ -191,6 +224,11 @@ class CombinedEvaluator(BaseEvaluator):
     def __init__(self, parts: list[BaseEvaluator]):
         self.parts = parts
         self.name = ",".join(p.name for p in parts)
+        self.supports_subsets = all(p.supports_subsets for p in parts)
+
+    def select(self, choose):
+        for part in self.parts:  # each its own subset, of its own items
+            part.select(choose)
 
     def load(self, checkpoint_dir, data_path, allow_pickle=False):
         models: dict = {}

@@ -213,6 +213,7 @@ class GenerationEvaluator(BaseEvaluator):
     each averaged over prompts, with its standard error."""
 
     name = "generation"
+    supports_subsets = True
     metric_names = None  # depend on the config: see declared_metric_names
 
     def __init__(self, cfg: GenerationConfig | None = None):
@@ -272,9 +273,10 @@ class GenerationEvaluator(BaseEvaluator):
         from areal_eval import distributed
 
         per_batch = max(1, batch_size // self.answers_per_prompt)  # a prompt's answers stay together
-        lengths = [len(p) for p in self.prompt_ids]
+        items = self.items()  # a prompt keeps its index (its sampling seeds) in a subset
+        lengths = [len(self.prompt_ids[i]) for i in items]
         for indices in distributed.dealt_batches(lengths, per_batch, shard, shards):
-            yield {"prompt_index": torch.tensor(indices, dtype=torch.long)}
+            yield {"prompt_index": torch.tensor([items[i] for i in indices], dtype=torch.long)}
 
     def batch_sums(self, batch):
         indices = batch["prompt_index"].tolist()

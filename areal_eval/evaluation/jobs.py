@@ -107,6 +107,9 @@ class EvalResult:
     """Wall time the torchrun job was started."""
     workers_started_at: float = 0.0
     """Wall time rank 0 entered its main (after interpreter and torch start-up)."""
+    probe_metrics: dict = dataclasses.field(default_factory=dict)
+    """Metrics on the probe subset, with probes: a probe's (``metrics`` is then empty), or the
+    subset part of a full evaluation. Logged as ``eval_probe/*``."""
 
     def nonfinite(self) -> list[str]:
         return [k for k, v in self.metrics.items() if not math.isfinite(v)]
@@ -121,9 +124,12 @@ def run_evaluation_job(
     s3: S3Config | None = None,
     cache_dir: str | Path | None = None,
     workers: WarmEvalWorkers | None = None,
+    probe_fraction: float | None = None,
+    probe_only: bool = False,
 ) -> EvalResult:
     """Evaluate ``event``'s checkpoint on ``cfg.nproc`` torchrun ranks: the ``workers`` kept warm
-    between evaluations, or a fresh torchrun job.
+    between evaluations, or a fresh torchrun job. With ``probe_fraction`` (probes on) the probe
+    subset is evaluated apart too, or alone (``probe_only``: a probe).
 
     An ``s3://`` checkpoint is downloaded once per node into ``cache_dir`` (default
     ``work_dir/checkpoint-cache``) with the ``s3`` client settings.
@@ -151,6 +157,8 @@ def run_evaluation_job(
         allow_pickle=cfg.allow_pickle,
         s3=s3,
         launched_at=time.time(),
+        probe_fraction=probe_fraction,
+        probe_only=probe_only,
     )
     # On a multi-node pool (infra/k8s) the other nodes run ``evaluation.worker --follow`` and get the job from rank 0.
     nodes = NodeLayout.from_env()
@@ -193,4 +201,5 @@ def run_evaluation_job(
         time.monotonic() - start,
         spec.launched_at,
         result.get("started_at", 0.0),
+        result.get("probe_metrics", {}),
     )

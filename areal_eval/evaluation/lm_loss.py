@@ -33,6 +33,7 @@ class LMLossEvaluator(BaseEvaluator):
     """Token-weighted loss, perplexity and bits per byte, with the loss's standard error."""
 
     name = "lm_loss"
+    supports_subsets = True
     metric_names = ("loss", "loss_stderr", "perplexity", "bits_per_byte", "n_tokens", "n_texts")
 
     def __init__(self, cfg: LMLossConfig | None = None):
@@ -74,8 +75,9 @@ class LMLossEvaluator(BaseEvaluator):
 
         from areal_eval import distributed
 
-        for indices in distributed.dealt_batches([len(r["ids"]) for r in self.rows], batch_size, shard, shards):
-            yield {"row_index": torch.tensor(indices, dtype=torch.long)}
+        items = self.items()
+        for indices in distributed.dealt_batches([len(self.rows[i]["ids"]) for i in items], batch_size, shard, shards):
+            yield {"row_index": torch.tensor([items[i] for i in indices], dtype=torch.long)}
 
     def batch_sums(self, batch):
         import torch

@@ -27,7 +27,13 @@ import torch
 
 from areal_eval import distributed, jsonl
 from areal_eval.checkpoints.store import open_store
-from areal_eval.evaluation.evaluators import BaseEvaluator, check_metric_names, make_evaluator
+from areal_eval.evaluation.evaluators import (
+    BaseEvaluator,
+    check_metric_names,
+    make_evaluator,
+    probe_items,
+    probe_rest,
+)
 from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
 from areal_eval.launcher import die_with_parent
 
@@ -54,10 +60,10 @@ def _inject_fault(done_batches: int) -> None:
         time.sleep(3600)
 
 
-def compute_metrics(
+def compute_sums(
     evaluator: BaseEvaluator, layout: distributed.ParallelLayout, batch_size: int, mp_group=None
-) -> dict:
-    """Run ``evaluator`` over its shard; returns metrics (identical on every rank)."""
+) -> dict[str, float]:
+    """Run ``evaluator`` over its shard; returns the sums over the world (identical on every rank)."""
     keys: set[str] = set()
     local: dict[str, float] = {}
     batches = iter(evaluator.batches(layout.dp_rank, layout.dp_size, batch_size)) if layout.is_dp_head else None
@@ -80,7 +86,37 @@ def compute_metrics(
     keys = _agreed_keys(sorted(keys))
     totals = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64, device=distributed.device())
     distributed.all_reduce_sum(totals)
-    return evaluator.metrics(dict(zip(keys, totals.tolist(), strict=False)))
+    return dict(zip(keys, totals.tolist(), strict=False))
+
+
+def compute_metrics(
+    evaluator: BaseEvaluator, layout: distributed.ParallelLayout, batch_size: int, mp_group=None
+) -> dict:
+    """Run ``evaluator`` over its shard; returns metrics (identical on every rank)."""
+    return evaluator.metrics(compute_sums(evaluator, layout, batch_size, mp_group))
+
+
+def compute_with_probe(
+    evaluator: BaseEvaluator,
+    layout: distributed.ParallelLayout,
+    batch_size: int,
+    fraction: float,
+    probe_only: bool,
+    mp_group=None,
+) -> tuple[dict, dict]:
+    """(metrics, probe metrics): the probe subset's sums, then (unless ``probe_only``) the rest's,
+    kept apart. The full metrics come from the two added, so they are the whole set's sums
+    exactly, and the subset's metrics are what a probe of this checkpoint sees."""
+    evaluator.select(lambda n: probe_items(n, fraction))
+    subset = compute_sums(evaluator, layout, batch_size, mp_group)
+    probe_metrics = evaluator.metrics(subset)
+    if probe_only:
+        return {}, probe_metrics
+    evaluator.select(lambda n: probe_rest(n, fraction))
+    rest = compute_sums(evaluator, layout, batch_size, mp_group)
+    evaluator.select(None)
+    whole = {k: subset.get(k, 0.0) + rest.get(k, 0.0) for k in subset.keys() | rest.keys()}
+    return evaluator.metrics(whole), probe_metrics
 
 
 def _agreed_keys(keys: list[str] | None) -> list[str]:
@@ -155,13 +191,20 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
     evaluator = make_evaluator(spec.evaluator, spec)
     evaluator.load(store.local_path(spec.checkpoint, files, cache_dir), Path(spec.data), allow_pickle=spec.allow_pickle)
     loop_start = time.time()
-    metrics = check_metric_names(compute_metrics(evaluator, layout, spec.batch_size, mp_group), spec.evaluator)
+    if spec.probe_fraction is None:
+        metrics, probe_metrics = compute_metrics(evaluator, layout, spec.batch_size, mp_group), {}
+    else:
+        metrics, probe_metrics = compute_with_probe(
+            evaluator, layout, spec.batch_size, spec.probe_fraction, spec.probe_only, mp_group
+        )
+    metrics = check_metric_names(metrics, spec.evaluator)
     if layout.rank == 0:
         jsonl.write_json(
             Path(spec.out),
             {
                 "checkpoint": spec.checkpoint,
                 "metrics": metrics,
+                "probe_metrics": check_metric_names(probe_metrics, spec.evaluator),
                 "world_size": layout.world_size,
                 "mp_size": layout.mp_size,
                 "launched_at": spec.launched_at,

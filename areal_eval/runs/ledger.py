@@ -1,7 +1,8 @@
 """The evaluation ledger: what happened to every checkpoint, durably.
 
 One JSON line per state change (``scheduled``, ``evaluated``, ``skipped``, ``superseded``,
-``failed``); the last line for a step wins. The scheduler's history and a restarted flow's
+``failed``); the last line for a step wins. With probes (``scheduler.probe_fraction``) an entry
+also says what its probe did (``probe``) and holds the subset's metrics (``probe_metrics``). The scheduler's history and a restarted flow's
 to-do list are both derived from it, so nothing is evaluated twice or lost on restart.
 """
 
@@ -33,13 +34,26 @@ class LedgerEntry:
     owner: str | None = None
     """Who evaluates a scheduled checkpoint, where flow runs share the run (a Prefect flow run
     id); None: the loop that owns the run."""
+    probe: str | None = None
+    """Its probe: ``pending`` (scheduled: a probe, not a full evaluation), ``held`` (skipped: it
+    stayed within its noise), ``escalated`` (it moved: scheduled for, then given, a full
+    evaluation); None: no probe."""
+    probe_metrics: dict = dataclasses.field(default_factory=dict)
+    """Metrics on the probe subset: a probe's result, or the subset part of a full evaluation (the
+    next probe's reference). Logged as ``eval_probe/*``; never a result."""
+
+    @property
+    def deliverable(self) -> bool:
+        """Holds what goes to the tracker: a result, or a probe that did not escalate."""
+        return self.status == "evaluated" or (self.probe == "held" and bool(self.probe_metrics))
 
     def history_entry(self, metric: str, stderr_metric: str | None) -> HistoryEntry | None:
-        """What the scheduler sees of this checkpoint: a result, a pending one, or nothing."""
+        """What the scheduler sees of this checkpoint: a result, a pending one, or nothing (a
+        pending probe is not a pending result)."""
         if self.status == "evaluated":
             return HistoryEntry(self.step, self.time, self.metrics.get(metric),
                                 self.metrics.get(stderr_metric) if stderr_metric else None)
-        if self.status == "scheduled":
+        if self.status == "scheduled" and self.probe != "pending":
             return HistoryEntry(self.step, self.time, None, None)
         return None
 
@@ -67,10 +81,15 @@ class Ledger:
             self.problems.append(f"{self.path}:{chunk.line}: skipped (torn or corrupt line): no end of line")
 
     def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
-               delivered: bool = False, owner: str | None = None) -> LedgerEntry:
-        entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered, owner=owner)
+               delivered: bool = False, owner: str | None = None, probe: str | None = None,
+               probe_metrics: dict | None = None) -> LedgerEntry:
+        entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered, owner=owner,
+                            probe=probe, probe_metrics=dict(probe_metrics or {}))
         with self._lock:
-            jsonl.append(self.path, dataclasses.asdict(entry), sort_keys=True)
+            row = dataclasses.asdict(entry)
+            if entry.probe is None and not entry.probe_metrics:  # a run without probes: lines as before
+                del row["probe"], row["probe_metrics"]
+            jsonl.append(self.path, row, sort_keys=True)
             self._latest[step] = entry
         return entry
 
@@ -92,6 +111,11 @@ class Ledger:
     def history(self, metric: str, stderr_metric: str | None) -> list[HistoryEntry]:
         entries = (e.history_entry(metric, stderr_metric) for e in self.entries())
         return [h for h in entries if h is not None]
+
+    def probe_counts(self) -> dict[str, int]:
+        """Probes run (``probed``), and those that escalated to a full evaluation; empty without probes."""
+        outcomes = [e.probe for e in self.entries() if e.probe in ("held", "escalated")]
+        return {"probed": len(outcomes), "escalated": outcomes.count("escalated")} if outcomes else {}
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

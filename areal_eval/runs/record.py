@@ -30,7 +30,7 @@ from areal_eval.runs.ledger import Ledger
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.scheduling.planner import EvaluationPlanner
 from areal_eval.runs.directory import RunDir, file_lock
-from areal_eval.scheduling.policy import SchedulerConfig
+from areal_eval.scheduling.policy import Decision, SchedulerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,8 @@ class Claim:
     evaluate: bool
     reason: str
     """Why it is evaluated (the scheduler's reason, with a forced reason next to it), or why not."""
+    probe: bool = False
+    """Evaluate the probe subset only (a probe the scheduler chose; a forced evaluation is full)."""
 
 
 class RunRecord:
@@ -88,14 +90,14 @@ class RunRecord:
                 return Claim(event, False, f"already evaluated ({entry.reason})"), new
             if entry.status == "scheduled" and entry.owner not in (None, owner) and alive(entry.owner):
                 return Claim(event, False, f"being evaluated by {entry.owner}"), new
-            if entry.status == "scheduled":
+            if entry.status == "scheduled":  # done as scheduled (a pending probe is probed)
                 reason = entry.reason if not forced else f"{forced}; scheduler: {entry.reason}"
             elif forced:
                 reason = f"{forced}; scheduler: {entry.status}, {entry.reason}"
             else:
                 return Claim(event, False, f"{entry.status}: {entry.reason}"), new
             planner.claim(event, reason, owner)
-            return Claim(event, True, reason), new
+            return Claim(event, True, reason, planner.is_probe(step)), new
 
     def unhandled(self, alive: Callable[[str], bool]) -> list[int]:
         """Steps scheduled for evaluation that no live flow run is evaluating (a lost event, a
@@ -109,14 +111,16 @@ class RunRecord:
         """Steps the scheduler skipped or superseded (a sweep re-evaluates them only when asked)."""
         return [e.step for e in Ledger(self.run.ledger).entries() if e.status in ("skipped", "superseded")]
 
-    def record(self, event: CheckpointEvent, metrics: dict | None, error: str | None = None) -> list[Alert]:
-        """Record a result (logged to the tracker already) or a failure; returns the alerts it
-        fires, judged against earlier steps and throttled across flow runs."""
+    def record(self, event: CheckpointEvent, metrics: dict | None, error: str | None = None,
+               probe_metrics: dict | None = None) -> list[Alert]:
+        """Record a result (logged to the tracker already; ``probe_metrics``: its subset part) or a
+        failure; returns the alerts it fires, judged against earlier steps and throttled across
+        flow runs."""
         with self._locked() as planner:
             if error is not None:
                 planner.failed(event, error)
             else:
-                planner.evaluated(event, metrics, delivered=True)
+                planner.evaluated(event, metrics, delivered=True, probe_metrics=probe_metrics)
             state = self._state()
             engine = AlertEngine(self.alerts, time.time, state.get("notified"))
             for entry in planner.ledger.entries():
@@ -126,6 +130,17 @@ class RunRecord:
             if engine.notified != state.get("notified", {}):
                 self._save_state({**state, "notified": engine.notified})
         return alerts
+
+    def probed(self, event: CheckpointEvent, probe_metrics: dict) -> Decision:
+        """Record a probe's result, as the in-flow planner does: held (skipped), or escalated to
+        a full evaluation that the caller, still its owner, runs next."""
+        with self._locked() as planner:
+            return planner.probed(event, probe_metrics)
+
+    def delivered(self, step: int) -> None:
+        """What ``step``'s entry holds (a held probe) is in the tracker."""
+        with self._locked() as planner:
+            planner.delivered(step)
 
     def refinements(self, owner: str, deleted: set[int] = frozenset()) -> list[CheckpointEvent]:
         """Once the final checkpoint is decided and nothing scheduled is left: the skipped

@@ -7,7 +7,9 @@ skipped, superseded or failed, with a reason.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import math
 import os
 import queue
 import threading
@@ -17,8 +19,9 @@ from typing import Generic, TypeVar
 
 from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
-from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from areal_eval.runs.ledger import FINAL_STATES, Ledger, LedgerEntry
 from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
+from areal_eval.scheduling.probes import ProbeSettings, probe_verdict
 
 T = TypeVar("T")
 
@@ -158,8 +161,13 @@ class EvaluationPlanner:
         self._events: dict[int, CheckpointEvent] = {}
         # What decide() reads, kept per record: a decision costs the same at any run length.
         self._decisions = DecisionHistory(cfg.higher_is_better)
+        self.probes = ProbeSettings.of(cfg)
+        self._references: dict[int, LedgerEntry] = {}
+        """Full evaluations with a subset part, by step: a probe is compared with the newest before it."""
+        self._reference_steps: list[int] = []
         for entry in ledger.entries():
             self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_name))
+            self._keep_reference(entry)
 
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_name)
@@ -173,9 +181,23 @@ class EvaluationPlanner:
         metrics: dict | None = None,
         delivered: bool = False,
         owner: str | None = None,
+        probe: str | None = None,
+        probe_metrics: dict | None = None,
     ) -> None:
-        entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner)
+        entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner, probe, probe_metrics)
         self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_name))
+        self._keep_reference(entry)
+
+    def _keep_reference(self, entry: LedgerEntry) -> None:
+        if entry.status == "evaluated" and self.cfg.metric in entry.probe_metrics:
+            if entry.step not in self._references:
+                bisect.insort(self._reference_steps, entry.step)
+            self._references[entry.step] = entry
+
+    def _reference_for(self, step: int) -> LedgerEntry | None:
+        """The newest full evaluation before ``step`` with a subset part (None: none yet)."""
+        i = bisect.bisect_left(self._reference_steps, step)
+        return self._references[self._reference_steps[i - 1]] if i else None
 
     @_locked
     def decide(self, event: CheckpointEvent) -> Decision:
@@ -186,11 +208,59 @@ class EvaluationPlanner:
         if status in FINAL_STATES:
             return Decision(False, f"already {status} (ledger)")
         if status == "scheduled":  # scheduled before a restart: resume it
-            return Decision(True, "resumed: scheduled before restart", pinned=True)
+            probe = self.ledger.latest(event.global_step).probe == "pending"
+            return Decision(True, "resumed: scheduled before restart", pinned=True, probe=probe)
         step = event.global_step
         decision = decide(event, self._decisions.view(), self.cfg, self._decisions.offered_before(step))
-        self._record(step, event.uri, "scheduled" if decision.evaluate else "skipped", decision.reason)
+        if not decision.evaluate and self.probes:  # compared when it is done, with the full result before it
+            decision = Decision(True, f"probe: {decision.reason}", probe=True)
+        status = "scheduled" if decision.evaluate else "skipped"
+        self._record(step, event.uri, status, decision.reason, probe="pending" if decision.probe else None)
         return decision
+
+    def is_probe(self, step: int) -> bool:
+        """``step`` is scheduled for a probe, not a full evaluation."""
+        entry = self.ledger.latest(step)
+        return entry is not None and entry.status == "scheduled" and entry.probe == "pending"
+
+    @_locked
+    def probed(self, event: CheckpointEvent, probe_metrics: dict) -> Decision:
+        """Record a probe's result: held (skipped, within its noise) or escalated to a full
+        evaluation, queued pinned. Returns which, with the reason the ledger gives."""
+        step, metric = event.global_step, self.cfg.metric
+        scheduled = self.ledger.latest(step)
+        before = self._reference_for(step)
+        reference = before.probe_metrics if before is not None else {}
+        value = probe_metrics.get(metric)
+        if value is None or not math.isfinite(value):
+            moved, why = True, f"probe gave no finite {metric} to compare"
+        elif not reference:
+            moved, why = True, f"no full evaluation before step {step} to compare the probe with"
+        else:
+            moved, why = probe_verdict(
+                self._with_stderr(probe_metrics), self._with_stderr(reference), self.probes.escalate_stderrs
+            )
+        skip_reason = scheduled.reason.removeprefix("probe: ") if scheduled else ""
+        if moved:
+            reason = f"escalated: {why}"
+            self._record(
+                step,
+                event.uri,
+                "scheduled",
+                reason,
+                probe="escalated",
+                probe_metrics=probe_metrics,
+                owner=scheduled.owner if scheduled else None,
+            )
+            self.queue.push(event, pinned=True)
+            return Decision(True, reason, pinned=True)
+        reason = f"{skip_reason}; {why}"
+        self._record(step, event.uri, "skipped", reason, probe="held", probe_metrics=probe_metrics)
+        return Decision(False, reason)
+
+    def _with_stderr(self, metrics: dict) -> tuple[float, float]:
+        stderr = metrics.get(self.cfg.stderr_name) if self.cfg.stderr_name else None
+        return metrics[self.cfg.metric], stderr if stderr and stderr > 0 else self.cfg.default_stderr
 
     @_locked
     def offer(self, event: CheckpointEvent) -> Decision:
@@ -242,28 +312,53 @@ class EvaluationPlanner:
         )
 
     @_locked
-    def evaluated(self, event: CheckpointEvent, metrics: dict, delivered: bool = False) -> None:
-        """Record a result, with the reason it was scheduled for (``delivered``: already in the tracker)."""
+    def evaluated(
+        self, event: CheckpointEvent, metrics: dict, delivered: bool = False, probe_metrics: dict | None = None
+    ) -> None:
+        """Record a result, with the reason it was scheduled for (``delivered``: already in the
+        tracker); ``probe_metrics``: its subset part, with probes."""
         scheduled = self.ledger.latest(event.global_step)
         reason = scheduled.reason if scheduled and scheduled.status == "scheduled" else ""
-        self._record(event.global_step, event.uri, "evaluated", reason, metrics, delivered)
+        probe = scheduled.probe if scheduled and scheduled.status == "scheduled" else None
+        self._record(
+            event.global_step,
+            event.uri,
+            "evaluated",
+            reason,
+            metrics,
+            delivered,
+            probe=probe,
+            probe_metrics=probe_metrics,
+        )
 
     @_locked
     def delivered(self, step: int) -> None:
-        """The result of ``step`` is in the tracker."""
+        """The result (or the probe) of ``step`` is in the tracker."""
         entry = self.ledger.latest(step)
-        if entry is not None and entry.status == "evaluated" and not entry.delivered:
-            self._record(step, entry.uri, "evaluated", entry.reason, entry.metrics, delivered=True)
+        if entry is not None and entry.deliverable and not entry.delivered:
+            self._record(
+                step,
+                entry.uri,
+                entry.status,
+                entry.reason,
+                entry.metrics,
+                True,
+                entry.owner,
+                entry.probe,
+                entry.probe_metrics,
+            )
 
     def undelivered(self) -> list:
-        """Evaluated checkpoints whose results never reached the tracker (before a restart)."""
-        return [e for e in self.ledger.entries() if e.status == "evaluated" and not e.delivered]
+        """Results (and probes) that never reached the tracker (before a restart)."""
+        return [e for e in self.ledger.entries() if e.deliverable and not e.delivered]
 
     @_locked
     def claim(self, event: CheckpointEvent, reason: str, owner: str) -> None:
-        """``owner`` evaluates ``event`` for ``reason``."""
+        """``owner`` evaluates ``event`` for ``reason`` (as scheduled: a pending probe stays one)."""
         self._events[event.global_step] = event
-        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner)
+        scheduled = self.ledger.latest(event.global_step)
+        probe = scheduled.probe if scheduled and scheduled.status == "scheduled" else None
+        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner, probe=probe)
 
     @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:

@@ -51,6 +51,8 @@ class Decision:
     reason: str
     pinned: bool = False
     """Never coalesced away when evaluation falls behind (the first and the final checkpoint)."""
+    probe: bool = False
+    """Evaluate on the probe subset only (``probe_fraction``), where the scheduler skipped."""
 
 
 class StepEvent(Protocol):
@@ -101,6 +103,14 @@ class SchedulerConfig:
     coalesce: bool = True
     """When evaluation falls behind, evaluate the newest waiting checkpoint and record the older
     ones as superseded. False evaluates every scheduled checkpoint in order (offline sweeps)."""
+    probe_fraction: float | None = None
+    """Tiered evaluation: a checkpoint the scheduler skips is probed, evaluated on this fixed random
+    share of the validation set (costing that share), and evaluated in full if the probe moved.
+    Probes are logged as ``eval_probe/*``, never as results. None: no probes. Replay measured that
+    they buy earlier detection for more compute at equal tracking (README, "Scheduling")."""
+    probe_escalate_stderrs: float = 2.0
+    """A probe escalates to a full evaluation when it differs from the newest full evaluation's
+    result on the same subset by more than this many standard errors of the difference."""
 
     @property
     def stderr_name(self) -> str | None:
@@ -121,7 +131,10 @@ class SchedulerConfig:
             regression_z=POSITIVE,
             default_stderr=POSITIVE,
             queue_capacity=AT_LEAST_1,
+            probe_escalate_stderrs=NON_NEGATIVE,
         )
+        if self.probe_fraction is not None and not 0 < self.probe_fraction < 1:
+            raise FieldError("probe_fraction", f"must be in (0, 1) or null, got {self.probe_fraction}")
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
             raise FieldError("max_interval_steps", f"must be >= min_interval_steps ({self.min_interval_steps})")
 

@@ -1,10 +1,15 @@
-"""Tiered evaluation, simulated in replay: is a cheap probe worth running where the scheduler skips?
+"""Tiered evaluation: is a cheap probe worth running where the scheduler skips?
 
 A probe evaluates a checkpoint on a fixed random subset of the validation set (a ``fraction`` of
 it), so it costs that fraction of a full evaluation. It escalates to a full evaluation when it
 differs from the subset value of the last full evaluation by more than ``escalate_stderrs``
 standard errors of the difference. Probes never change what the dashboard shows: tracking error
 is still scored on full results alone.
+
+The pipeline runs them when ``scheduler.probe_fraction`` is set: the planner
+(:class:`~areal_eval.scheduling.planner.EvaluationPlanner`) decides with :func:`probe_verdict`,
+the workers evaluate the subset (and, in every full evaluation, the subset and the rest apart,
+so the next probe has its reference). Replay simulates them with the same rule.
 
 Where a curve was recorded with subset values (``bench/record_curves.py``), a probe's result is
 the recorded one. Elsewhere it is simulated, and this is the noise model. A recorded point is a
@@ -16,9 +21,6 @@ that size, drawn independently for every checkpoint (seeded by curve, checkpoint
 Independent noise ignores that the same items are scored each time: on our recorded subsets the
 offset persists between checkpoints, and comparisons err by about half of what this model says
 (``bench/probe_noise.py``), so the model is pessimistic for probes.
-
-This module is replay's alone: the pipeline does not run probes (see the README's scheduling
-section for what replay measured).
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ class ProbeSettings:
     escalate_stderrs: float = 2.0
     """Escalate to a full evaluation when the probe differs from the last full evaluation's
     subset value by more than this many standard errors of the difference."""
+
+    @classmethod
+    def of(cls, cfg) -> ProbeSettings | None:
+        """The probes a ``SchedulerConfig`` asks for (None: none)."""
+        if cfg.probe_fraction is None:
+            return None
+        return cls(cfg.probe_fraction, cfg.probe_escalate_stderrs)
 
     def __post_init__(self):
         if not 0 < self.fraction < 1:
@@ -59,6 +68,15 @@ def subset_result(curve, i: int, fraction: float, seed: str) -> tuple[float, flo
 def probe_moved(probe: float, probe_stderr: float, reference: float, reference_stderr: float, stderrs: float) -> bool:
     """Did the probe move beyond its noise from the last full evaluation's subset value?"""
     return abs(probe - reference) > stderrs * math.hypot(probe_stderr, reference_stderr)
+
+
+def probe_verdict(probe: tuple[float, float], reference: tuple[float, float], stderrs: float) -> tuple[bool, str]:
+    """Escalate? ``probe`` and ``reference`` are (value, stderr) on the probe subset, the reference
+    from the newest full evaluation; returns the verdict and the reason, as the ledger records it."""
+    moved = probe_moved(*probe, *reference, stderrs)
+    gap = abs(probe[0] - reference[0]) / max(math.hypot(probe[1], reference[1]), 1e-12)
+    relation = ">" if moved else "<="
+    return moved, f"probe {probe[0]:.4g} vs {reference[0]:.4g} on the subset: {gap:.2f} {relation} {stderrs:g} stderr"
 
 
 def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> tuple[list[tuple[int, int]], int]:

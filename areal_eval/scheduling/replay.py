@@ -40,7 +40,6 @@ from areal_eval.scheduling.policy import SchedulerConfig
 from areal_eval.scheduling.probes import ProbeSettings, select_with_probes
 
 DEFAULT_STDERR = 0.01
-PROBE_FIELDS = dataclasses.fields(ProbeSettings)
 REGRESSION_STDERRS = 5.0
 
 
@@ -132,8 +131,8 @@ class SchedulerPolicy(Policy):
     """The production scheduler (``decide``), fed one checkpoint event at a time; with ``probes``,
     a simulated probe wherever it skips (:mod:`.probes`)."""
 
-    def __init__(self, name: str, cfg: SchedulerConfig, probes: ProbeSettings | None = None):
-        self.name, self.cfg, self.probes = name, cfg, probes
+    def __init__(self, name: str, cfg: SchedulerConfig):
+        self.name, self.cfg, self.probes = name, cfg, ProbeSettings.of(cfg)
 
     def select(self, curve):
         return self.select_and_probe(curve, "0")[0]
@@ -154,12 +153,8 @@ def parse_policy(spec: str) -> Policy:
             for item in spec.split(":", 1)[1].split(","):
                 key, value = item.split("=", 1)
                 overrides[key] = json.loads(value)
-        probe_fields = {
-            f.name: overrides.pop(f"probe_{f.name}") for f in PROBE_FIELDS if f"probe_{f.name}" in overrides
-        }
-        probes = ProbeSettings(**probe_fields) if probe_fields else None
         cfg = from_dict(SchedulerConfig, {"stderr_metric": None, **overrides}, "adaptive")
-        return SchedulerPolicy(spec, cfg, probes)
+        return SchedulerPolicy(spec, cfg)
     raise ValueError(f"unknown policy {spec!r} (fixed:K, adaptive, adaptive:field=value,...)")
 
 

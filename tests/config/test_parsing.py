@@ -65,6 +65,8 @@ def test_overrides_and_flatten():
             r"scheduler\.max_interval_steps: must be >= min_",
         ),
         ("storage.retention.keep_last=0", r"storage\.retention\.keep_last: must be >= 1"),
+        ("scheduler.probe_fraction=1", r"scheduler\.probe_fraction: must be in \(0, 1\) or null, got 1"),
+        ("scheduler.probe_escalate_stderrs=-1", r"scheduler\.probe_escalate_stderrs: must be >= 0"),
         ("model.num_heads=3", r"model\.hidden_size: 128 must be divisible by num_heads"),
         ("poll_interval_s=0", r"poll_interval_s: must be >="),
         ('run_name="../elsewhere"', r"run_name: '\.\./elsewhere' must be a plain directory name"),
@@ -90,6 +92,14 @@ def test_rules_on_metrics_the_evaluator_never_produces_are_refused():
     assert custom.alerts.rules[0].metric == "margin_over_0.1"  # undeclared metrics are not checked
     with pytest.raises(ConfigError, match=r"eval\.evaluator: 'nowhere:Nothing' cannot be loaded"):
         load_pipeline_config(overrides=["eval.evaluator=nowhere:Nothing"])
+
+
+def test_probes_need_an_evaluator_that_can_evaluate_a_subset():
+    probing = ["scheduler.probe_fraction=0.2"]
+    assert load_pipeline_config(overrides=probing).scheduler.probe_fraction == 0.2  # reward_model can
+    lm_eval = ["eval.evaluator=lm_eval", 'eval.lm_eval.tasks=["arith"]', "scheduler.metric=arith/acc"]
+    with pytest.raises(ConfigError, match=r"scheduler\.probe_fraction: evaluator 'lm_eval' cannot evaluate a subset"):
+        load_pipeline_config(overrides=probing + lm_eval)
 
 
 @pytest.mark.parametrize("url", ["http://user:pass@hooks.example/x", "https://hooks.example/x?token=abc"])

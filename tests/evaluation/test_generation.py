@@ -171,3 +171,28 @@ def test_evaluators_in_one_job_load_the_model_once(causal_checkpoint, monkeypatc
     monkeypatch.setattr(causal_lm, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
     causal_metrics(checkpoint, prompts, "generation,lm_loss", lm_loss=LMLossConfig(completion_field="answer"))
     assert len(loads) == 1
+
+
+def test_a_probe_subset_and_the_rest_add_up_to_the_whole_set_sampled_answers_included(causal_checkpoint):
+    """With probes a full evaluation scores the probe subset and the rest apart: a prompt keeps
+    its index (its sampling seeds), so the two add up to the whole set's metrics."""
+    from pathlib import Path
+
+    from areal_eval import distributed
+    from areal_eval.evaluation.evaluators import make_evaluator
+    from areal_eval.evaluation.worker import compute_metrics, compute_with_probe
+    from areal_eval.job_spec import EvaluatorSettings
+
+    checkpoint, prompts = causal_checkpoint
+    settings = EvaluatorSettings(generation=SAMPLING, lm_loss=LMLossConfig(completion_field="answer"))
+    evaluator = make_evaluator("generation,lm_loss", settings)
+    evaluator.load(Path(checkpoint), Path(prompts))
+    layout = distributed.ParallelLayout(1, 0, 1)
+    whole = compute_metrics(evaluator, layout, 7)
+    metrics, probe = compute_with_probe(evaluator, layout, 7, 0.25, probe_only=False)
+    generated = {k: v for k, v in whole.items() if k.startswith("generation/")}
+    assert {k: v for k, v in metrics.items() if k.startswith("generation/")} == pytest.approx(generated, rel=1e-12)
+    # Losses come from forward passes over other batches: equal to float32's last bits.
+    assert metrics == pytest.approx(whole, rel=1e-6)
+    assert probe["generation/n_prompts"] == probe["lm_loss/n_texts"] == 10  # a quarter of 41 prompts
+    assert compute_with_probe(evaluator, layout, 7, 0.25, probe_only=True) == ({}, probe)

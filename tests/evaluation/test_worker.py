@@ -57,6 +57,32 @@ def test_distributed_equals_single_process(final_checkpoint, warm_ranks, tmp_pat
         assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
 
 
+def test_with_probes_the_whole_set_is_the_subset_and_the_rest_exactly(final_checkpoint, warm_ranks, tmp_path):
+    """A full evaluation with probes sums the probe subset and the rest apart: its metrics equal
+    an evaluation without probes, and its subset part equals a probe of the same checkpoint."""
+    from areal_eval import distributed
+    from areal_eval.evaluation.evaluators import RewardModelEvaluator, probe_items
+    from areal_eval.evaluation.worker import compute_metrics
+
+    run, event = final_checkpoint
+    reference = single_process_metrics(event, run.valid_data)
+    cfg, ranks = EvalConfig(nproc=2, batch_size=16), warm_ranks(2)
+    full = run_evaluation_job(event, run.valid_data, cfg, tmp_path / "full", workers=ranks, probe_fraction=0.3)
+    probe = run_evaluation_job(
+        event, run.valid_data, cfg, tmp_path / "probe", workers=ranks, probe_fraction=0.3, probe_only=True
+    )
+    assert set(full.metrics) == set(reference)
+    for key, value in reference.items():
+        assert full.metrics[key] == pytest.approx(value, abs=1e-6), key
+    assert probe.metrics == {} and full.probe_metrics["n_pairs"] == probe.probe_metrics["n_pairs"] == 30
+    subset = RewardModelEvaluator(max_length=64)
+    subset.load(Path(event.uri), run.valid_data)
+    subset.select(lambda n: probe_items(n, 0.3))
+    alone = compute_metrics(subset, distributed.ParallelLayout(1, 0, 1), 7)
+    for key, value in alone.items():
+        assert probe.probe_metrics[key] == pytest.approx(value, abs=1e-6) == full.probe_metrics[key], key
+
+
 @pytest.fixture(scope="module")
 def awkward_pairs(trained_run, tmp_path_factory):
     """An odd number of pairs: identical pairs (ties), texts far past max_length (truncated),

@@ -1,3 +1,5 @@
+import dataclasses
+
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.scheduling.planner import CoalescingQueue, EvaluationPlanner, JsonlFollower
@@ -177,3 +179,60 @@ def test_decision_thread_decides_as_the_manifest_grows(tmp_path):
         while not got and time.monotonic() < deadline:
             got += decisions.drain(timeout_s=0.5)
         assert [e.global_step for e, _ in got] == [10]
+
+
+PROBING = SchedulerConfig(policy="fixed", fixed_interval_steps=100, probe_fraction=0.2, probe_escalate_stderrs=2.0)
+FULL = {"accuracy": 0.5, "accuracy_stderr": 0.01}
+
+
+def test_skipped_checkpoints_are_probed_held_within_their_noise_and_escalated_when_they_move(tmp_path):
+    planner = EvaluationPlanner(PROBING, Ledger(tmp_path / "ledger.jsonl"))
+    planner.offer(ev(0))
+    planner.evaluated(planner.next(), FULL, True, probe_metrics={"accuracy": 0.5, "accuracy_stderr": 0.02})
+
+    held = planner.offer(ev(10))  # fixed:100 skips it: a probe instead
+    assert held.probe and held.reason == "probe: fixed interval: 10 < 100 steps"
+    assert planner.next() == ev(10) and planner.is_probe(10)
+    assert [h.step for h in planner.history()] == [0]  # a pending probe is not a pending result
+    decision = planner.probed(ev(10), {"accuracy": 0.52, "accuracy_stderr": 0.02})
+    entry = planner.ledger.latest(10)
+    assert not decision.evaluate and (entry.status, entry.probe) == ("skipped", "held")
+    assert entry.reason == "fixed interval: 10 < 100 steps; probe 0.52 vs 0.5 on the subset: 0.71 <= 2 stderr"
+    assert [e.step for e in planner.undelivered()] == [10]  # logged as a probe, never as a result
+    planner.delivered(10)
+    assert planner.undelivered() == [] and planner.ledger.latest(10).probe_metrics["accuracy"] == 0.52
+
+    planner.offer(ev(20))
+    assert planner.next() == ev(20)
+    escalated = planner.probed(ev(20), {"accuracy": 0.4, "accuracy_stderr": 0.02})
+    assert escalated.evaluate and escalated.reason.startswith("escalated: probe 0.4 vs 0.5 on the subset: 3.54 >")
+    assert planner.next() == ev(20) and not planner.is_probe(20)  # now a full evaluation, queued pinned
+    planner.evaluated(ev(20), {"accuracy": 0.41, "accuracy_stderr": 0.01}, probe_metrics={"accuracy": 0.4})
+    entry = planner.ledger.latest(20)
+    assert (entry.status, entry.probe, entry.reason) == ("evaluated", "escalated", escalated.reason)
+    assert [h.step for h in planner.history()] == [0, 20]
+
+    # The newest full evaluation is the reference now; a restart resumes a pending probe as a probe.
+    planner.offer(ev(30))
+    restarted = EvaluationPlanner(PROBING, Ledger(tmp_path / "ledger.jsonl"))
+    resumed = restarted.offer(ev(30))
+    assert resumed.probe and resumed.pinned and restarted.next() == ev(30)
+    assert not restarted.probed(ev(30), {"accuracy": 0.41, "accuracy_stderr": 0.02}).evaluate
+
+
+def test_a_probe_with_no_full_evaluation_before_it_to_compare_escalates_and_none_without_probes(tmp_path):
+    planner = EvaluationPlanner(PROBING, Ledger(tmp_path / "probing.jsonl"))
+    planner.offer(ev(0))
+    assert planner.offer(ev(10)).probe  # decided before step 0's result: compared once it is done
+    planner.evaluated(planner.next(), FULL)  # without its subset part (e.g. evaluated before probes were on)
+    assert planner.next() == ev(10)
+    escalated = planner.probed(ev(10), {"accuracy": 0.5, "accuracy_stderr": 0.02})
+    assert (
+        escalated.evaluate
+        and escalated.reason == "escalated: no full evaluation before step 10 to compare the probe with"
+    )
+    plain = EvaluationPlanner(dataclasses.replace(PROBING, probe_fraction=None), Ledger(tmp_path / "plain.jsonl"))
+    plain.offer(ev(0))
+    plain.evaluated(plain.next(), FULL, probe_metrics={})
+    assert not plain.offer(ev(10)).evaluate
+    assert all("probe" not in line for line in (tmp_path / "plain.jsonl").read_text().splitlines())
