@@ -35,9 +35,9 @@ class LedgerEntry:
     """Who evaluates a scheduled checkpoint, where flow runs share the run (a Prefect flow run
     id); None: the loop that owns the run."""
     probe: str | None = None
-    """Its probe: ``pending`` (scheduled: a probe, not a full evaluation), ``held`` (skipped: it
-    stayed within its noise), ``escalated`` (it moved: scheduled for, then given, a full
-    evaluation); None: no probe."""
+    """Its probe: ``pending`` (scheduled: a probe, not a full evaluation), ``held`` (it stayed
+    within its noise: skipped, unless refinement or a forced run evaluated it later),
+    ``escalated`` (it moved: scheduled for, then given, a full evaluation); None: no probe."""
     probe_metrics: dict = dataclasses.field(default_factory=dict)
     """Metrics on the probe subset: a probe's result, or the subset part of a full evaluation (the
     next probe's reference). Logged as ``eval_probe/*``; never a result."""
@@ -45,7 +45,7 @@ class LedgerEntry:
     @property
     def deliverable(self) -> bool:
         """Holds what goes to the tracker: a result, or a probe that did not escalate."""
-        return self.status == "evaluated" or (self.probe == "held" and bool(self.probe_metrics))
+        return self.status == "evaluated" or (self.status == "skipped" and bool(self.probe_metrics))
 
     def history_entry(self, metric: str, stderr_metric: str | None) -> HistoryEntry | None:
         """What the scheduler sees of this checkpoint: a result, a pending one, or nothing (a

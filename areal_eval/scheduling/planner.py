@@ -290,7 +290,8 @@ class EvaluationPlanner:
             event = self._events.get(step)
             if event is None:  # not offered in this process (cannot happen after a full re-read)
                 continue
-            self._record(step, event.uri, "scheduled", reason, owner=owner)
+            probed = self.ledger.latest(step).probe  # a held probe stays on record: it ran
+            self._record(step, event.uri, "scheduled", reason, owner=owner, probe=probed)
             self.queue.push(event, pinned=True)
             queued.append(event)
         return queued
@@ -356,9 +357,8 @@ class EvaluationPlanner:
     def claim(self, event: CheckpointEvent, reason: str, owner: str) -> None:
         """``owner`` evaluates ``event`` for ``reason`` (as scheduled: a pending probe stays one)."""
         self._events[event.global_step] = event
-        scheduled = self.ledger.latest(event.global_step)
-        probe = scheduled.probe if scheduled and scheduled.status == "scheduled" else None
-        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner, probe=probe)
+        before = self.ledger.latest(event.global_step)  # a pending probe stays one; one that ran stays on record
+        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner, probe=before and before.probe)
 
     @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:

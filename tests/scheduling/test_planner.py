@@ -219,6 +219,13 @@ def test_skipped_checkpoints_are_probed_held_within_their_noise_and_escalated_wh
     assert resumed.probe and resumed.pinned and restarted.next() == ev(30)
     assert not restarted.probed(ev(30), {"accuracy": 0.41, "accuracy_stderr": 0.02}).evaluate
 
+    # Evaluated in full later (a forced run, or refinement): the probe that ran stays on record.
+    restarted.claim(ev(10), "manual", owner="me")
+    assert not restarted.is_probe(10)
+    restarted.evaluated(ev(10), FULL)
+    assert (restarted.ledger.latest(10).status, restarted.ledger.latest(10).probe) == ("evaluated", "held")
+    assert restarted.ledger.probe_counts() == {"probed": 3, "escalated": 1}  # 10, 20 and 30
+
 
 def test_a_probe_with_no_full_evaluation_before_it_to_compare_escalates_and_none_without_probes(tmp_path):
     planner = EvaluationPlanner(PROBING, Ledger(tmp_path / "probing.jsonl"))
