@@ -252,7 +252,8 @@ class FollowLoop:
             alerts = self.alerts.check(step, None, str(exc))
         else:
             if done.probe:
-                return self._collect_probe(done.event, result)
+                self._collect_probe(done.event, result)
+                return
             self.planner.evaluated(
                 done.event, result.metrics, self.cfg.results_logged_by_evaluator, result.probe_metrics
             )

@@ -7,9 +7,8 @@ skipped, superseded or failed, with a reason.
 
 from __future__ import annotations
 
-import bisect
+import dataclasses
 import functools
-import math
 import os
 import queue
 import threading
@@ -19,9 +18,9 @@ from typing import Generic, TypeVar
 
 from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
-from areal_eval.runs.ledger import FINAL_STATES, Ledger, LedgerEntry
+from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
-from areal_eval.scheduling.probes import ProbeSettings, probe_verdict
+from areal_eval.scheduling.probes import ProbeJudge, ProbeSettings
 
 T = TypeVar("T")
 
@@ -161,13 +160,12 @@ class EvaluationPlanner:
         self._events: dict[int, CheckpointEvent] = {}
         # What decide() reads, kept per record: a decision costs the same at any run length.
         self._decisions = DecisionHistory(cfg.higher_is_better)
-        self.probes = ProbeSettings.of(cfg)
-        self._references: dict[int, LedgerEntry] = {}
-        """Full evaluations with a subset part, by step: a probe is compared with the newest before it."""
-        self._reference_steps: list[int] = []
+        probes = ProbeSettings.of(cfg)
+        self.probes = ProbeJudge(probes, cfg.metric, cfg.stderr_name, cfg.default_stderr) if probes else None
         for entry in ledger.entries():
             self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_name))
-            self._keep_reference(entry)
+            if self.probes:
+                self.probes.remember(entry.step, entry.status, entry.probe_metrics)
 
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_name)
@@ -186,18 +184,8 @@ class EvaluationPlanner:
     ) -> None:
         entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner, probe, probe_metrics)
         self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_name))
-        self._keep_reference(entry)
-
-    def _keep_reference(self, entry: LedgerEntry) -> None:
-        if entry.status == "evaluated" and self.cfg.metric in entry.probe_metrics:
-            if entry.step not in self._references:
-                bisect.insort(self._reference_steps, entry.step)
-            self._references[entry.step] = entry
-
-    def _reference_for(self, step: int) -> LedgerEntry | None:
-        """The newest full evaluation before ``step`` with a subset part (None: none yet)."""
-        i = bisect.bisect_left(self._reference_steps, step)
-        return self._references[self._reference_steps[i - 1]] if i else None
+        if self.probes:
+            self.probes.remember(step, status, entry.probe_metrics)
 
     @_locked
     def decide(self, event: CheckpointEvent) -> Decision:
@@ -227,19 +215,9 @@ class EvaluationPlanner:
     def probed(self, event: CheckpointEvent, probe_metrics: dict) -> Decision:
         """Record a probe's result: held (skipped, within its noise) or escalated to a full
         evaluation, queued pinned. Returns which, with the reason the ledger gives."""
-        step, metric = event.global_step, self.cfg.metric
+        step = event.global_step
         scheduled = self.ledger.latest(step)
-        before = self._reference_for(step)
-        reference = before.probe_metrics if before is not None else {}
-        value = probe_metrics.get(metric)
-        if value is None or not math.isfinite(value):
-            moved, why = True, f"probe gave no finite {metric} to compare"
-        elif not reference:
-            moved, why = True, f"no full evaluation before step {step} to compare the probe with"
-        else:
-            moved, why = probe_verdict(
-                self._with_stderr(probe_metrics), self._with_stderr(reference), self.probes.escalate_stderrs
-            )
+        moved, why = self.probes.judge(step, probe_metrics)
         skip_reason = scheduled.reason.removeprefix("probe: ") if scheduled else ""
         if moved:
             reason = f"escalated: {why}"
@@ -257,10 +235,6 @@ class EvaluationPlanner:
         reason = f"{skip_reason}; {why}"
         self._record(step, event.uri, "skipped", reason, probe="held", probe_metrics=probe_metrics)
         return Decision(False, reason)
-
-    def _with_stderr(self, metrics: dict) -> tuple[float, float]:
-        stderr = metrics.get(self.cfg.stderr_name) if self.cfg.stderr_name else None
-        return metrics[self.cfg.metric], stderr if stderr and stderr > 0 else self.cfg.default_stderr
 
     @_locked
     def offer(self, event: CheckpointEvent) -> Decision:
@@ -337,17 +311,9 @@ class EvaluationPlanner:
         """The result (or the probe) of ``step`` is in the tracker."""
         entry = self.ledger.latest(step)
         if entry is not None and entry.deliverable and not entry.delivered:
-            self._record(
-                step,
-                entry.uri,
-                entry.status,
-                entry.reason,
-                entry.metrics,
-                True,
-                entry.owner,
-                entry.probe,
-                entry.probe_metrics,
-            )
+            fields = dataclasses.asdict(entry)
+            del fields["time"]
+            self._record(**{**fields, "delivered": True})
 
     def undelivered(self) -> list:
         """Results (and probes) that never reached the tracker (before a restart)."""
@@ -358,7 +324,8 @@ class EvaluationPlanner:
         """``owner`` evaluates ``event`` for ``reason`` (as scheduled: a pending probe stays one)."""
         self._events[event.global_step] = event
         before = self.ledger.latest(event.global_step)  # a pending probe stays one; one that ran stays on record
-        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner, probe=before and before.probe)
+        probe = before.probe if before else None
+        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner, probe=probe)
 
     @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:

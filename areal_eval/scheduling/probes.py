@@ -25,6 +25,7 @@ offset persists between checkpoints, and comparisons err by about half of what t
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import random
@@ -77,6 +78,45 @@ def probe_verdict(probe: tuple[float, float], reference: tuple[float, float], st
     gap = abs(probe[0] - reference[0]) / max(math.hypot(probe[1], reference[1]), 1e-12)
     relation = ">" if moved else "<="
     return moved, f"probe {probe[0]:.4g} vs {reference[0]:.4g} on the subset: {gap:.2f} {relation} {stderrs:g} stderr"
+
+
+class ProbeJudge:
+    """Judges a probe against the subset part of the newest full evaluation before its step, as
+    the planner records them (a probe decided before that result was in is judged once it is)."""
+
+    def __init__(self, settings: ProbeSettings, metric: str, stderr_metric: str | None, default_stderr: float):
+        self.settings, self.metric, self.stderr_metric, self.default_stderr = (
+            settings,
+            metric,
+            stderr_metric,
+            default_stderr,
+        )
+        self._references: dict[int, dict] = {}
+        self._steps: list[int] = []
+
+    def remember(self, step: int, status: str, probe_metrics: dict) -> None:
+        """A ledger entry: a full evaluation with a subset part becomes a reference."""
+        if status == "evaluated" and self.metric in probe_metrics:
+            if step not in self._references:
+                bisect.insort(self._steps, step)
+            self._references[step] = probe_metrics
+
+    def judge(self, step: int, probe_metrics: dict) -> tuple[bool, str]:
+        """Escalate the probe at ``step``? With the reason the ledger records."""
+        value = probe_metrics.get(self.metric)
+        i = bisect.bisect_left(self._steps, step)
+        if value is None or not math.isfinite(value):
+            return True, f"probe gave no finite {self.metric} to compare"
+        if not i:
+            return True, f"no full evaluation before step {step} to compare the probe with"
+        reference = self._references[self._steps[i - 1]]
+        return probe_verdict(
+            self._with_stderr(probe_metrics), self._with_stderr(reference), self.settings.escalate_stderrs
+        )
+
+    def _with_stderr(self, metrics: dict) -> tuple[float, float]:
+        stderr = metrics.get(self.stderr_metric) if self.stderr_metric else None
+        return metrics[self.metric], stderr if stderr and stderr > 0 else self.default_stderr
 
 
 def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> tuple[list[tuple[int, int]], int]:
