@@ -8,6 +8,7 @@ died. Idempotent: a second sweep finds nothing to do.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -15,7 +16,7 @@ from prefect.runtime import flow_run
 
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.checkpoints.store import S3Config, S3Store, is_s3, localize_manifest
-from areal_eval.config.pipeline import load_pipeline_config
+from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.runs.directory import RunDir, owned_by_live_process
 from areal_eval.runs.record import RunRecord
@@ -23,6 +24,7 @@ from areal_eval.runs.setup import judged_config
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from tasks.mlflow_logging import tracker_for
 from tasks.orchestration import flow_run_alive
+from tasks.scoring import serve_warm_workers
 
 
 def find_manifests(store: str, s3: S3Config) -> list[str]:
@@ -51,6 +53,38 @@ def end_if_abandoned(tracker, mlflow_run_id: str, run: RunDir) -> bool:
     return True
 
 
+def sweep_run(
+    manifest: str, cfg: PipelineConfig, params: PipelineParams | None, reevaluate_skipped: bool
+) -> list[tuple[str, bool]]:
+    """Evaluate what no flow run handles in the run of ``manifest``: ``(run@step, completed)`` each."""
+    logger, tracker = get_run_logger(), tracker_for(cfg)
+    local = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
+    events = Manifest(local).events()
+    if not events:
+        return []
+    run = RunDir(local.resolve().parent)
+    mlflow_run = tracker.find_run(events[0].run_id)
+    if mlflow_run and not is_s3(manifest) and end_if_abandoned(tracker, mlflow_run, run):
+        logger.warning("run %s was RUNNING with no live owner: marked KILLED", events[0].run_id)
+    if owned_by_live_process(run):
+        logger.info("run %s: its train-and-evaluate flow is live and evaluates it", events[0].run_id)
+        return []
+    judged = judged_config(run, set_fields(params))  # the run's scheduler and rules, as evaluate-checkpoint's
+    record = RunRecord(run, Manifest(local), judged.scheduler, judged.alerts, events[0].run_id)
+    steps = record.unhandled(flow_run_alive) + (record.skipped() if reevaluate_skipped else [])
+    steps = sorted(set(steps) - (tracker.deleted_steps(mlflow_run) if mlflow_run else set()))
+    finals = [e.global_step for e in events if e.final]
+    if not steps and finals and mlflow_run and tracker.client.get_run(mlflow_run).info.status == "RUNNING":
+        steps = finals[-1:]  # everything is evaluated, but the run's refinement and end never happened
+    done = []
+    for step in steps:
+        state = evaluate_checkpoint(
+            step, manifest, run_id=events[0].run_id, params=params, reason="sweep", return_state=True
+        )
+        done.append((f"{events[0].run_id}@{step}", state.is_completed()))
+    return done
+
+
 def sweep_run_name() -> str:
     return f"sweep {Path(str(flow_run.parameters.get('store', '?'))).name}"
 
@@ -72,31 +106,13 @@ def sweep_checkpoints(store: str, params: PipelineParams | None = None, reevalua
     """
     logger = get_run_logger()
     cfg = load_pipeline_config(params=set_fields(params))
-    tracker = tracker_for(cfg)
     evaluated, failed = [], []
-    for manifest in find_manifests(store, cfg.storage.s3):
-        local = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
-        events = Manifest(local).events()
-        if not events:
-            continue
-        run = RunDir(local.resolve().parent)
-        mlflow_run = tracker.find_run(events[0].run_id)
-        if mlflow_run and not is_s3(manifest) and end_if_abandoned(tracker, mlflow_run, run):
-            logger.warning("run %s was RUNNING with no live owner: marked KILLED", events[0].run_id)
-        if owned_by_live_process(run):
-            logger.info("run %s: its train-and-evaluate flow is live and evaluates it", events[0].run_id)
-            continue
-        judged = judged_config(run, set_fields(params))  # the run's scheduler and rules, as evaluate-checkpoint's
-        record = RunRecord(run, Manifest(local), judged.scheduler, judged.alerts, events[0].run_id)
-        steps = record.unhandled(flow_run_alive) + (record.skipped() if reevaluate_skipped else [])
-        steps = sorted(set(steps) - (tracker.deleted_steps(mlflow_run) if mlflow_run else set()))
-        finals = [e.global_step for e in events if e.final]
-        if not steps and finals and mlflow_run and tracker.client.get_run(mlflow_run).info.status == "RUNNING":
-            steps = finals[-1:]  # everything is evaluated, but the run's refinement and end never happened
-        for step in steps:
-            state = evaluate_checkpoint(
-                step, manifest, run_id=events[0].run_id, params=params, reason="sweep", return_state=True
-            )
-            (evaluated if state.is_completed() else failed).append(f"{events[0].run_id}@{step}")
+    # One group of ranks, started at the first evaluation, serves every evaluation of the sweep:
+    # catching up on many checkpoints pays worker start-up once, as the evaluation service does.
+    sweep_dir = Path(cfg.work_dir) / "sweep-checkpoints" / str(flow_run.id or "local")  # sweeps may overlap
+    with serve_warm_workers(cfg, sweep_dir) if cfg.eval.warm_workers else contextlib.nullcontext():
+        for manifest in find_manifests(store, cfg.storage.s3):
+            for name, completed in sweep_run(manifest, cfg, params, reevaluate_skipped):
+                (evaluated if completed else failed).append(name)
     logger.info("sweep: evaluated %d, failed %d", len(evaluated), len(failed))
     return {"evaluated": evaluated, "failed": failed}

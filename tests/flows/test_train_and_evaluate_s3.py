@@ -78,6 +78,9 @@ def test_pipeline_on_s3_with_faults_retention_and_sweep(prefect_server, s3_serve
     first = sweep_checkpoints(store=store, params=params, reevaluate_skipped=True)
     assert first["failed"] == []
     assert {int(s.split("@")[1]) for s in first["evaluated"]} == set(steps) - set(evaluated) - deleted
+    # One torchrun job served every evaluation of that sweep (and the sweeps with nothing to do started none).
+    logs = [p.name for p in tmp_path.glob("sweep-checkpoints/*/warm-workers-*.log")]
+    assert logs == (["warm-workers-1.log"] if first["evaluated"] else [])
     assert sweep_checkpoints(store=store, params=params, reevaluate_skipped=True) == {"evaluated": [], "failed": []}
 
     # Credentials appear in no file the pipeline wrote: run files, logs, the MLflow store.
