@@ -189,7 +189,9 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
     # evaluate-checkpoint as the event trigger runs it, once per checkpoint in order: 4 and 8 are
     # skipped (min interval 9), and the run for the final checkpoint evaluates the skipped
     # neighbour of the best (8 if 12 is best, 4 if 0 is: either has nothing evaluated beyond it).
+    # On warm ranks, as the evaluation service runs it (the server tests start a job per run).
     from flows.evaluate_checkpoint import evaluate_checkpoint
+    from tasks.scoring import serve_warm_workers
 
     cfg, trained = trained_run
     run = RunDir(tmp_path / "run")  # the run's record is written beside its manifest: a copy of its own
@@ -202,28 +204,29 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
         tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
     )
     params = json.loads(json.dumps(dataclasses.asdict(cfg)))
-    results = {s: evaluate_checkpoint(s, str(run.manifest), params=params) for s in (0, 4, 8, 12)}
-    assert [results[s]["evaluated"] for s in (0, 4, 8, 12)] == [True, False, False, True]
-    assert "min interval" in results[4]["reason"] and "min interval" in results[8]["reason"]
-    refined = results[12]["refined"]
-    assert refined in ([4], [8])
-    tracker, runs = mlflow_run(cfg)
-    steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy"))
-    assert steps == sorted([0, 12] + refined)  # each once
-    assert runs[0].data.tags[f"decision.{refined[0]}"].startswith("refine: next to the best")
-    # The run that found the run over ended it, as train-and-evaluate does.
-    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "3"
-    assert "min interval" in runs[0].data.tags["decision.4"]
-    published_loss = {e.global_step for e in Manifest(run.manifest).events() if "loss" in e.train_metrics}
-    assert {m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")} == published_loss
-    again = evaluate_checkpoint(12, str(run.manifest), params=params)
-    assert again["reason"].startswith("already evaluated") and "run" not in again
-    # A manual evaluation after the end keeps the run's counts (and curve) true; the run stays ended.
-    [other] = {4, 8} - set(refined)
-    manual = evaluate_checkpoint(other, str(run.manifest), params=params, reason="manual")
-    assert manual["evaluated"] and manual["reason"].startswith("manual; scheduler: skipped")
-    tracker, runs = mlflow_run(cfg)
-    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "4"
+    with serve_warm_workers(cfg, tmp_path / "warm"):
+        results = {s: evaluate_checkpoint(s, str(run.manifest), params=params) for s in (0, 4, 8, 12)}
+        assert [results[s]["evaluated"] for s in (0, 4, 8, 12)] == [True, False, False, True]
+        assert "min interval" in results[4]["reason"] and "min interval" in results[8]["reason"]
+        refined = results[12]["refined"]
+        assert refined in ([4], [8])
+        tracker, runs = mlflow_run(cfg)
+        steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy"))
+        assert steps == sorted([0, 12] + refined)  # each once
+        assert runs[0].data.tags[f"decision.{refined[0]}"].startswith("refine: next to the best")
+        # The run that found the run over ended it, as train-and-evaluate does.
+        assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "3"
+        assert "min interval" in runs[0].data.tags["decision.4"]
+        published_loss = {e.global_step for e in Manifest(run.manifest).events() if "loss" in e.train_metrics}
+        assert {m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")} == published_loss
+        again = evaluate_checkpoint(12, str(run.manifest), params=params)
+        assert again["reason"].startswith("already evaluated") and "run" not in again
+        # A manual evaluation after the end keeps the run's counts (and curve) true; the run stays ended.
+        [other] = {4, 8} - set(refined)
+        manual = evaluate_checkpoint(other, str(run.manifest), params=params, reason="manual")
+        assert manual["evaluated"] and manual["reason"].startswith("manual; scheduler: skipped")
+        tracker, runs = mlflow_run(cfg)
+        assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "4"
 
 
 def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, trained_run, tmp_path):
