@@ -31,6 +31,8 @@ def probing(cfg, tmp_path, escalate_stderrs: float):
 
 
 def probe_and_eval_steps(cfg) -> tuple[list[int], list[int], dict]:
+    """The tested run's steps of ``eval_probe/accuracy`` and ``eval/accuracy``, and its probes'
+    ``n_pairs`` by step (the dispatched copy has an MLflow run of its own)."""
     tracker, runs = mlflow_run(cfg)
     [run] = [r for r in runs if r.data.tags.get("areal.run_id") != "dispatched"]
     history = {key: tracker.client.get_metric_history(run.info.run_id, key) for key in run.data.metrics}
