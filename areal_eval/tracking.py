@@ -175,8 +175,8 @@ class Tracker:
         self.client.log_batch(run_id, metrics=metrics, tags=[RunTag(TRAIN_WATERMARK_TAG, str(through))])
         self._train_through[run_id] = through
 
-    def eval_steps(self, run_id: str, key: str = "n_pairs") -> set[int]:
-        return {m.step for m in self.client.get_metric_history(run_id, EVAL_PREFIX + key)}
+    def eval_steps(self, run_id: str, key: str = "n_pairs", prefix: str = EVAL_PREFIX) -> set[int]:
+        return {m.step for m in self.client.get_metric_history(run_id, prefix + key)}
 
     def log_evaluation(
         self,
@@ -191,10 +191,10 @@ class Tracker:
         logged) if already there."""
         from mlflow.entities import Metric, RunTag
 
-        key = prefix + (marker if marker in metrics else sorted(metrics)[0])
-        if (run_id, key) not in self._eval_logged:
-            self._eval_logged[run_id, key] = {m.step for m in self.client.get_metric_history(run_id, key)}
-        logged = self._eval_logged[run_id, key]
+        key = marker if marker in metrics else sorted(metrics)[0]
+        if (run_id, prefix + key) not in self._eval_logged:
+            self._eval_logged[run_id, prefix + key] = self.eval_steps(run_id, key, prefix)
+        logged = self._eval_logged[run_id, prefix + key]
         if step in logged:
             return False
         now = int(time.time() * 1000)
@@ -254,18 +254,15 @@ class Tracker:
         tags = self.client.get_run(run_id).data.tags
         return {int(k.split(".", 1)[1]) for k in tags if k.startswith(prefix + ".") and k.split(".", 1)[1].isdigit()}
 
-    def eval_history(self, run_id: str, metric: str) -> dict[int, float]:
-        return {m.step: m.value for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}
+    def eval_history(self, run_id: str, metric: str, prefix: str = EVAL_PREFIX) -> dict[int, float]:
+        return {m.step: m.value for m in self.client.get_metric_history(run_id, prefix + metric)}
 
     def step_metrics(self, run_id: str, step: int, logged: dict, prefix: str = EVAL_PREFIX) -> dict[str, float]:
         """The metrics named ``prefix + name`` at ``step``, by name; ``logged``: the run's latest
         metrics (``get_run(...).data.metrics``), which name every key logged."""
-        values = {}
-        for key in (k for k in logged if k.startswith(prefix)):
-            at = {m.step: m.value for m in self.client.get_metric_history(run_id, key)}
-            if step in at:
-                values[key.removeprefix(prefix)] = at[step]
-        return values
+        names = [k.removeprefix(prefix) for k in logged if k.startswith(prefix)]
+        at_step = {name: self.eval_history(run_id, name, prefix).get(step) for name in names}
+        return {name: value for name, value in at_step.items() if value is not None}
 
     def scheduler_history(self, run_id: str, metric: str, stderr_metric: str | None):
         """Past evaluations as the scheduler's history: triggered runs share state through MLflow."""
