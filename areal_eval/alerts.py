@@ -12,9 +12,9 @@ import math
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
-from areal_eval.config.parsing import NON_NEGATIVE, FieldError, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, FieldError, Ranges, check_ranges
 
 
 @dataclasses.dataclass
@@ -57,16 +57,17 @@ class AlertRule:
     throttle_secs: float = 300.0
     """After a notification, further firings of this rule are only logged for this long."""
 
+    RANGES: ClassVar[Ranges] = {
+        "tolerance": NON_NEGATIVE,
+        "min_step": NON_NEGATIVE,
+        "throttle_secs": NON_NEGATIVE,
+        "stderrs": NON_NEGATIVE,
+        "consecutive": AT_LEAST_1,
+        "baseline_results": AT_LEAST_1,
+    }
+
     def __post_init__(self):
-        check_ranges(
-            self,
-            tolerance=NON_NEGATIVE,
-            min_step=NON_NEGATIVE,
-            throttle_secs=NON_NEGATIVE,
-            stderrs=NON_NEGATIVE,
-            consecutive=(1, None),
-            baseline_results=(1, None),
-        )
+        check_ranges(self, **self.RANGES)
         if self.baseline_results is not None and self.kind != "regression":
             raise FieldError("baseline_results", f"is for regression rules, not {self.kind}")
 

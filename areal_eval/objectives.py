@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from areal_eval import causal_lm, reward_model
-from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, FieldError, Ranges, check_ranges
 from areal_eval.math_problems import SyntheticMathProblems
 from areal_eval.preference_data import SyntheticPreferences, read_pairs
 from areal_eval.prompt_data import read_prompts
@@ -39,15 +39,16 @@ class ModelConfig:
     vocab_size: int = 512
     """Vocabulary size of a locally trained tokenizer."""
 
+    RANGES: ClassVar[Ranges] = {
+        "hidden_size": AT_LEAST_1,
+        "num_layers": AT_LEAST_1,
+        "num_heads": AT_LEAST_1,
+        "max_length": (2, None),
+        "vocab_size": (16, None),
+    }
+
     def __post_init__(self):
-        check_ranges(
-            self,
-            hidden_size=AT_LEAST_1,
-            num_layers=AT_LEAST_1,
-            num_heads=AT_LEAST_1,
-            max_length=(2, None),
-            vocab_size=(16, None),
-        )
+        check_ranges(self, **self.RANGES)
         if self.hidden_size % self.num_heads:
             raise FieldError("hidden_size", f"{self.hidden_size} must be divisible by num_heads ({self.num_heads})")
         if self.objective not in OBJECTIVES:

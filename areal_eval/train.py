@@ -20,11 +20,12 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
 from areal_eval.checkpoints.store import StorageConfig, open_store
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
 from areal_eval.job_spec import read_spec
 from areal_eval.launcher import TorchrunJob, die_with_parent
 from areal_eval.objectives import ModelConfig, objective
@@ -46,8 +47,10 @@ class SaveConfig:
     eval_before_train: bool = True
     """Save the untrained model before step 1, so its evaluation is the baseline."""
 
+    RANGES: ClassVar[Ranges] = {"freq_epochs": AT_LEAST_1, "freq_steps": AT_LEAST_1, "freq_secs": POSITIVE}
+
     def __post_init__(self):
-        check_ranges(self, freq_epochs=AT_LEAST_1, freq_steps=AT_LEAST_1, freq_secs=POSITIVE)
+        check_ranges(self, **self.RANGES)
         if any(step < 1 for step in self.at_steps):
             raise FieldError("at_steps", f"steps must be >= 1, got {self.at_steps}")
 
@@ -82,19 +85,20 @@ class TrainConfig:
     """With ``external``: the run fails when no checkpoint arrives for this long (the trainer
     died without publishing its final checkpoint)."""
 
+    RANGES: ClassVar[Ranges] = {
+        "nproc": AT_LEAST_1,
+        "epochs": AT_LEAST_1,
+        "max_steps": AT_LEAST_1,
+        "batch_size": AT_LEAST_1,
+        "lr": POSITIVE,
+        "warmup_steps": NON_NEGATIVE,
+        "log_every": AT_LEAST_1,
+        "collective_timeout_s": POSITIVE,
+        "external_timeout_s": POSITIVE,
+    }
+
     def __post_init__(self):
-        check_ranges(
-            self,
-            nproc=AT_LEAST_1,
-            epochs=AT_LEAST_1,
-            max_steps=AT_LEAST_1,
-            batch_size=AT_LEAST_1,
-            lr=POSITIVE,
-            warmup_steps=NON_NEGATIVE,
-            log_every=AT_LEAST_1,
-            collective_timeout_s=POSITIVE,
-            external_timeout_s=POSITIVE,
-        )
+        check_ranges(self, **self.RANGES)
 
 
 @dataclasses.dataclass

@@ -11,9 +11,10 @@ sweep reads so it never tries to evaluate a deleted checkpoint.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, Ranges, check_ranges
 from areal_eval.runs.ledger import FINAL_STATES, LedgerEntry
 
 
@@ -24,8 +25,10 @@ class RetentionConfig:
     keep_best: int = 1
     """Also keep the N best evaluated checkpoints by the scheduler's metric."""
 
+    RANGES: ClassVar[Ranges] = {"keep_last": AT_LEAST_1, "keep_best": NON_NEGATIVE}
+
     def __post_init__(self):
-        check_ranges(self, keep_last=AT_LEAST_1, keep_best=NON_NEGATIVE)
+        check_ranges(self, **self.RANGES)
 
 
 def checkpoints_to_delete(

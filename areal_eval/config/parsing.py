@@ -31,6 +31,13 @@ class FieldError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
+Ranges = dict[str, tuple[float | None, float | None]]
+"""A config class's numeric fields' bounds, ``{name: (low, high)}``, either end None for open.
+Config dataclasses declare theirs as ``RANGES``: ``__post_init__`` checks them, and the flows'
+parameter schema (:mod:`areal_eval.config.schema`) carries them, so a Prefect server refuses an
+out-of-range value when a run is submitted, not when it starts."""
+
+
 def check_ranges(obj: Any, **bounds: tuple[float | None, float | None]) -> None:
     """Range-check numeric fields of ``obj``: ``name=(low, high)``, either end None for open.
     A None value passes (it means "off" or "default"): 0 never silently stands for "all"."""
@@ -40,6 +47,7 @@ def check_ranges(obj: Any, **bounds: tuple[float | None, float | None]) -> None:
             continue
         if (low is not None and value < low) or (high is not None and value > high):
             span = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+            span = "> 0" if (low, high) == POSITIVE else span
             raise FieldError(name, f"must be {span}, got {value!r}")
 
 

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import ClassVar
 
 from areal_eval.alerts import AlertRule, AlertsConfig
 from areal_eval.checkpoints.store import StorageConfig
-from areal_eval.config.parsing import POSITIVE, FieldError, check_ranges, from_dict, merge, parse_overrides, read_file
+from areal_eval.config.parsing import (
+    POSITIVE,
+    FieldError,
+    Ranges,
+    check_ranges,
+    from_dict,
+    merge,
+    parse_overrides,
+    read_file,
+)
 from areal_eval.evaluation.evaluators import make_evaluator, produced_metrics
 from areal_eval.evaluation.jobs import EvalConfig
 from areal_eval.job_spec import EvaluatorSettings
@@ -64,8 +74,10 @@ class PipelineConfig:
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
     alerts: AlertsConfig = dataclasses.field(default_factory=lambda: AlertsConfig(rules=_default_rules()))
 
+    RANGES: ClassVar[Ranges] = {"poll_interval_s": POSITIVE}
+
     def __post_init__(self):
-        check_ranges(self, poll_interval_s=POSITIVE)
+        check_ranges(self, **self.RANGES)
         if not self.run_name or self.run_name in (".", "..") or "/" in self.run_name or "\\" in self.run_name:
             raise FieldError("run_name", f"{self.run_name!r} must be a plain directory name")
         self._check_metric_names()

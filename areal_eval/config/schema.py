@@ -1,11 +1,12 @@
 """The pipeline config as a pydantic model, for orchestrators that render and validate forms.
 
-The config stays plain dataclasses, parsed by :func:`areal_eval.config.parsing.from_dict`. This module
-derives a strict pydantic model from them (a bool is not an int, an unknown field is refused by
-its dotted path), with each field's docstring as its description and the pipeline's defaults as
-defaults. A Prefect flow parameter typed with it gets a form in the UI and server-side validation;
-the flow then parses ``model_dump(exclude_unset=True)`` as it parses any config, so only what
-the user set overrides the config file and the defaults.
+The config stays plain dataclasses, parsed by :func:`areal_eval.config.parsing.from_dict`. This
+module derives a strict pydantic model from them (a bool is not an int, an unknown field is
+refused by its dotted path, a number outside its class's ``RANGES`` too), with each field's
+docstring as its description and the pipeline's defaults as defaults. A Prefect flow parameter
+typed with it gets a form in the UI and server-side validation; the flow then parses
+``model_dump(exclude_unset=True)`` as it parses any config, so only what the user set overrides
+the config file and the defaults.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import typing
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from areal_eval.config.parsing import POSITIVE
 from areal_eval.config.pipeline import PipelineConfig
 
 
@@ -77,23 +79,27 @@ def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
             defaults = None
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    ranges = getattr(cls, "RANGES", {})
     fields = {}
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
+        low, high = ranges.get(f.name, (None, None))
+        bounds = {"gt": 0} if (low, high) == POSITIVE else {"ge": low, "le": high}
         if defaults is not None:
             default = _plain(getattr(defaults, f.name))
             spec = Field(
                 default_factory=lambda d=default: d,
                 description=docs.get(f.name),
                 json_schema_extra={"default": default},
+                **bounds,
             )
         elif f.default is not dataclasses.MISSING:
-            spec = Field(default=_plain(f.default), description=docs.get(f.name))
+            spec = Field(default=_plain(f.default), description=docs.get(f.name), **bounds)
         elif f.default_factory is not dataclasses.MISSING:
-            spec = Field(default_factory=f.default_factory, description=docs.get(f.name))
+            spec = Field(default_factory=f.default_factory, description=docs.get(f.name), **bounds)
         else:
-            spec = Field(description=docs.get(f.name))
+            spec = Field(description=docs.get(f.name), **bounds)
         fields[f.name] = (_model_type(hints[f.name]), spec)
     doc = inspect.getdoc(cls)
     return create_model(
@@ -106,8 +112,8 @@ def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
 
 PipelineParams = config_model(PipelineConfig)
 """The type of the flows' ``params``: the Prefect UI renders it as a form with each field's
-description, and the server validates it (strict types; an unknown field is refused by its
-dotted path)."""
+description, and the server validates it (strict types and ranges; an unknown field is refused
+by its dotted path)."""
 
 
 def set_fields(params: BaseModel | dict | None) -> dict | None:

@@ -17,10 +17,10 @@ import hashlib
 from collections import Counter
 from math import comb
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from areal_eval import causal_lm
-from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, FieldError, Ranges, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr
 from areal_eval.evaluation.rewards import load_reward
 from areal_eval.prompt_data import read_prompts
@@ -63,9 +63,15 @@ class GenerationConfig:
     backend: str = "transformers"
     """Decoder: ``transformers`` (``generate``)."""
 
+    RANGES: ClassVar[Ranges] = {
+        "n_samples": AT_LEAST_1,
+        "max_new_tokens": AT_LEAST_1,
+        "max_prompt_tokens": AT_LEAST_1,
+        "temperature": NON_NEGATIVE,
+    }
+
     def __post_init__(self):
-        check_ranges(self, n_samples=AT_LEAST_1, max_new_tokens=AT_LEAST_1, max_prompt_tokens=AT_LEAST_1)
-        check_ranges(self, temperature=(0.0, None))
+        check_ranges(self, **self.RANGES)
         if not 0.0 < self.top_p <= 1.0:
             raise FieldError("top_p", f"{self.top_p} must be in (0, 1]")
         if self.temperature == 0.0 and self.n_samples > 1:

@@ -8,10 +8,11 @@ import math
 import re
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name
 from areal_eval.checkpoints.store import S3Config
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
@@ -81,18 +82,19 @@ class EvalConfig:
     waiting checkpoints are coalesced only when every slot is busy. On a server, dispatched
     evaluations are bounded by the ``gpu_slot`` concurrency limit as well."""
 
+    RANGES: ClassVar[Ranges] = {
+        "nproc": AT_LEAST_1,
+        "slots": AT_LEAST_1,
+        "mp_size": AT_LEAST_1,
+        "batch_size": AT_LEAST_1,
+        "collective_timeout_s": POSITIVE,
+        "job_timeout_s": POSITIVE,
+        "retries": NON_NEGATIVE,
+        "nice": (0, 19),
+    }
+
     def __post_init__(self):
-        check_ranges(
-            self,
-            nproc=AT_LEAST_1,
-            slots=AT_LEAST_1,
-            mp_size=AT_LEAST_1,
-            batch_size=AT_LEAST_1,
-            collective_timeout_s=POSITIVE,
-            job_timeout_s=POSITIVE,
-            retries=NON_NEGATIVE,
-            nice=(0, 19),
-        )
+        check_ranges(self, **self.RANGES)
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
 

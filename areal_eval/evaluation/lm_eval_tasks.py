@@ -14,9 +14,10 @@ import dataclasses
 import functools
 import math
 from pathlib import Path
+from typing import ClassVar
 
 from areal_eval import causal_lm
-from areal_eval.config.parsing import AT_LEAST_1, FieldError, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, FieldError, Ranges, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator
 
 
@@ -35,8 +36,10 @@ class LMEvalConfig:
     seed: int = 1234
     """Seed of the harness's few-shot sampling (and its other seeds)."""
 
+    RANGES: ClassVar[Ranges] = {"num_fewshot": NON_NEGATIVE, "limit": AT_LEAST_1, "batch_size": AT_LEAST_1}
+
     def __post_init__(self):
-        check_ranges(self, num_fewshot=(0, None), limit=AT_LEAST_1, batch_size=AT_LEAST_1)
+        check_ranges(self, **self.RANGES)
 
 
 @functools.cache

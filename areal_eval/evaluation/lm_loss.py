@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import ClassVar
 
 from areal_eval import causal_lm
-from areal_eval.config.parsing import check_ranges
+from areal_eval.config.parsing import Ranges, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator
 from areal_eval.prompt_data import read_texts
 
@@ -25,8 +26,10 @@ class LMLossConfig:
     max_length: int = 512
     """Tokens per row: the prompt keeps its end, the completion its start."""
 
+    RANGES: ClassVar[Ranges] = {"max_length": (2, None)}
+
     def __post_init__(self):
-        check_ranges(self, max_length=(2, None))
+        check_ranges(self, **self.RANGES)
 
 
 class LMLossEvaluator(BaseEvaluator):

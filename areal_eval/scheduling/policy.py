@@ -31,9 +31,9 @@ import bisect
 import dataclasses
 import math
 from collections.abc import Collection, Sequence
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,10 @@ class Decision:
 class StepEvent(Protocol):
     global_step: int
     final: bool
+
+
+COVER_WINDOW = 1024
+"""The most checkpoints the cover bound counts (and ``DecisionHistory`` hands it)."""
 
 
 @dataclasses.dataclass
@@ -117,22 +121,23 @@ class SchedulerConfig:
         """The name of the monitored metric's standard error (None: none is reported)."""
         return self.stderr_metric.format(metric=self.metric) if self.stderr_metric else None
 
+    RANGES: ClassVar[Ranges] = {
+        "fixed_interval_steps": AT_LEAST_1,
+        "min_interval_steps": NON_NEGATIVE,
+        "max_interval_steps": AT_LEAST_1,
+        "max_interval_checkpoints": (1, COVER_WINDOW),
+        "max_interval_growth": POSITIVE,
+        "drift_tolerance": NON_NEGATIVE,
+        "noise_discount": NON_NEGATIVE,
+        "refine_stderrs": NON_NEGATIVE,
+        "regression_z": POSITIVE,
+        "default_stderr": POSITIVE,
+        "queue_capacity": AT_LEAST_1,
+        "probe_escalate_stderrs": NON_NEGATIVE,
+    }
+
     def __post_init__(self):
-        check_ranges(
-            self,
-            fixed_interval_steps=AT_LEAST_1,
-            min_interval_steps=NON_NEGATIVE,
-            max_interval_steps=AT_LEAST_1,
-            max_interval_checkpoints=(1, COVER_WINDOW),
-            max_interval_growth=POSITIVE,
-            drift_tolerance=NON_NEGATIVE,
-            noise_discount=NON_NEGATIVE,
-            refine_stderrs=NON_NEGATIVE,
-            regression_z=POSITIVE,
-            default_stderr=POSITIVE,
-            queue_capacity=AT_LEAST_1,
-            probe_escalate_stderrs=NON_NEGATIVE,
-        )
+        check_ranges(self, **self.RANGES)
         if self.probe_fraction is not None and not 0 < self.probe_fraction < 1:
             raise FieldError("probe_fraction", f"must be in (0, 1) or null, got {self.probe_fraction}")
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
@@ -169,10 +174,6 @@ def decide(
     if cfg.max_interval_checkpoints is not None and since >= cfg.max_interval_checkpoints:
         return Decision(True, f"checkpoint {since} since step {last.step} (max_interval_checkpoints)")
     return _adaptive(step, last, history, cfg)
-
-
-COVER_WINDOW = 1024
-"""The most checkpoints the cover bound counts (and ``DecisionHistory`` hands it)."""
 
 
 def checkpoints_since(last_step: int, step: int, offered_steps: Sequence[int]) -> int:

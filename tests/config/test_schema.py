@@ -1,9 +1,13 @@
 """The config as the typed parameter of the flows: a described form, strict validation."""
 
+import dataclasses
+import typing
+
 import pytest
 from pydantic import ValidationError
 
-from areal_eval.config.pipeline import load_pipeline_config
+from areal_eval.config.parsing import POSITIVE
+from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, field_docs, set_fields
 from areal_eval.evaluation.jobs import EvalConfig
 
@@ -23,12 +27,42 @@ def test_every_field_has_its_docstring_as_description():
         ({"eval": {"nproc": "2"}}, "eval.nproc"),
         ({"eval": {"nprocs": 2}}, "eval.nprocs"),  # unknown, refused by its dotted path
         ({"alerts": {"rules": [{"name": "x", "kind": "sometimes"}]}}, "alerts.rules.0.kind"),
+        ({"eval": {"nproc": 0}}, "eval.nproc"),  # out of its range
+        ({"train": {"lr": 0.0}}, "train.lr"),
+        ({"scheduler": {"max_interval_steps": 0}}, "scheduler.max_interval_steps"),
+        ({"alerts": {"rules": [{"name": "x", "kind": "regression", "stderrs": -1}]}}, "alerts.rules.0.stderrs"),
     ],
 )
 def test_bad_params_are_refused_naming_the_field(params, where):
     with pytest.raises(ValidationError) as info:
         PipelineParams.model_validate(params)
     assert where in str(info.value)
+
+
+def _config_classes(cls: type, seen: dict[str, type]) -> dict[str, type]:
+    """``cls`` and every config dataclass its fields hold, by name."""
+    seen[cls.__name__] = cls
+    for tp in typing.get_type_hints(cls).values():
+        for inner in (tp, *typing.get_args(tp)):
+            if dataclasses.is_dataclass(inner) and inner.__name__ not in seen:
+                _config_classes(inner, seen)
+    return seen
+
+
+def test_every_range_a_config_class_checks_is_in_the_schema():
+    """The server checks ranges from the schema; the dataclasses check the same ``RANGES``."""
+    schema = PipelineParams.model_json_schema()
+    checked = 0
+    for name, cls in _config_classes(PipelineConfig, {}).items():
+        for field, (low, high) in getattr(cls, "RANGES", {}).items():
+            prop = schema["$defs"].get(name, schema)["properties"][field]
+            spec = next((s for s in prop.get("anyOf", [prop]) if s.get("type") != "null"), prop)
+            if (low, high) == POSITIVE:
+                assert spec["exclusiveMinimum"] == 0, (name, field)
+            else:
+                assert (spec.get("minimum"), spec.get("maximum")) == (low, high), (name, field)
+            checked += 1
+    assert checked > 40
 
 
 def test_only_what_is_set_overrides_the_defaults():
