@@ -85,8 +85,14 @@ def read_curves(path: str | Path) -> list[Curve]:
             curve = Curve(str(row["curve"]), higher, points, float(fraction) if fraction else None)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: bad curve: {exc!r}") from exc
-        if not points or any(b.step <= a.step for a, b in zip(points, points[1:], strict=False)):
-            raise ValueError(f"{path}:{lineno}: points must be non-empty and sorted by step")
+        if not points:
+            raise ValueError(f"{path}:{lineno}: curve {curve.name!r} has no points")
+        for i, (a, b) in enumerate(zip(points, points[1:], strict=False), start=1):
+            if b.step <= a.step:
+                raise ValueError(
+                    f"{path}:{lineno}: point {i} (step {b.step}) must come after step {a.step}: "
+                    "steps strictly increase along a curve"
+                )
         for i, p in enumerate(points):
             numbers = (p.value, p.stderr, *(p.subset or ()))
             if not all(math.isfinite(x) for x in numbers) or p.stderr < 0 or (p.subset and p.subset[1] < 0):

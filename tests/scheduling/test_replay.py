@@ -92,6 +92,21 @@ def test_a_point_that_no_score_can_use_is_refused_naming_line_and_point(tmp_path
         replay.read_curves(f)
 
 
+@pytest.mark.parametrize(
+    "points, named",
+    [
+        ([], r"c.jsonl:1: curve 'a' has no points"),
+        ([{"step": 5, "value": 0.5}, {"step": 5, "value": 0.6}], r"point 1 \(step 5\) must come after step 5"),
+        ([{"step": 5, "value": 0.5}, {"step": 2, "value": 0.6}], r"c.jsonl:1: point 1 \(step 2\) must come after"),
+    ],
+)
+def test_a_curve_without_points_or_with_steps_out_of_order_is_refused_naming_the_point(tmp_path, points, named):
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"curve": "a", "points": points}) + "\n")
+    with pytest.raises(ValueError, match=named):
+        replay.read_curves(f)
+
+
 def replay_against_fixed(curves, capsys) -> dict:
     """``areal-eval replay --json`` of adaptive, fixed:1 and fixed:2 with an injected regression."""
     policies = ["--policy", "adaptive", "--policy", "fixed:1", "--policy", "fixed:2"]
