@@ -67,7 +67,7 @@ class AlertRule:
     }
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
         if self.baseline_results is not None and self.kind != "regression":
             raise FieldError("baseline_results", f"is for regression rules, not {self.kind}")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from areal_eval import causal_lm, reward_model
-from areal_eval.config.parsing import AT_LEAST_1, FieldError, Ranges, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, Bounds, FieldError, Ranges, check_ranges
 from areal_eval.math_problems import SyntheticMathProblems
 from areal_eval.preference_data import SyntheticPreferences, read_pairs
 from areal_eval.prompt_data import read_prompts
@@ -43,12 +43,12 @@ class ModelConfig:
         "hidden_size": AT_LEAST_1,
         "num_layers": AT_LEAST_1,
         "num_heads": AT_LEAST_1,
-        "max_length": (2, None),
-        "vocab_size": (16, None),
+        "max_length": Bounds(2),
+        "vocab_size": Bounds(16),
     }
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
         if self.hidden_size % self.num_heads:
             raise FieldError("hidden_size", f"{self.hidden_size} must be divisible by num_heads ({self.num_heads})")
         if self.objective not in OBJECTIVES:

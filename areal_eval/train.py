@@ -50,7 +50,7 @@ class SaveConfig:
     RANGES: ClassVar[Ranges] = {"freq_epochs": AT_LEAST_1, "freq_steps": AT_LEAST_1, "freq_secs": POSITIVE}
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
         if any(step < 1 for step in self.at_steps):
             raise FieldError("at_steps", f"steps must be >= 1, got {self.at_steps}")
 
@@ -98,7 +98,7 @@ class TrainConfig:
     }
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ class RetentionConfig:
     RANGES: ClassVar[Ranges] = {"keep_last": AT_LEAST_1, "keep_best": NON_NEGATIVE}
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
 
 
 def checkpoints_to_delete(

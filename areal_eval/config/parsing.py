@@ -13,7 +13,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -31,31 +31,54 @@ class FieldError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-Ranges = dict[str, tuple[float | None, float | None]]
-"""A config class's numeric fields' bounds, ``{name: (low, high)}``, either end None for open.
-Config dataclasses declare theirs as ``RANGES``: ``__post_init__`` checks them, and the flows'
-parameter schema (:mod:`areal_eval.config.schema`) carries them, so a Prefect server refuses an
-out-of-range value when a run is submitted, not when it starts."""
+class Bounds(NamedTuple):
+    """A numeric field's range; an end that is None is open."""
+
+    low: float | None = None
+    high: float | None = None
+    low_excluded: bool = False
+    """The value must be above ``low``, not equal to it."""
+    high_excluded: bool = False
+    """The value must be below ``high``, not equal to it."""
+
+    def admits(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_excluded else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_excluded else value <= self.high)
+
+    def __str__(self) -> str:
+        low = "(" if self.low_excluded else "["
+        high = ")" if self.high_excluded else "]"
+        if self.high is None:
+            return f"{'>' if self.low_excluded else '>='} {self.low:g}"
+        if self.low is None:
+            return f"{'<' if self.high_excluded else '<='} {self.high:g}"
+        return f"in {low}{self.low:g}, {self.high:g}{high}"
 
 
-def check_ranges(obj: Any, **bounds: tuple[float | None, float | None]) -> None:
-    """Range-check numeric fields of ``obj``: ``name=(low, high)``, either end None for open.
-    A None value passes (it means "off" or "default"): 0 never silently stands for "all"."""
-    for name, (low, high) in bounds.items():
+Ranges = dict[str, Bounds]
+"""A config class's numeric fields' ranges, by name. Config dataclasses declare theirs as
+``RANGES``: ``__post_init__`` checks them, and the flows' parameter schema
+(:mod:`areal_eval.config.schema`) carries them, so a Prefect server refuses an out-of-range
+value when a run is submitted, not when it starts."""
+
+
+def check_ranges(obj: Any, ranges: Ranges) -> None:
+    """Range-check numeric fields of ``obj``. A None value passes (it means "off" or
+    "default"): 0 never silently stands for "all"."""
+    for name, bounds in ranges.items():
         value = getattr(obj, name)
-        if value is None:
-            continue
-        if (low is not None and value < low) or (high is not None and value > high):
-            span = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
-            span = "> 0" if (low, high) == POSITIVE else span
-            raise FieldError(name, f"must be {span}, got {value!r}")
+        if value is not None and not bounds.admits(value):
+            raise FieldError(name, f"must be {bounds}, got {value!r}")
 
 
-AT_LEAST_1 = (1, None)
+AT_LEAST_1 = Bounds(1)
 """Counts: ranks, steps, batch sizes, epochs."""
-NON_NEGATIVE = (0, None)
-POSITIVE = (1e-12, None)
+NON_NEGATIVE = Bounds(0)
+POSITIVE = Bounds(0, low_excluded=True)
 """Durations, rates and noise levels: strictly above zero."""
+OPEN_UNIT = Bounds(0, 1, low_excluded=True, high_excluded=True)
+"""Fractions that must leave something out and keep something: strictly between 0 and 1."""
 
 
 def _check_scalar(tp: Any, value: Any, where: str) -> Any:

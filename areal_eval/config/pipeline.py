@@ -77,7 +77,7 @@ class PipelineConfig:
     RANGES: ClassVar[Ranges] = {"poll_interval_s": POSITIVE}
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
         if not self.run_name or self.run_name in (".", "..") or "/" in self.run_name or "\\" in self.run_name:
             raise FieldError("run_name", f"{self.run_name!r} must be a plain directory name")
         self._check_metric_names()

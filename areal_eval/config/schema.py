@@ -21,7 +21,7 @@ import typing
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from areal_eval.config.parsing import POSITIVE
+from areal_eval.config.parsing import Bounds
 from areal_eval.config.pipeline import PipelineConfig
 
 
@@ -68,6 +68,14 @@ def _plain(value: typing.Any) -> typing.Any:
     return value
 
 
+def _pydantic_bounds(bounds: Bounds) -> dict:
+    """``Field`` keywords for a range (they become the JSON schema's minimum and maximum)."""
+    return {
+        "gt" if bounds.low_excluded else "ge": bounds.low,
+        "lt" if bounds.high_excluded else "le": bounds.high,
+    }
+
+
 @functools.cache
 def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
     """A strict pydantic model of config dataclass ``cls`` (``defaults``: an instance whose
@@ -84,8 +92,7 @@ def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
-        low, high = ranges.get(f.name, (None, None))
-        bounds = {"gt": 0} if (low, high) == POSITIVE else {"ge": low, "le": high}
+        bounds = _pydantic_bounds(ranges.get(f.name, Bounds()))
         if defaults is not None:
             default = _plain(getattr(defaults, f.name))
             spec = Field(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from areal_eval import causal_lm
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, FieldError, Ranges, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, Bounds, FieldError, Ranges, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr
 from areal_eval.evaluation.rewards import load_reward
 from areal_eval.prompt_data import read_prompts
@@ -68,12 +68,11 @@ class GenerationConfig:
         "max_new_tokens": AT_LEAST_1,
         "max_prompt_tokens": AT_LEAST_1,
         "temperature": NON_NEGATIVE,
+        "top_p": Bounds(0, 1, low_excluded=True),
     }
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
-        if not 0.0 < self.top_p <= 1.0:
-            raise FieldError("top_p", f"{self.top_p} must be in (0, 1]")
+        check_ranges(self, self.RANGES)
         if self.temperature == 0.0 and self.n_samples > 1:
             raise FieldError("n_samples", f"{self.n_samples} samples need temperature > 0 (greedy gives one answer)")
         bad = [k for k in self.k if not 1 <= k <= self.n_samples]

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name
 from areal_eval.checkpoints.store import S3Config
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Bounds, FieldError, Ranges, check_ranges
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
@@ -90,11 +90,11 @@ class EvalConfig:
         "collective_timeout_s": POSITIVE,
         "job_timeout_s": POSITIVE,
         "retries": NON_NEGATIVE,
-        "nice": (0, 19),
+        "nice": Bounds(0, 19),
     }
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
 

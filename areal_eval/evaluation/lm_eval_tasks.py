@@ -39,7 +39,7 @@ class LMEvalConfig:
     RANGES: ClassVar[Ranges] = {"num_fewshot": NON_NEGATIVE, "limit": AT_LEAST_1, "batch_size": AT_LEAST_1}
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
 
 
 @functools.cache

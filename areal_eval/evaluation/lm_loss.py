@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from areal_eval import causal_lm
-from areal_eval.config.parsing import Ranges, check_ranges
+from areal_eval.config.parsing import Bounds, Ranges, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator
 from areal_eval.prompt_data import read_texts
 
@@ -26,10 +26,10 @@ class LMLossConfig:
     max_length: int = 512
     """Tokens per row: the prompt keeps its end, the completion its start."""
 
-    RANGES: ClassVar[Ranges] = {"max_length": (2, None)}
+    RANGES: ClassVar[Ranges] = {"max_length": Bounds(2)}
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
+        check_ranges(self, self.RANGES)
 
 
 class LMLossEvaluator(BaseEvaluator):

@@ -33,7 +33,16 @@ import math
 from collections.abc import Collection, Sequence
 from typing import ClassVar, Literal, Protocol
 
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
+from areal_eval.config.parsing import (
+    AT_LEAST_1,
+    NON_NEGATIVE,
+    OPEN_UNIT,
+    POSITIVE,
+    Bounds,
+    FieldError,
+    Ranges,
+    check_ranges,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +134,7 @@ class SchedulerConfig:
         "fixed_interval_steps": AT_LEAST_1,
         "min_interval_steps": NON_NEGATIVE,
         "max_interval_steps": AT_LEAST_1,
-        "max_interval_checkpoints": (1, COVER_WINDOW),
+        "max_interval_checkpoints": Bounds(1, COVER_WINDOW),
         "max_interval_growth": POSITIVE,
         "drift_tolerance": NON_NEGATIVE,
         "noise_discount": NON_NEGATIVE,
@@ -134,12 +143,11 @@ class SchedulerConfig:
         "default_stderr": POSITIVE,
         "queue_capacity": AT_LEAST_1,
         "probe_escalate_stderrs": NON_NEGATIVE,
+        "probe_fraction": OPEN_UNIT,
     }
 
     def __post_init__(self):
-        check_ranges(self, **self.RANGES)
-        if self.probe_fraction is not None and not 0 < self.probe_fraction < 1:
-            raise FieldError("probe_fraction", f"must be in (0, 1) or null, got {self.probe_fraction}")
+        check_ranges(self, self.RANGES)
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
             raise FieldError("max_interval_steps", f"must be >= min_interval_steps ({self.min_interval_steps})")
 

@@ -65,7 +65,7 @@ def test_overrides_and_flatten():
             r"scheduler\.max_interval_steps: must be >= min_",
         ),
         ("storage.retention.keep_last=0", r"storage\.retention\.keep_last: must be >= 1"),
-        ("scheduler.probe_fraction=1", r"scheduler\.probe_fraction: must be in \(0, 1\) or null, got 1"),
+        ("scheduler.probe_fraction=1", r"scheduler\.probe_fraction: must be in \(0, 1\), got 1"),
         ("scheduler.probe_escalate_stderrs=-1", r"scheduler\.probe_escalate_stderrs: must be >= 0"),
         ("model.num_heads=3", r"model\.hidden_size: 128 must be divisible by num_heads"),
         ("poll_interval_s=0", r"poll_interval_s: must be > 0, got 0"),

@@ -6,7 +6,6 @@ import typing
 import pytest
 from pydantic import ValidationError
 
-from areal_eval.config.parsing import POSITIVE
 from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, field_docs, set_fields
 from areal_eval.evaluation.jobs import EvalConfig
@@ -29,6 +28,8 @@ def test_every_field_has_its_docstring_as_description():
         ({"alerts": {"rules": [{"name": "x", "kind": "sometimes"}]}}, "alerts.rules.0.kind"),
         ({"eval": {"nproc": 0}}, "eval.nproc"),  # out of its range
         ({"train": {"lr": 0.0}}, "train.lr"),
+        ({"scheduler": {"probe_fraction": 1.5}}, "scheduler.probe_fraction"),
+        ({"scheduler": {"probe_fraction": 1.0}}, "scheduler.probe_fraction"),  # its ends are excluded
         ({"scheduler": {"max_interval_steps": 0}}, "scheduler.max_interval_steps"),
         ({"alerts": {"rules": [{"name": "x", "kind": "regression", "stderrs": -1}]}}, "alerts.rules.0.stderrs"),
     ],
@@ -54,13 +55,12 @@ def test_every_range_a_config_class_checks_is_in_the_schema():
     schema = PipelineParams.model_json_schema()
     checked = 0
     for name, cls in _config_classes(PipelineConfig, {}).items():
-        for field, (low, high) in getattr(cls, "RANGES", {}).items():
+        for field, bounds in getattr(cls, "RANGES", {}).items():
             prop = schema["$defs"].get(name, schema)["properties"][field]
             spec = next((s for s in prop.get("anyOf", [prop]) if s.get("type") != "null"), prop)
-            if (low, high) == POSITIVE:
-                assert spec["exclusiveMinimum"] == 0, (name, field)
-            else:
-                assert (spec.get("minimum"), spec.get("maximum")) == (low, high), (name, field)
+            low = "exclusiveMinimum" if bounds.low_excluded else "minimum"
+            high = "exclusiveMaximum" if bounds.high_excluded else "maximum"
+            assert (spec.get(low), spec.get(high)) == (bounds.low, bounds.high), (name, field)
             checked += 1
     assert checked > 40
 
