@@ -95,6 +95,11 @@ def test_bad_parameters_are_refused_before_a_run_starts(server):
         ({"eval": {"nprocs": 2}}, "params.eval", "nprocs"),
         ({"eval": {"nproc": True}}, "params.eval.nproc", "True is not of type 'integer'"),
         ({"eval": {"nproc": 0}}, "params.eval.nproc", "0 is less than the minimum of 1"),  # its range
+        (
+            {"scheduler": {"probe_fraction": 1.0}},
+            "params.scheduler.probe_fraction",
+            "greater than or equal to the maximum",
+        ),
     )
     for bad, field, why in cases:
         done = subprocess.run(
@@ -105,7 +110,7 @@ def test_bad_parameters_are_refused_before_a_run_starts(server):
             text=True,
             timeout=120,
         )
-        said = done.stdout + done.stderr
+        said = " ".join((done.stdout + done.stderr).split())  # the CLI wraps long lines
         assert done.returncode != 0 and f"Validation failed for field '{field}'" in said, said[-2000:]
         assert why in said, said[-2000:]
     refused = [bad for bad, _, _ in cases]
