@@ -47,13 +47,13 @@ class Bounds(NamedTuple):
         return self.high is None or (value < self.high if self.high_excluded else value <= self.high)
 
     def __str__(self) -> str:
-        low = "(" if self.low_excluded else "["
-        high = ")" if self.high_excluded else "]"
         if self.high is None:
             return f"{'>' if self.low_excluded else '>='} {self.low:g}"
         if self.low is None:
             return f"{'<' if self.high_excluded else '<='} {self.high:g}"
-        return f"in {low}{self.low:g}, {self.high:g}{high}"
+        opening = "(" if self.low_excluded else "["
+        closing = ")" if self.high_excluded else "]"
+        return f"in {opening}{self.low:g}, {self.high:g}{closing}"
 
 
 Ranges = dict[str, Bounds]
