@@ -28,6 +28,7 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_delete
 from areal_eval.delivery import Deliverer
 from areal_eval.evaluation.jobs import EvalResult
+from areal_eval.failures import is_permanent
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.planner import DecisionThread, EvaluationPlanner, JsonlFollower, ManifestFollower
 from areal_eval.scheduling.policy import Decision
@@ -98,6 +99,9 @@ class LoopConfig:
     """Training runs elsewhere (no job to watch): wait up to this long for each next checkpoint,
     and take training metrics from the checkpoints' ``train_metrics``. None: without a training
     job the manifest must already hold the final checkpoint."""
+    max_attempts: int = 1
+    """Evaluation attempts of one checkpoint before a transient failure is recorded ``failed``
+    (``eval.max_attempts``); a permanent failure is failed at once (``areal_eval.failures``)."""
     refined: bool = False
     """The run was refined and ended before (its record says so) and no training can add to it:
     a re-run only reports. Refining again could evaluate more, since a refined neighbour that ties
@@ -247,9 +251,12 @@ class FollowLoop:
         step = done.event.global_step
         try:
             result = done.handle.result()
-        except Exception as exc:  # noqa: BLE001 - recorded as failed, alerted, the loop goes on
-            self.planner.failed(done.event, f"probe failed: {exc}" if done.probe else str(exc))
-            alerts = self.alerts.check(step, None, str(exc))
+        except Exception as exc:  # noqa: BLE001 - recorded, alerted once failed for good, the loop goes on
+            cause = f"probe failed: {exc}" if done.probe else str(exc)
+            if not self.planner.attempt_failed(done.event, cause, is_permanent(exc), self.cfg.max_attempts):
+                self.io.warn(f"checkpoint step {step}: evaluation attempt failed, queued again: {cause}")
+                return
+            alerts = self.alerts.check(step, None, self.planner.ledger.latest(step).reason)
         else:
             if done.probe:
                 self._collect_probe(done.event, result)

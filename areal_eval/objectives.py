@@ -39,6 +39,7 @@ class ModelConfig:
     vocab_size: int = 512
     """Vocabulary size of a locally trained tokenizer."""
 
+    CHOICES: ClassVar[dict] = {"objective": lambda: list(OBJECTIVES)}
     RANGES: ClassVar[Ranges] = {
         "hidden_size": AT_LEAST_1,
         "num_layers": AT_LEAST_1,

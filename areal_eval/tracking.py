@@ -45,7 +45,8 @@ class TrackingConfig:
     """MLflow experiment name."""
     artifact_location: str | None = None
     """Artifact root of a new experiment, e.g. ``s3://bucket/mlflow`` (the client then needs
-    ``$MLFLOW_S3_ENDPOINT_URL`` for a non-AWS endpoint); None: the tracking server's default."""
+    ``$MLFLOW_S3_ENDPOINT_URL`` for a non-AWS endpoint); None: ``mlartifacts/`` beside a SQLite
+    store, else the tracking server's default."""
     ui_url: str | None = None
     """Where the MLflow UI is served, for links in the Prefect UI; None: the tracking URI when it
     is an ``http(s)`` server, else ``http://127.0.0.1:5000`` (``mlflow ui``'s default)."""
@@ -61,6 +62,17 @@ def mlflow_run_url(cfg: TrackingConfig, tracking_uri: str, experiment_id: str, r
     base = cfg.ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")
     # MLflow 3's UI opens in its GenAI view (traces, all empty here) unless told otherwise.
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def artifact_location(cfg: TrackingConfig, tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: ``tracking.artifact_location``, else beside a
+    SQLite store (``mlartifacts/`` next to the database file, not ``./mlruns`` wherever the
+    process happens to run), else the tracking server's default."""
+    if cfg.artifact_location:
+        return cfg.artifact_location
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+    return None
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, work_root: str | Path) -> str:
@@ -140,11 +152,14 @@ class Tracker:
                 self._train_through[run_id] = int(tag)
         return self._train_through[run_id]
 
-    def log_train_metrics(self, run_id: str, rows: list[dict]) -> int:
+    def log_train_metrics(self, run_id: str, rows: list[dict], reread_watermark: bool = False) -> int:
         """Log training rows (``{"step": .., "loss": ..}``) past the run's watermark; returns the
-        number of metric points logged."""
+        number of metric points logged. ``reread_watermark``: other processes log to this run
+        too (the caller holds a lock they take as well), so the watermark is read from MLflow."""
         from mlflow.entities import Metric
 
+        if reread_watermark:
+            self._train_through.pop(run_id, None)
         through = self.train_logged_through(run_id)
         now = int(time.time() * 1000)
         batch: list = []

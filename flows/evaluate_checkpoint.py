@@ -11,26 +11,33 @@ run with the curve and the decision log, as ``train-and-evaluate`` does.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
+from typing import Annotated
 
 from prefect import flow, get_run_logger
-from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
+from pydantic import Field
 
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
 from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
+from areal_eval.failures import is_permanent
 from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.runs.record import RunRecord
 from areal_eval.runs.setup import judged_config
 from areal_eval.tracking import plot_curve
 from tasks.alerts import send_alert
-from tasks.mlflow_logging import finish_tracking, log_evaluation, start_tracking_run, tracker_for
-from tasks.orchestration import flow_run_alive, tag_flow_run
+from tasks.mlflow_logging import (
+    finish_tracking,
+    log_evaluation,
+    log_published_train_metrics,
+    start_tracking_run,
+    tracker_for,
+)
+from tasks.orchestration import flow_run_alive, holding_slot, tag_flow_run
 from tasks.reports import summarize, update_evaluation_table
 from tasks.scoring import score_now
 
@@ -50,7 +57,7 @@ def evaluation_run_name() -> str:
 
 @flow(name="evaluate-checkpoint", flow_run_name=evaluation_run_name, log_prints=True)
 def evaluate_checkpoint(
-    global_step: int,
+    global_step: Annotated[int, Field(ge=0)],
     manifest: str,
     run_id: str | None = None,
     checkpoint_uri: str | None = None,
@@ -104,39 +111,66 @@ def evaluate_checkpoint(
     for problem in Ledger(run.ledger).problems:  # torn by a crash: skipped here as on every path
         logger.warning(problem)
     me = str(flow_run.id or "local")
-    claim, decided = record.claim(global_step, me, reason, flow_run_alive)
+    claim, _ = record.claim(global_step, me, reason, flow_run_alive)
     event = claim.event
     tag_flow_run(f"run:{event.run_id}", f"evaluator:{cfg.eval.evaluator}")
     mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
-    log_decisions(cfg, mlflow_run_id, decided, record)
     logger.info("step %d: %s (%s)", global_step, "evaluate" if claim.evaluate else "nothing to do", claim.reason)
     summary = {"global_step": global_step, "evaluated": claim.evaluate, "reason": claim.reason, "refined": []}
-    if claim.evaluate and claim.probe:
-        summary |= probe_and_record(cfg, record, event, data_path, run, mlflow_run_id, gpu_slot)
-    elif claim.evaluate:
-        summary["metrics"] = evaluate_and_record(
-            cfg, record, event, claim.reason, data_path, run, mlflow_run_id, gpu_slot
-        ).metrics
+    failures: list[Exception] = []  # recorded in the ledger already; raised once the run's record is up to date
+    try:
+        if claim.evaluate and claim.probe:
+            summary |= probe_and_record(cfg, record, event, data_path, run, mlflow_run_id, gpu_slot)
+        elif claim.evaluate:
+            summary["metrics"] = evaluate_and_record(
+                cfg, record, event, claim.reason, data_path, run, mlflow_run_id, gpu_slot
+            ).metrics
+    except Exception as exc:  # noqa: BLE001 - a failed checkpoint does not keep the run from ending
+        failures.append(exc)
     for refined in record.refinements(me, tracker_for(cfg).deleted_steps(mlflow_run_id)):
         reason_now = Ledger(run.ledger).latest(refined.global_step).reason
         logger.info("step %d: %s", refined.global_step, reason_now)
-        evaluate_and_record(cfg, record, refined, reason_now, data_path, run, mlflow_run_id, gpu_slot)
-        summary["refined"].append(refined.global_step)
+        try:
+            evaluate_and_record(cfg, record, refined, reason_now, data_path, run, mlflow_run_id, gpu_slot)
+            summary["refined"].append(refined.global_step)
+        except Exception as exc:  # noqa: BLE001 - the other neighbours are still evaluated
+            failures.append(exc)
     if (ledger := record.finish()) is not None:  # this flow run found the run over: end it
-        summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, ledger, "FINISHED")
-        logger.info("run %s is over: MLflow run %s finished", event.run_id, mlflow_run_id)
+        status, failure = end_status(ledger, published.events())
+        summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, ledger, status, failure)
+        logger.info("run %s is over: MLflow run %s ended %s", event.run_id, mlflow_run_id, status)
     elif claim.evaluate and record.ended():  # a late evaluation (manual, sweep): counts and curve stay true
         summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, Ledger(run.ledger), None)
+    log_decisions(cfg, mlflow_run_id, record.take_decided(), record)
+    log_published_train_metrics(cfg, mlflow_run_id, record)
+    if failures:
+        raise failures[0]
     return summary
 
 
+def end_status(ledger: Ledger, events: list[CheckpointEvent]) -> tuple[str, str | None]:
+    """How a run that is over ends in MLflow: FAILED, with the reason, when its final checkpoint
+    failed (for good: a transient failure is retried before the run is over), else FINISHED."""
+    finals = [ledger.latest(e.global_step) for e in events if e.final]
+    failed = [e for e in finals if e is not None and e.status == "failed"]
+    if failed:
+        return "FAILED", f"the final checkpoint (step {failed[-1].step}) failed: {failed[-1].reason}"
+    return "FINISHED", None
+
+
 def report_run(
-    cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger, status: str | None
+    cfg: PipelineConfig,
+    run_id: str,
+    run: RunDir,
+    mlflow_run_id: str,
+    ledger: Ledger,
+    status: str | None,
+    failure: str | None = None,
 ) -> dict:
-    """The curve, the decision log and the counts in MLflow (the run ended with ``status``, or
-    left as it is), and the run's summary artifact."""
+    """The curve, the decision log and the counts in MLflow (the run ended with ``status``, and
+    ``failure`` as its reason, or left as it is), and the run's summary artifact."""
     plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run_id)
-    finish_tracking(cfg, mlflow_run_id, ledger, plot, status)
+    finish_tracking(cfg, mlflow_run_id, ledger, plot, status, failure)
     return summarize(cfg, run_id, run, mlflow_run_id, ledger, plot)
 
 
@@ -162,24 +196,18 @@ def validation_data(data_path: str | None, event: CheckpointEvent, run: RunDir) 
 
 
 def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[CheckpointEvent], record: RunRecord) -> None:
-    """The decisions this flow run made, as ``decision.<step>`` tags, and the training metrics
-    the publisher passed with those checkpoints (each checkpoint is decided once, so once)."""
-    if not decided:
-        return
-    tracker = tracker_for(cfg)
-    entries = Ledger(record.run.ledger)
-    tracker.set_tags(
-        mlflow_run_id, {f"decision.{e.global_step}": entries.latest(e.global_step).reason for e in decided}
-    )
-    rows = [{"step": e.global_step, **e.train_metrics} for e in decided if e.train_metrics]
-    if rows:
-        tracker.log_train_metrics(mlflow_run_id, rows)
+    """The decisions this flow run made, whichever of its calls made them, as ``decision.<step>`` tags."""
+    if decided:
+        entries = Ledger(record.run.ledger)
+        tracker_for(cfg).set_tags(
+            mlflow_run_id, {f"decision.{e.global_step}": entries.latest(e.global_step).reason for e in decided}
+        )
 
 
 def evaluate_one(
     cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None, probe: bool = False
 ) -> EvalResult:
-    with concurrency(gpu_slot, occupy=1, strict=True) if gpu_slot else contextlib.nullcontext():
+    with holding_slot(gpu_slot, wait_s=cfg.eval.job_timeout_s):
         return score_now(event, data, cfg, run.evals, probe)
 
 
@@ -198,8 +226,7 @@ def probe_and_record(
     try:
         result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot, probe=True)
     except Exception as exc:
-        for alert in record.record(event, None, f"probe failed: {exc}"):
-            send_alert(alert, cfg, mlflow_run_id, run)
+        record_failure(cfg, record, event, f"probe failed: {exc}", exc, mlflow_run_id, run)
         raise
     decision = record.probed(event, result.probe_metrics)
     get_run_logger().info("step %d: %s", event.global_step, decision.reason)
@@ -232,11 +259,29 @@ def evaluate_and_record(
         result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot)
         log_evaluation(cfg, mlflow_run_id, result, reason, (run, event.run_id))
     except Exception as exc:
-        for alert in record.record(event, None, str(exc)):
-            send_alert(alert, cfg, mlflow_run_id, run)
+        record_failure(cfg, record, event, str(exc), exc, mlflow_run_id, run)
         raise
     alerts = record.record(event, result.metrics, probe_metrics=result.probe_metrics)
     update_evaluation_table(cfg, event.run_id, Ledger(run.ledger))
     for alert in alerts:
         send_alert(alert, cfg, mlflow_run_id, run)
     return result
+
+
+def record_failure(
+    cfg: PipelineConfig,
+    record: RunRecord,
+    event: CheckpointEvent,
+    cause: str,
+    exc: Exception,
+    mlflow_run_id: str,
+    run: RunDir,
+) -> None:
+    """A failed attempt, in the ledger: failed for good (and alerted on) when permanent or the
+    last allowed (``eval.max_attempts``), else left scheduled for the sweep to try again."""
+    permanent = is_permanent(exc)
+    alerts = record.record(event, None, cause, permanent=permanent, max_attempts=cfg.eval.max_attempts)
+    if not alerts and not permanent and Ledger(run.ledger).status(event.global_step) == "scheduled":
+        get_run_logger().warning("step %d: transient failure, left for a later attempt: %s", event.global_step, cause)
+    for alert in alerts:
+        send_alert(alert, cfg, mlflow_run_id, run)

@@ -10,6 +10,10 @@ other), ``eval.slots`` at a time, on warm worker groups kept for its whole life.
 through the run's shared record, so the deployment trigger, the sweep and manual runs agree with
 it. Use it instead of the ``evaluate-published-checkpoint`` automation (pause that one), or beside
 it: then each checkpoint is evaluated once, by whichever flow run claims it first.
+
+It outlives a server restart: the event stream is reconnected with backoff, the events sent
+meanwhile are replayed, and checkpoints whose events never reached the server (published while
+it was down) are caught up from the manifests of the runs it serves.
 """
 
 from __future__ import annotations
@@ -20,16 +24,20 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from prefect import flow
 from prefect.events.clients import get_events_subscriber
 from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 from prefect.events.schemas.events import ResourceSpecification
 from prefect.settings import PREFECT_API_URL
+from websockets.exceptions import WebSocketException
 
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED
 from areal_eval.config.parsing import ConfigError, to_dict
 from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
+from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.reaper import watch_over_children
 from flows.evaluate_checkpoint import evaluate_checkpoint
+from flows.sweep_checkpoints import sweep_run
 from tasks.scoring import serve_warm_workers
 
 PUBLISHED = EventFilter(
@@ -53,24 +61,70 @@ def evaluate_published(cfg: PipelineConfig, payload: dict, gpu_slot: str | None)
     print(f"{payload.get('run_id')}@{payload['global_step']}: {state.name}", flush=True)
 
 
-async def serve(cfg: PipelineConfig, gpu_slot: str | None, ready: asyncio.Event | None = None) -> None:
-    """Evaluate each published checkpoint until cancelled."""
+@flow(name="catch-up-evaluations", log_prints=True)
+def catch_up(manifests: list[str], params: PipelineParams | None = None) -> dict:
+    """After a lost connection: what the events missed in the runs this service has seen
+    (checkpoints published while the server was down, claims of flow runs that died), through
+    the sweep's own per-run step, on this process's warm workers."""
+    cfg = load_pipeline_config(params=set_fields(params))
+    done = [name for manifest in manifests for name, _ in sweep_run(manifest, cfg, params, reevaluate_skipped=False)]
+    return {"evaluated": done}
+
+
+CONNECTION_FAULTS = (OSError, WebSocketException)
+"""What a server that is restarting or gone raises at the event stream: waited out, never fatal."""
+
+
+async def serve(
+    cfg: PipelineConfig, gpu_slot: str | None, ready: asyncio.Event | None = None, max_backoff_s: float = 30.0
+) -> None:
+    """Evaluate each published checkpoint until cancelled. A lost connection to the server is
+    retried with backoff, forever; once back, events sent meanwhile are replayed by the server
+    (each handled once), and the runs seen so far are caught up from their manifests."""
     loop = asyncio.get_running_loop()
+    manifests: dict[str, None] = {}  # the runs seen, in order
+    seen: set = set()  # event ids: a replay after a reconnect is not evaluated again
+    backoff, connected_before = 1.0, False
     with (
         serve_warm_workers(cfg, Path(cfg.work_dir) / "serve-evaluations") as workers,
         ThreadPoolExecutor(cfg.eval.slots, thread_name_prefix="evaluate") as pool,
     ):
         workers.start()  # up before the first checkpoint arrives
-        async with get_events_subscriber(filter=PUBLISHED, reconnect_on_clean_close=True) as events:
+        while True:
+            try:
+                # No reconnection inside the subscriber: every drop comes here, to be caught up on.
+                async with get_events_subscriber(filter=PUBLISHED, reconnection_attempts=0) as events:
+                    print(
+                        f"serve-evaluations: listening to {PREFECT_API_URL.value()} for {CHECKPOINT_SAVED} "
+                        f"({cfg.eval.slots} slot(s))",
+                        flush=True,
+                    )
+                    if connected_before and manifests:
+                        loop.run_in_executor(pool, catch_up_quietly, list(manifests), to_dict(cfg))
+                    connected_before, backoff = True, 1.0
+                    if ready is not None:
+                        ready.set()
+                    async for event in events:
+                        if event.id in seen:
+                            continue
+                        seen.add(event.id)
+                        manifests.setdefault(event.payload["manifest"])
+                        loop.run_in_executor(pool, evaluate_published, cfg, dict(event.payload), gpu_slot)
+                why = "the server closed the event stream"
+            except CONNECTION_FAULTS as exc:
+                why = repr(exc)
             print(
-                f"serve-evaluations: listening to {PREFECT_API_URL.value()} for {CHECKPOINT_SAVED} "
-                f"({cfg.eval.slots} slot(s))",
+                f"serve-evaluations: lost {PREFECT_API_URL.value()} ({why}); reconnecting in {backoff:.0f} s",
                 flush=True,
             )
-            if ready is not None:
-                ready.set()
-            async for event in events:
-                loop.run_in_executor(pool, evaluate_published, cfg, dict(event.payload), gpu_slot)
+            await asyncio.sleep(backoff)
+            backoff = min(max_backoff_s, 2 * backoff)
+
+
+def catch_up_quietly(manifests: list[str], params: dict) -> None:
+    """:func:`catch_up` in the pool; a failure is the catch-up flow run's, not the service's."""
+    state = catch_up(manifests, params, return_state=True)
+    print(f"serve-evaluations: caught up on {len(manifests)} run(s): {state.name}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

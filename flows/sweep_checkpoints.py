@@ -73,13 +73,16 @@ def sweep_run(
     record = RunRecord(run, Manifest(local), judged.scheduler, judged.alerts, events[0].run_id)
     steps = record.unhandled(flow_run_alive) + (record.skipped() if reevaluate_skipped else [])
     steps = sorted(set(steps) - (tracker.deleted_steps(mlflow_run) if mlflow_run else set()))
+    work = [(step, "sweep") for step in steps]
     finals = [e.global_step for e in events if e.final]
     if not steps and finals and mlflow_run and tracker.client.get_run(mlflow_run).info.status == "RUNNING":
-        steps = finals[-1:]  # everything is evaluated, but the run's refinement and end never happened
+        # Every checkpoint is handled, but the run's refinement and end never happened. Nothing is
+        # forced: a final checkpoint that failed for good stays failed, and the run ends FAILED.
+        work = [(finals[-1], None)]
     done = []
-    for step in steps:
+    for step, reason in work:
         state = evaluate_checkpoint(
-            step, manifest, run_id=events[0].run_id, params=params, reason="sweep", return_state=True
+            step, manifest, run_id=events[0].run_id, params=params, reason=reason, return_state=True
         )
         done.append((f"{events[0].run_id}@{step}", state.is_completed()))
     return done

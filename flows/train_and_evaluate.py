@@ -146,6 +146,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     loop_cfg = LoopConfig(
         poll_interval_s=cfg.poll_interval_s,
         slots=cfg.eval.slots,
+        max_attempts=cfg.eval.max_attempts,
         results_logged_by_evaluator=bool(cfg.eval.deployment),
         retention=cfg.storage.retention,
         external_timeout_s=cfg.train.external_timeout_s if cfg.train.external else None,

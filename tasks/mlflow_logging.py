@@ -14,15 +14,15 @@ from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import BEST_ALIAS, PROBE_PREFIX, Tracker, resolve_tracking_uri
+from areal_eval.runs.record import RunRecord
+from areal_eval.tracking import BEST_ALIAS, PROBE_PREFIX, Tracker, artifact_location, resolve_tracking_uri
 
 
 def tracker_for(cfg: PipelineConfig) -> Tracker:
     """One tracker per store and experiment in this process: it keeps what it has logged (the
     training watermark, the evaluated steps), so logging never rereads a run's history."""
-    return _tracker(
-        resolve_tracking_uri(cfg.tracking, cfg.work_dir), cfg.tracking.experiment, cfg.tracking.artifact_location
-    )
+    uri = resolve_tracking_uri(cfg.tracking, cfg.work_dir)
+    return _tracker(uri, cfg.tracking.experiment, artifact_location(cfg.tracking, uri))
 
 
 @functools.lru_cache(maxsize=16)
@@ -46,6 +46,19 @@ def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str, 
 def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
     """The MLflow run the flow that owns ``run`` writes to (reopened if the run is resumed)."""
     return start_tracking_run(cfg, run.run_id, str(run.root), reopen=True)
+
+
+def log_published_train_metrics(cfg: PipelineConfig, mlflow_run_id: str, record: RunRecord) -> int:
+    """The ``train_metrics`` a publisher passed with the run's checkpoints, each once, in step
+    order: every flow run of the run calls it, whichever decided those checkpoints, and the run's
+    tracking lock with the watermark read fresh keeps two flow runs from logging a step twice.
+    A step published below one already logged is dropped (publish in step order)."""
+    events = record.manifest.read(run_id=record.run_id).events
+    rows = [{"step": e.global_step, **e.train_metrics} for e in events if e.train_metrics]
+    if not rows:
+        return 0
+    with file_lock(record.run.tracking_lock):
+        return tracker_for(cfg).log_train_metrics(mlflow_run_id, rows, reread_watermark=True)
 
 
 @task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")

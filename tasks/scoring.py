@@ -11,18 +11,18 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.deployments import run_deployment
 
-from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent
+from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.config.pipeline import PipelineConfig
-from areal_eval.evaluation.jobs import CorruptCheckpoint, EvalResult, EvaluationFailed, run_evaluation_job
+from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.worker_pool import WarmWorkerGroups
+from areal_eval.failures import is_permanent
 from areal_eval.tracking import EVAL_PREFIX, PROBE_PREFIX
 from tasks.mlflow_logging import tracker_for
 
 
 def worth_retrying(task, task_run, state) -> bool:
-    """A killed or hung worker may succeed next time; a corrupt checkpoint will not."""
-    exc = state.result(raise_on_failure=False)
-    return not isinstance(exc, (CorruptCheckpoint, CheckpointError))
+    """A killed or hung worker may succeed next time; a corrupt checkpoint or bad data will not."""
+    return not is_permanent(state.result(raise_on_failure=False))
 
 
 @task(
@@ -30,7 +30,6 @@ def worth_retrying(task, task_run, state) -> bool:
     name="score-checkpoint",
     task_run_name="score-step-{event.global_step}",
     retry_condition_fn=worth_retrying,
-    retry_delay_seconds=1,
 )
 def score_checkpoint(
     event: CheckpointEvent,
@@ -96,9 +95,10 @@ def submit_scoring(
 
 def scoring_task(event: CheckpointEvent, cfg: PipelineConfig, probe: bool):
     """``score-checkpoint`` with the run's retries; a probe shows as ``probe-step-N`` in the UI."""
+    retries = {"retries": cfg.eval.retries, "retry_delay_seconds": [2**i for i in range(cfg.eval.retries)]}
     if probe:
-        return score_checkpoint.with_options(retries=cfg.eval.retries, task_run_name=f"probe-step-{event.global_step}")
-    return score_checkpoint.with_options(retries=cfg.eval.retries)
+        return score_checkpoint.with_options(**retries, task_run_name=f"probe-step-{event.global_step}")
+    return score_checkpoint.with_options(**retries)
 
 
 def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractContextManager:

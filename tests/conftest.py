@@ -27,8 +27,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 SERVICE_FIXTURES = {"trained_run", "prefect_server", "webhook", "s3_server", "s3_bucket"}
 """Fixtures that start a process or a server: a test using one is an integration test."""
-LIBRARY_PROBES = {"uname", "git"}
-"""Commands libraries run to describe the machine (MLflow asks ``platform.processor()``): not ours."""
+LIBRARY_PROBES = {"uname", "git", "fc-list"}
+"""Commands libraries run to describe the machine (MLflow asks ``platform.processor()``; matplotlib
+lists the fonts once, when it builds its font cache on a fresh machine): not ours."""
 
 
 def pytest_collection_modifyitems(items):

@@ -57,15 +57,9 @@ def cli(env: dict, *args: str, timeout: float = 300) -> str:
     return done.stdout
 
 
-@contextlib.contextmanager
-def prefect_server(home: Path, worker_query_s: float = 2.0) -> Iterator[dict]:
-    """Server, pools ``areal-train`` and ``areal-eval``, the ``gpu:0`` limit, every deployment of
-    ``infra/prefect.yaml`` and a worker per pool; yields the environment to talk to them.
-
-    Workers poll for scheduled runs every ``worker_query_s`` (Prefect's default is 10 s: up to
-    10 s of waiting before each flow run starts)."""
-    port = free_port()
-    env = {
+def server_env(home: Path, port: int, worker_query_s: float = 2.0) -> dict:
+    """The environment of a server on ``port`` with its state under ``home``, and of its clients."""
+    return {
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
@@ -78,27 +72,45 @@ def prefect_server(home: Path, worker_query_s: float = 2.0) -> Iterator[dict]:
         "PYTHONPATH": str(REPO),
         "PREFECT_WORKER_QUERY_SECONDS": str(worker_query_s),
     }
-    log = (home / "server.log").open("w")
-    proc = subprocess.Popen(
-        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+
+
+def start_server(env: dict, home: Path) -> subprocess.Popen:
+    """``prefect server start`` on the port of ``env``'s API URL; returns once it answers."""
+    url = env["PREFECT_API_URL"]
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    with (home / "server.log").open("a") as log:
+        proc = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", port],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url.removesuffix('/api')}/api/health", timeout=2)
+            return proc
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                stop(proc)
+                raise RuntimeError(
+                    f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}"
+                ) from None
+            time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path, worker_query_s: float = 2.0) -> Iterator[dict]:
+    """Server, pools ``areal-train`` and ``areal-eval``, the ``gpu:0`` limit, every deployment of
+    ``infra/prefect.yaml`` and a worker per pool; yields the environment to talk to them.
+
+    Workers poll for scheduled runs every ``worker_query_s`` (Prefect's default is 10 s: up to
+    10 s of waiting before each flow run starts)."""
+    env = server_env(home, free_port(), worker_query_s)
+    proc = start_server(env, home)
     workers: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(
-                        f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.5)
         for pool in ("areal-train", "areal-eval"):  # pools first: a worker started first makes its own
             cli(env, "work-pool", "create", pool, "--type", "process")
         cli(env, "gcl", "create", "gpu:0", "--limit", "1")

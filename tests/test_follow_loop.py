@@ -31,6 +31,7 @@ class ReversingIO:
         self.rows: list[dict] = []
         self.alerts, self.warnings, self.announced = [], [], []
         self.fail_steps, self.failing_flushes = set(fail_steps), failing_flushes
+        self.fail_once: set = set()  # steps whose evaluation fails the first time only
         self.stop = threading.Event()
         threading.Thread(target=self._complete, daemon=True).start()
 
@@ -46,6 +47,7 @@ class ReversingIO:
                 step, future = item
                 if step in self.fail_steps:
                     future.set_exception(EvaluationFailed(f"step {step}: worker died"))
+                    self.fail_steps -= self.fail_once
                 else:
                     future.set_result(
                         EvalResult(step, f"/c/{step}", {"accuracy": self.metric(step), "accuracy_stderr": 0.01}, 0.0)
@@ -95,7 +97,15 @@ def write_run(tmp_path, steps):
 
 
 def run_loop(
-    tmp_path, io, slots, steps=tuple(range(0, 200, 10)), alerts=None, delivery_timeout_s=60.0, cfg=None, refined=False
+    tmp_path,
+    io,
+    slots,
+    steps=tuple(range(0, 200, 10)),
+    alerts=None,
+    delivery_timeout_s=60.0,
+    cfg=None,
+    refined=False,
+    max_attempts=1,
 ):
     alerts = alerts or AlertsConfig()
     if not (tmp_path / "manifest.jsonl").exists():
@@ -115,6 +125,7 @@ def run_loop(
             slots=slots,
             delivery_timeout_s=delivery_timeout_s,
             refined=refined,
+            max_attempts=max_attempts,
         ),
     )
     try:
@@ -147,6 +158,18 @@ def test_a_failed_flush_is_retried_and_a_failed_evaluation_alerts(tmp_path):
     assert ledger.status(50) == "failed" and "worker died" in ledger.latest(50).reason
     assert [a.rule for a in io.alerts] == ["eval-failed"] and io.alerts[0].step == 50
     assert ledger.status(190) == "evaluated"
+
+
+def test_a_transient_failure_is_queued_again_and_every_attempt_stays_on_record(tmp_path):
+    io = ReversingIO(fail_steps={50, 100}, failing_flushes=0)
+    io.fail_once = {50}
+    rules = AlertsConfig(rules=[AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0)])
+    ledger = run_loop(tmp_path, io, slots=2, alerts=rules, max_attempts=2)
+    io.stop.set()
+    first, twice = ledger.latest(50), ledger.latest(100)
+    assert first.status == "evaluated" and first.attempts == ["transient: step 50: worker died"]
+    assert twice.status == "failed" and twice.reason == "gave up after 2 attempts: step 100: worker died"
+    assert [a.step for a in io.alerts] == [100]  # alerted once, when it failed for good
 
 
 class FlakySideEffectsIO(ReversingIO):

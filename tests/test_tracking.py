@@ -166,3 +166,19 @@ def test_the_best_checkpoint_is_registered_and_the_alias_follows_improvements(tr
         for s, v in ((0, 0.9), (4, 0.95), (8, 0.5))
     ]
     assert losses == ["1", None, "2"]
+
+
+def test_artifacts_of_a_sqlite_store_go_beside_it_not_into_the_working_directory(tmp_path, monkeypatch):
+    from areal_eval.tracking import artifact_location
+
+    monkeypatch.chdir(tmp_path)  # where ./mlruns would appear
+    uri = sqlite_mlflow_uri(tmp_path / "store")
+    location = artifact_location(TrackingConfig(), uri)
+    assert location == (tmp_path / "store" / "mlartifacts").as_uri()
+    assert artifact_location(TrackingConfig(artifact_location="s3://b/mlflow"), uri) == "s3://b/mlflow"
+    assert artifact_location(TrackingConfig(), "http://127.0.0.1:5000") is None  # the server decides
+    tracker = Tracker(uri, "beside", location)
+    run_id = tracker.start_run("demo-1", {})
+    (tmp_path / "plot.png").write_bytes(b"png")
+    tracker.log_artifact(run_id, tmp_path / "plot.png")
+    assert (tmp_path / "store" / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()

@@ -10,12 +10,17 @@ verifies the files when ``store`` is an ``s3://`` prefix, appends the checkpoint
 ``areal.checkpoint.saved`` event to the Prefect API at ``$PREFECT_API_URL`` if one is set.
 Plain HTTP: the training process needs no Prefect client and starts no temporary server. A
 deployment trigger on that event starts ``evaluate-checkpoint``.
+
+The manifest is the source of truth, the event only a fast path: an event API that is down or
+slow is a warning, never an error raised into the trainer. The evaluation service's catch-up and
+the cron sweep evaluate every checkpoint of the manifest whose event was lost.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import time
 import urllib.request
@@ -26,6 +31,10 @@ from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Ma
 from areal_eval.checkpoints.store import S3Config, StorageConfig, is_s3, open_store
 
 CHECKPOINT_SAVED = "areal.checkpoint.saved"
+EVENT_TIMEOUT_S = 5.0
+"""How long a publish waits for the event API before it warns and lets training go on."""
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_resource(event: CheckpointEvent, source: str = "publisher") -> dict[str, str]:
@@ -44,7 +53,7 @@ def event_payload(event: CheckpointEvent, manifest: str | Path) -> dict:
     return {**event.payload(), "manifest": str(manifest) if is_s3(manifest) else str(Path(manifest).resolve())}
 
 
-def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float = 10.0) -> None:
+def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float = EVENT_TIMEOUT_S) -> None:
     """POST one ``areal.checkpoint.saved`` event to a Prefect API (``.../api``)."""
     body = [
         {
@@ -90,6 +99,7 @@ def publish_checkpoint(
     store: str | None = None,
     s3: S3Config | None = None,
     valid_data: str | Path | None = None,
+    event_timeout_s: float = EVENT_TIMEOUT_S,
 ) -> CheckpointEvent:
     """Announce a written checkpoint: upload (with ``store``), manifest (durable), then the event.
 
@@ -98,12 +108,18 @@ def publish_checkpoint(
     workers on other machines need nothing but S3.
 
     ``valid_data``: the validation data to evaluate this run on (a path the evaluation workers
-    can read); without it they look for ``data/valid.jsonl`` beside the manifest.
+    can read); without it they look for ``data/valid.jsonl`` beside the manifest. A path that is
+    not a file is refused here, before anything is written.
+
+    Bad arguments raise; a fault of the event API (down, slow, refusing) only warns: the manifest
+    line stands, and ``event_timeout_s`` bounds how long training waits for it.
     """
     directory = Path(checkpoint_dir).resolve()
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
     check_has_weights(directory)
+    if valid_data is not None and not Path(valid_data).is_file():
+        raise FileNotFoundError(f"valid_data: {Path(valid_data).resolve()}: no such validation data file")
     files = describe_files(directory)
     root = StorageConfig(checkpoint_uri=store).run_root(run_id)
     checkpoint_store = open_store(root, s3)
@@ -123,5 +139,14 @@ def publish_checkpoint(
     checkpoint_store.mirror(Path(manifest), "manifest.jsonl")
     api_url = api_url or os.environ.get("PREFECT_API_URL")
     if api_url:
-        post_event(api_url, event, f"{root}/manifest.jsonl" if root else manifest)
+        try:
+            post_event(api_url, event, f"{root}/manifest.jsonl" if root else manifest, event_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a side fault: training goes on, the manifest has the checkpoint
+            logger.warning(
+                "checkpoint step %d is in the manifest, but its event did not reach %s (%r): the evaluation "
+                "service's catch-up or sweep-checkpoints evaluates it from the manifest",
+                global_step,
+                api_url,
+                exc,
+            )
     return event

@@ -3,7 +3,9 @@
 The config stays plain dataclasses, parsed by :func:`areal_eval.config.parsing.from_dict`. This
 module derives a strict pydantic model from them (a bool is not an int, an unknown field is
 refused by its dotted path, a number outside its class's ``RANGES`` too), with each field's
-docstring as its description and the pipeline's defaults as defaults. A Prefect flow parameter
+docstring as its description and the pipeline's defaults as defaults. A class's ``CHOICES``
+(field -> a function giving the allowed names) become enums, shown as a choice in the form, and
+its ``PATTERNS`` (field -> a function giving a regular expression) patterns. A Prefect flow parameter
 typed with it gets a form in the UI and server-side validation; the flow then parses
 ``model_dump(exclude_unset=True)`` as it parses any config, so only what the user set overrides
 the config file and the defaults.
@@ -88,11 +90,14 @@ def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     ranges = getattr(cls, "RANGES", {})
+    choices, patterns = getattr(cls, "CHOICES", {}), getattr(cls, "PATTERNS", {})
     fields = {}
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         bounds = _pydantic_bounds(ranges.get(f.name, Bounds()))
+        if f.name in patterns:  # e.g. comma-separated names: the form checks them as it checks a range
+            bounds["pattern"] = patterns[f.name]()
         if defaults is not None:
             default = _plain(getattr(defaults, f.name))
             spec = Field(
@@ -107,7 +112,8 @@ def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
             spec = Field(default_factory=f.default_factory, description=docs.get(f.name), **bounds)
         else:
             spec = Field(description=docs.get(f.name), **bounds)
-        fields[f.name] = (_model_type(hints[f.name]), spec)
+        tp = typing.Literal[tuple(choices[f.name]())] if f.name in choices else _model_type(hints[f.name])
+        fields[f.name] = (tp, spec)
     doc = inspect.getdoc(cls)
     return create_model(
         cls.__name__,

@@ -63,6 +63,7 @@ class GenerationConfig:
     backend: str = "transformers"
     """Decoder: ``transformers`` (``generate``)."""
 
+    CHOICES: ClassVar[dict] = {"backend": lambda: list(DECODERS)}
     RANGES: ClassVar[Ranges] = {
         "n_samples": AT_LEAST_1,
         "max_new_tokens": AT_LEAST_1,

@@ -42,6 +42,14 @@ def check_validation_data(path: str | Path, given_by: str) -> Path:
     return path
 
 
+def evaluator_spec_pattern() -> str:
+    """``eval.evaluator`` as a regular expression: registered names or ``module:Class``, comma-separated."""
+    from areal_eval.evaluation.evaluators import EVALUATORS
+
+    one = "(?:" + "|".join(map(re.escape, EVALUATORS)) + r"|[A-Za-z_][\w.]*:[A-Za-z_]\w*)"
+    return rf"^\s*{one}(?:\s*,\s*{one})*\s*$"
+
+
 @dataclasses.dataclass
 class EvalConfig:
     nproc: int = 2
@@ -70,7 +78,13 @@ class EvalConfig:
     """Dispatch each evaluation to this ``evaluate-checkpoint`` deployment (its work pool's
     workers) when a Prefect server is in use; None runs torchrun workers from the flow's host."""
     retries: int = 1
-    """Retries of a failed evaluation (a killed or hung worker); a corrupt checkpoint is not retried."""
+    """Retries of a failed evaluation within one attempt, with backoff (1 s, 2 s, ...): for transient
+    failures only (a killed or hung worker); a corrupt checkpoint or bad data is not retried."""
+    max_attempts: int = 3
+    """Attempts at one checkpoint before a transient failure is recorded ``failed`` for good. After
+    a failed attempt the checkpoint stays scheduled: the flow that owns the run queues it again;
+    on the event path the sweep retries it, at the earliest 1, 2, 4, ... minutes (up to an hour)
+    after the last attempt. Every attempt's cause stays in the ledger."""
     nice: int = 0
     """Lower the workers' CPU priority by this much (0-19) when they share CPUs with training,
     so training keeps its throughput and evaluation takes what is left."""
@@ -82,6 +96,7 @@ class EvalConfig:
     waiting checkpoints are coalesced only when every slot is busy. On a server, dispatched
     evaluations are bounded by the ``gpu_slot`` concurrency limit as well."""
 
+    PATTERNS: ClassVar[dict] = {"evaluator": lambda: evaluator_spec_pattern()}
     RANGES: ClassVar[Ranges] = {
         "nproc": AT_LEAST_1,
         "slots": AT_LEAST_1,
@@ -90,6 +105,7 @@ class EvalConfig:
         "collective_timeout_s": POSITIVE,
         "job_timeout_s": POSITIVE,
         "retries": NON_NEGATIVE,
+        "max_attempts": AT_LEAST_1,
         "nice": Bounds(0, 19),
     }
 

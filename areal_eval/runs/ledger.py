@@ -41,6 +41,9 @@ class LedgerEntry:
     probe_metrics: dict = dataclasses.field(default_factory=dict)
     """Metrics on the probe subset: a probe's result, or the subset part of a full evaluation (the
     next probe's reference). Logged as ``eval_probe/*``; never a result."""
+    attempts: list = dataclasses.field(default_factory=list)
+    """The causes of its failed evaluation attempts so far, oldest first (``transient: ...`` or
+    ``permanent: ...``); kept on every later line for the step, a success included."""
 
     @property
     def deliverable(self) -> bool:
@@ -82,13 +85,17 @@ class Ledger:
 
     def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
                delivered: bool = False, owner: str | None = None, probe: str | None = None,
-               probe_metrics: dict | None = None) -> LedgerEntry:
-        entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered, owner=owner,
-                            probe=probe, probe_metrics=dict(probe_metrics or {}))
+               probe_metrics: dict | None = None, attempts: list | None = None) -> LedgerEntry:
         with self._lock:
+            if attempts is None:  # the step's failed attempts stay on record
+                attempts = self._latest[step].attempts if step in self._latest else []
+            entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered, owner=owner,
+                                probe=probe, probe_metrics=dict(probe_metrics or {}), attempts=list(attempts))
             row = dataclasses.asdict(entry)
             if entry.probe is None and not entry.probe_metrics:  # a run without probes: lines as before
                 del row["probe"], row["probe_metrics"]
+            if not entry.attempts:
+                del row["attempts"]
             jsonl.append(self.path, row, sort_keys=True)
             self._latest[step] = entry
         return entry

@@ -28,6 +28,7 @@ from areal_eval import jsonl
 from areal_eval.alerts import Alert, AlertEngine, AlertsConfig
 from areal_eval.runs.ledger import Ledger
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
+from areal_eval.failures import retry_backoff_s
 from areal_eval.scheduling.planner import EvaluationPlanner
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.scheduling.policy import Decision, SchedulerConfig
@@ -49,6 +50,7 @@ class RunRecord:
     def __init__(self, run: RunDir, manifest: Manifest, scheduler: SchedulerConfig, alerts: AlertsConfig,
                  run_id: str | None = None):
         self.run, self.manifest, self.scheduler, self.alerts, self.run_id = run, manifest, scheduler, alerts, run_id
+        self._decided: list[CheckpointEvent] = []
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[EvaluationPlanner]:
@@ -63,14 +65,21 @@ class RunRecord:
         write_state(self.run, state)
 
     def _decide_all(self, planner: EvaluationPlanner) -> list[CheckpointEvent]:
-        """Decide every checkpoint of the manifest not decided yet, in step order; returns those."""
+        """Decide every checkpoint of the manifest not decided yet, in step order; returns those
+        (and keeps them for :meth:`take_decided`, whichever call decided them)."""
         if not self.manifest.path.exists():
             raise CheckpointError(f"{self.manifest.path}: no such manifest file")
         events = sorted(self.manifest.read(run_id=self.run_id).events, key=lambda e: e.global_step)
         new = [e for e in events if planner.ledger.status(e.global_step) is None]
         for event in events:
             planner.decide(event)
+        self._decided += new
         return new
+
+    def take_decided(self) -> list[CheckpointEvent]:
+        """The checkpoints this record decided since the last call, in the order decided."""
+        decided, self._decided = self._decided, []
+        return decided
 
     def claim(self, step: int, owner: str, forced: str | None = None,
               alive: Callable[[str], bool] = lambda owner: False) -> tuple[Claim, list[CheckpointEvent]]:
@@ -99,26 +108,30 @@ class RunRecord:
             planner.claim(event, reason, owner)
             return Claim(event, True, reason, planner.is_probe(step)), new
 
-    def unhandled(self, alive: Callable[[str], bool]) -> list[int]:
+    def unhandled(self, alive: Callable[[str], bool], now: Callable[[], float] = time.time) -> list[int]:
         """Steps scheduled for evaluation that no live flow run is evaluating (a lost event, a
-        crashed run): what a sweep picks up by default."""
+        crashed run, a transient failure whose backoff is over): what a sweep picks up by default."""
         with self._locked() as planner:
             self._decide_all(planner)
             return [e.step for e in planner.ledger.entries()
-                    if e.status == "scheduled" and (e.owner is None or not alive(e.owner))]
+                    if e.status == "scheduled" and (e.owner is None or not alive(e.owner))
+                    and (not e.attempts or now() >= e.time + retry_backoff_s(len(e.attempts)))]
 
     def skipped(self) -> list[int]:
         """Steps the scheduler skipped or superseded (a sweep re-evaluates them only when asked)."""
         return [e.step for e in Ledger(self.run.ledger).entries() if e.status in ("skipped", "superseded")]
 
     def record(self, event: CheckpointEvent, metrics: dict | None, error: str | None = None,
-               probe_metrics: dict | None = None) -> list[Alert]:
+               probe_metrics: dict | None = None, permanent: bool = True, max_attempts: int = 1) -> list[Alert]:
         """Record a result (logged to the tracker already; ``probe_metrics``: its subset part) or a
-        failure; returns the alerts it fires, judged against earlier steps and throttled across
-        flow runs."""
+        failed attempt (``permanent`` or not, :meth:`EvaluationPlanner.attempt_failed`); returns
+        the alerts it fires, judged against earlier steps and throttled across flow runs. A
+        transient failure left for a later attempt fires none."""
         with self._locked() as planner:
             if error is not None:
-                planner.failed(event, error)
+                if not planner.attempt_failed(event, error, permanent, max_attempts):
+                    return []
+                error = planner.ledger.latest(event.global_step).reason
             else:
                 planner.evaluated(event, metrics, delivered=True, probe_metrics=probe_metrics)
             state = self._state()

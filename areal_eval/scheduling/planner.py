@@ -181,8 +181,9 @@ class EvaluationPlanner:
         owner: str | None = None,
         probe: str | None = None,
         probe_metrics: dict | None = None,
+        attempts: list | None = None,
     ) -> None:
-        entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner, probe, probe_metrics)
+        entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner, probe, probe_metrics, attempts)
         self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_name))
         if self.probes:
             self.probes.remember(step, status, entry.probe_metrics)
@@ -330,6 +331,24 @@ class EvaluationPlanner:
     @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:
         self._record(event.global_step, event.uri, "failed", error)
+
+    @_locked
+    def attempt_failed(self, event: CheckpointEvent, cause: str, permanent: bool, max_attempts: int) -> bool:
+        """Record a failed evaluation attempt (``areal_eval.failures``). A permanent one, or the
+        ``max_attempts``-th, makes the checkpoint ``failed`` (returns True); a transient one before
+        that leaves it scheduled and unclaimed, queued again, for a later attempt (returns False)."""
+        step = event.global_step
+        entry = self.ledger.latest(step)
+        attempts = [*(entry.attempts if entry else []), f"{'permanent' if permanent else 'transient'}: {cause}"]
+        if permanent or len(attempts) >= max_attempts:
+            reason = cause if len(attempts) == 1 else f"gave up after {len(attempts)} attempts: {cause}"
+            self._record(step, event.uri, "failed", reason, attempts=attempts)
+            return True
+        reason, probe = (entry.reason, entry.probe) if entry else ("", None)
+        self._record(step, event.uri, "scheduled", reason, probe=probe, attempts=attempts)
+        self._events[step] = event
+        self.queue.push(event, pinned=True)
+        return False
 
     @property
     def waiting(self) -> int:

@@ -75,3 +75,36 @@ def test_a_directory_without_model_weights_is_refused_naming_it_and_nothing_is_a
     with pytest.raises(CheckpointError, match=f"{directory}: no model weights"):
         publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 8)
     assert not (tmp_path / "manifest.jsonl").exists()
+
+
+def test_a_missing_valid_data_path_is_refused_at_publish_before_the_manifest(tmp_path):
+    import pytest
+
+    directory = written_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="valid_data: .*nowhere.jsonl: no such validation data file"):
+        publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 40, valid_data=tmp_path / "nowhere.jsonl")
+    assert not (tmp_path / "manifest.jsonl").exists()
+
+
+def test_an_event_api_that_is_down_or_hangs_is_a_warning_and_the_manifest_line_stands(tmp_path, caplog):
+    import socket
+    import threading
+
+    from tests.helpers import free_port
+
+    hanging = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(hanging.accept()), daemon=True).start()
+    directory = written_checkpoint(tmp_path)
+    for step, api_url in (
+        (40, f"http://127.0.0.1:{free_port()}/api"),
+        (80, f"http://127.0.0.1:{hanging.getsockname()[1]}/api"),
+    ):
+        event = publish_checkpoint(
+            directory, tmp_path / "manifest.jsonl", "run-7", step, api_url=api_url, event_timeout_s=1
+        )
+        assert event.global_step == step
+    hanging.close()
+    assert [e.global_step for e in Manifest(tmp_path / "manifest.jsonl").events()] == [40, 80]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and all("is in the manifest, but its event did not reach" in w for w in warned), warned

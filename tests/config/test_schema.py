@@ -82,3 +82,26 @@ def test_the_flows_parameter_schema_is_the_typed_form():
     assert schema["definitions"]["EvalConfig"]["additionalProperties"] is False
     with pytest.raises(Exception, match=r"eval\.nprocs"):
         train_and_evaluate.validate_parameters({"params": {"eval": {"nprocs": 2}}})
+
+
+def test_choice_fields_are_enums_and_evaluator_names_a_pattern_in_the_form():
+    schema = PipelineParams.model_json_schema()["$defs"]
+    assert schema["ModelConfig"]["properties"]["objective"]["enum"] == ["reward_model", "sft"]
+    assert schema["SchedulerConfig"]["properties"]["policy"]["enum"] == ["adaptive", "fixed"]
+    for bad, where in (
+        ({"model": {"objective": "sfft"}}, "model.objective"),
+        ({"eval": {"evaluator": "rm"}}, "eval.evaluator"),
+    ):
+        with pytest.raises(ValidationError) as info:
+            PipelineParams.model_validate(bad)
+        assert where in str(info.value)
+    for good in ("generation,lm_loss", "reward_model", "tests.custom_evaluator:MarginOver"):
+        PipelineParams.model_validate({"eval": {"evaluator": good}})
+
+
+def test_global_step_is_refused_below_zero_in_evaluate_checkpoints_form():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.evaluate_checkpoint import evaluate_checkpoint
+
+    assert parameter_schema(evaluate_checkpoint).properties["global_step"]["minimum"] == 0

@@ -124,3 +124,41 @@ def test_a_missing_manifest_or_step_is_named(tmp_path):
     publish(tmp_path, [0])
     with pytest.raises(CheckpointError, match="no checkpoint at step 7"):
         record(tmp_path).claim(7, "a")
+
+
+def test_a_transient_failure_is_retried_with_backoff_and_a_permanent_one_ends_the_run(tmp_path):
+    from areal_eval.failures import retry_backoff_s
+
+    publish(tmp_path, [0, 10], final_at=10)
+    rec = record(tmp_path, AlertsConfig(rules=[AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0)]))
+    claim, decided = rec.claim(0, "a")
+    assert [e.global_step for e in decided] == [0, 10] and [e.global_step for e in rec.take_decided()] == [0, 10]
+    assert rec.record(claim.event, None, "rank 1 died", permanent=False, max_attempts=3) == []  # no alert yet
+    entry = Ledger(tmp_path / "ledger.jsonl").latest(0)
+    assert (entry.status, entry.owner, entry.attempts) == ("scheduled", None, ["transient: rank 1 died"])
+    # The sweep picks it up once its backoff is over, not before.
+    assert rec.unhandled(alive=lambda o: False, now=lambda: entry.time + 1) == [10]
+    assert rec.unhandled(alive=lambda o: False, now=lambda: entry.time + retry_backoff_s(1)) == [0, 10]
+    claim, _ = rec.claim(0, "b")
+    rec.record(claim.event, {"accuracy": 0.5})
+    entry = Ledger(tmp_path / "ledger.jsonl").latest(0)
+    assert entry.status == "evaluated" and entry.attempts == ["transient: rank 1 died"]  # still on record
+
+    claim, _ = rec.claim(10, "b")
+    fired = rec.record(claim.event, None, "no such validation data file", permanent=True, max_attempts=3)
+    assert [a.rule for a in fired] == ["eval-failed"]
+    assert Ledger(tmp_path / "ledger.jsonl").latest(10).status == "failed"
+    assert rec.unhandled(alive=lambda o: False) == []  # never retried
+    assert rec.refinements("b") == [] and rec.finish() is not None  # a failed final still ends the run
+
+
+def test_the_last_allowed_transient_attempt_fails_the_checkpoint_naming_every_attempt(tmp_path):
+    publish(tmp_path, [0])
+    rec = record(tmp_path)
+    for attempt in range(1, 3):
+        claim, _ = rec.claim(0, f"run-{attempt}")
+        assert claim.evaluate
+        rec.record(claim.event, None, f"timeout {attempt}", permanent=False, max_attempts=2)
+    entry = Ledger(tmp_path / "ledger.jsonl").latest(0)
+    assert entry.status == "failed" and entry.reason == "gave up after 2 attempts: timeout 2"
+    assert entry.attempts == ["transient: timeout 1", "transient: timeout 2"]

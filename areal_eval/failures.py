@@ -1,0 +1,31 @@
+"""Which failures a retry can fix.
+
+A failed evaluation is *permanent* when the same inputs fail the same way every time: a corrupt
+or missing checkpoint, validation data that is missing or malformed, a config that cannot run.
+Those are recorded ``failed`` at once and never retried, on any path. Everything else is
+*transient*: a killed or hung rank, a collective timeout, an orchestrator (the Prefect API, a
+concurrency slot) that cannot be reached for a while. Those are retried with backoff, in the task
+(``eval.retries``) and then across flow runs (``eval.max_attempts``), and recorded as attempts.
+"""
+
+from __future__ import annotations
+
+from areal_eval.checkpoints.manifest import CheckpointError
+from areal_eval.config.parsing import ConfigError
+from areal_eval.evaluation.jobs import CorruptCheckpoint
+from areal_eval.preference_data import DataError
+
+PERMANENT = (CorruptCheckpoint, CheckpointError, DataError, ConfigError)
+
+
+class OrchestrationUnavailable(RuntimeError):
+    """The orchestrator (the Prefect API, a concurrency slot on it) stayed out of reach: transient."""
+
+
+def is_permanent(exc: BaseException) -> bool:
+    return isinstance(exc, PERMANENT)
+
+
+def retry_backoff_s(attempts: int, base_s: float = 60.0, cap_s: float = 3600.0) -> float:
+    """How long after its last failed attempt a checkpoint is tried again (doubling per attempt)."""
+    return min(cap_s, base_s * 2 ** max(0, attempts - 1))

@@ -1,0 +1,166 @@
+"""The server path under faults, on a real ``prefect server`` that is stopped and started again:
+a trainer publishing through it (the event API down, then slow behind a delaying proxy) is never
+stopped by it, the evaluation service outlives the restart, and no training metric is lost."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.checkpoints.publisher import publish_checkpoint
+from areal_eval.runs.ledger import Ledger
+from areal_eval.tracking import Tracker
+from tests.helpers import free_port
+from tests.prefect_services import REPO, cli, server_env, start_server, stop, wait_for_runs
+
+pytestmark = pytest.mark.integration
+
+
+class DelayingProxy:
+    """A TCP proxy on loopback that holds every reply from ``upstream`` for ``delay_s``: the server
+    gets each request at once, its client hears back only after its own timeout."""
+
+    def __init__(self, upstream_port: int, delay_s: float):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port, self.delay_s = upstream_port, delay_s
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(client, upstream, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.delay_s), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+        try:
+            while data := source.recv(65536):
+                time.sleep(delay_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_lost(trained_run, tmp_path, caplog):
+    _, original = trained_run
+    home = tmp_path / "prefect"
+    home.mkdir()
+    port = free_port()
+    env = server_env(home, port)
+    server = start_server(env, home)
+    cli(env, "gcl", "create", "gpu:0", "--limit", "1")
+    log = tmp_path / "service.log"
+    work = tmp_path / "work"
+    service = subprocess.Popen(
+        [sys.executable, "-m", "flows.serve_evaluations", "--set", f"work_dir={work}", "--set", "eval.nproc=1"],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    run_dir = tmp_path / "faulty"
+    run_dir.mkdir()
+    manifest = run_dir / "manifest.jsonl"
+    checkpoints = {e.global_step: e.uri for e in Manifest(original.manifest).events()}
+    steps = [0, 100, 200, 300, 400]
+
+    def publish(step: int, api_url: str, timeout_s: float = 5.0) -> None:
+        """As a trainer does: after writing step ``step``'s checkpoint (the trained ones, reused)."""
+        publish_checkpoint(
+            checkpoints[sorted(checkpoints)[steps.index(step) % len(checkpoints)]],
+            manifest,
+            "faulty",
+            step,
+            train_metrics={"loss": 1.0 / (step + 1), "lr": 0.001},
+            final=step == steps[-1],
+            api_url=api_url,
+            valid_data=original.valid_data,
+            event_timeout_s=timeout_s,
+        )
+
+    def runs_of(step: int):
+        return lambda r: r["parameters"].get("run_id") == "faulty" and r["parameters"].get("global_step") == step
+
+    proxy = None
+    try:
+        deadline = time.monotonic() + 180
+        while "listening" not in log.read_text():
+            assert service.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+
+        # Three checkpoints, the later two published while the first is being evaluated.
+        publish(0, env["PREFECT_API_URL"])
+        deadline = time.monotonic() + 120
+        while Ledger(run_dir / "ledger.jsonl").latest(0) is None:  # decided and claimed together
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        publish(100, env["PREFECT_API_URL"])
+        publish(200, env["PREFECT_API_URL"])
+        for step in (0, 100, 200):
+            wait_for_runs(env, runs_of(step), 1, timeout_s=240)
+
+        # The server goes down: publishing warns and training goes on; the manifest keeps the checkpoint.
+        stop(server)
+        publish(300, env["PREFECT_API_URL"])
+        assert Manifest(manifest).find(300).global_step == 300
+        # Back on the same port and database: the service reconnects and catches up from the manifest.
+        server = start_server(env, home)
+        deadline = time.monotonic() + 240
+        while Ledger(run_dir / "ledger.jsonl").status(300) in (None, "scheduled"):
+            assert service.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+
+        # A server too slow to answer within the publisher's timeout: a warning again, and the event,
+        # which the server did get, is evaluated by the service as any other.
+        proxy = DelayingProxy(port, delay_s=3.0)
+        publish(400, f"http://127.0.0.1:{proxy.port}/api", timeout_s=1.0)
+        wait_for_runs(env, runs_of(400), 1, timeout_s=240)
+        deadline = time.monotonic() + 60
+        tracker = Tracker(env["MLFLOW_TRACKING_URI"], "areal-eval")
+        while tracker.client.get_run(tracker.find_run("faulty")).info.status == "RUNNING":
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        assert service.poll() is None, log.read_text()[-3000:]  # it never gave up
+    finally:
+        if proxy is not None:
+            proxy.close()
+        stop(service)
+        stop(server)
+
+    said = log.read_text()
+    assert said.count("listening to") == 2 and "reconnecting in" in said, said[-3000:]
+    warned = [
+        r.getMessage() for r in caplog.records if "is in the manifest, but its event did not reach" in r.getMessage()
+    ]
+    assert [w.split()[2] for w in warned] == ["300", "400"], warned
+    ledger = Ledger(run_dir / "ledger.jsonl")
+    assert [e.step for e in ledger.entries()] == steps
+    assert all(e.status in ("evaluated", "skipped") for e in ledger.entries()), [e.reason for e in ledger.entries()]
+    mlflow_run = tracker.client.get_run(tracker.find_run("faulty"))
+    assert mlflow_run.info.status == "FINISHED"
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    assert (
+        sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")) == evaluated
+    )
+    for name in ("train/loss", "train/lr"):  # every publication's metrics, each once
+        assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, name)) == steps
+    assert all(f"decision.{s}" in mlflow_run.data.tags for s in steps), json.dumps(mlflow_run.data.tags)[:3000]
