@@ -38,7 +38,7 @@ from tasks.mlflow_logging import (
     tracker_for,
 )
 from tasks.orchestration import flow_run_alive, holding_slot, tag_flow_run
-from tasks.reports import summarize, update_evaluation_table
+from tasks.reports import summarize, summary_line, update_evaluation_table
 from tasks.scoring import score_now
 
 
@@ -144,7 +144,10 @@ def evaluate_checkpoint(
     log_decisions(cfg, mlflow_run_id, record.take_decided(), record)
     log_published_train_metrics(cfg, mlflow_run_id, record)
     if failures:
+        print(f"step {global_step}: failed: {failures[0]}")  # one line, before Prefect's traceback
         raise failures[0]
+    if "run" in summary:
+        print(summary_line(summary["run"], cfg.scheduler.metric))
     return summary
 
 

@@ -44,7 +44,7 @@ from tasks.checkpoints import share_run_record
 from tasks.loop_io import PrefectLoopIO
 from tasks.mlflow_logging import finish_tracking, start_tracking
 from tasks.orchestration import crash_orphaned_runs, tag_flow_run
-from tasks.reports import summarize
+from tasks.reports import summarize, summary_line
 from tasks.scoring import warm_workers
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
@@ -125,7 +125,10 @@ def train_and_evaluate(
             finish_tracking(cfg, mlflow_run_id, ledger, plot, status)
             mark_over(run)
             share_run_record(cfg, run)
-            return summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
+            summary = summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
+            print(summary_line(summary, cfg.scheduler.metric))
+            return summary
+        print(f"{run.run_id} failed: {failure!r}")  # one line, before Prefect's traceback
         if mlflow_run_id is None:  # MLflow could not be reached to start with: nothing to record there
             raise failure
         try:  # best effort: the run's own failure is what gets raised

@@ -54,6 +54,7 @@ class PrefectLoopIO:
         self.total_steps, self.workers = total_steps, workers
         self.logger = get_run_logger()
         self.progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
+        self._shown_tenths = 0
 
     def announce(self, event: CheckpointEvent) -> None:
         announce_checkpoint(event, self.run.manifest)
@@ -77,7 +78,11 @@ class PrefectLoopIO:
             self.set_progress(rows[-1]["step"] / self.total_steps)
 
     def set_progress(self, fraction: float) -> None:
-        update_progress_artifact(self.progress, 100.0 * min(1.0, fraction))
+        """In tenths: each update is an event that ``prefect deployment run --watch`` prints."""
+        tenths = int(10 * min(1.0, fraction))
+        if tenths > self._shown_tenths:
+            self._shown_tenths = tenths
+            update_progress_artifact(self.progress, 10.0 * tenths)
 
     def delete_checkpoints(self, events: list[CheckpointEvent]) -> None:
         apply_retention(self.cfg, self.run, self.mlflow_run_id, self.ledger, events)

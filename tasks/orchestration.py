@@ -4,6 +4,7 @@ one's tags, and which earlier runs of its training run died without saying so.""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,12 +22,20 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import MissingContextError, ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.states import Crashed
 
 from areal_eval.config.parsing import ConfigError
 from areal_eval.failures import OrchestrationUnavailable
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The flow run's logger (its lines in the UI), or this module's outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -50,7 +59,7 @@ def holding_slot(name: str | None, wait_s: float, max_backoff_s: float = 30.0) -
                     raise ConfigError(f"gpu_slot: {exc} (prefect gcl create {name} --limit 1)") from exc
                 if time.monotonic() + delay > deadline:
                     raise OrchestrationUnavailable(f"concurrency slot {name!r}: {exc} (for {wait_s:.0f} s)") from exc
-                get_run_logger().warning("concurrency slot %r not acquired (%s); retrying in %.0f s", name, exc, delay)
+                _logger().warning("concurrency slot %r not acquired (%s); retrying in %.0f s", name, exc, delay)
                 time.sleep(delay)
                 delay = min(max_backoff_s, 2 * delay)
         yield

@@ -70,3 +70,13 @@ def summarize(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str,
         ),
     )
     return summary
+
+
+def summary_line(summary: dict, metric: str) -> str:
+    """A run's summary in one line, the last a flow run logs (``--watch`` shows it)."""
+    counts = ", ".join(f"{k} {summary[k]}" for k in ("evaluated", "skipped", "superseded", "failed"))
+    curve = ", ".join(f"{s}:{v}" for s, v in summary["curve"])
+    return (
+        f"{summary['run_name']}: {summary['checkpoints']} checkpoints ({counts}); {metric} by step: {curve}; "
+        f"MLflow: {summary['mlflow_url']}"
+    )

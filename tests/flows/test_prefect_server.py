@@ -304,8 +304,22 @@ def test_missing_validation_data_fails_before_any_worker_and_alerts(server, trai
     assert entry.status == "failed" and "no such validation data file" in entry.reason and "valid_data" in entry.reason
     assert not list((tmp_path / "nodata").glob("evals/*.log"))  # no torchrun started, none retried
     tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
-    tags = tracker.client.get_run(tracker.find_run("nodata")).data.tags
-    assert "no such validation data file" in tags["alert.eval-failed"]
+    mlflow_run = tracker.client.get_run(tracker.find_run("nodata"))
+    assert "no such validation data file" in mlflow_run.data.tags["alert.eval-failed"]
+    # Its checkpoint was the final one: the run ends FAILED with the reason, and its report is written.
+    assert mlflow_run.info.status == "FAILED"
+    assert mlflow_run.data.tags["areal.failure"].startswith("the final checkpoint (step 0) failed: ")
+    artifacts = {a.path for a in tracker.client.list_artifacts(mlflow_run.info.run_id)}
+    assert {"evaluation_curve.png", "scheduler_decisions.json"} <= artifacts
+    # A cause no retry can fix: the sweep leaves it alone, and alerts nothing again.
+    sweep = {"store": str(tmp_path / "nodata")}
+    cli_or_fail(
+        server, "deployment", "run", "sweep-checkpoints/every-30-minutes", "--watch", "--params", json.dumps(sweep)
+    )
+    assert (
+        len([r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("run_id") == "nodata"])
+        == 1
+    )
 
 
 def test_the_evaluation_service_evaluates_published_checkpoints_on_warm_workers(server, trained_run, tmp_path):

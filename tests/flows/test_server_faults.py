@@ -22,6 +22,14 @@ from tests.prefect_services import REPO, cli, server_env, start_server, stop, wa
 
 pytestmark = pytest.mark.integration
 
+SLOT_WAITER = """
+import logging
+logging.basicConfig(level=logging.INFO)
+from tasks.orchestration import holding_slot
+with holding_slot("gpu:0", wait_s=120):
+    print("held gpu:0", flush=True)
+"""
+
 
 class DelayingProxy:
     """A TCP proxy on loopback that holds every reply from ``upstream`` for ``delay_s``: the server
@@ -122,8 +130,15 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
         stop(server)
         publish(300, env["PREFECT_API_URL"])
         assert Manifest(manifest).find(300).global_step == 300
+        # An evaluation that wants its concurrency slot now waits for the server, it does not fail.
+        waiting = subprocess.Popen(
+            [sys.executable, "-c", SLOT_WAITER], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         # Back on the same port and database: the service reconnects and catches up from the manifest.
         server = start_server(env, home)
+        said_by_waiter = waiting.communicate(timeout=120)[0].decode()
+        assert waiting.returncode == 0 and "held gpu:0" in said_by_waiter, said_by_waiter[-3000:]
+        assert "not acquired" in said_by_waiter, said_by_waiter[-3000:]  # it waited, and said so
         deadline = time.monotonic() + 240
         while Ledger(run_dir / "ledger.jsonl").status(300) in (None, "scheduled"):
             assert service.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
