@@ -29,8 +29,9 @@ from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_del
 from areal_eval.delivery import Deliverer
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.failures import is_permanent
+from areal_eval.followers import JsonlFollower, ManifestFollower
 from areal_eval.runs.ledger import Ledger
-from areal_eval.scheduling.planner import DecisionThread, EvaluationPlanner, JsonlFollower, ManifestFollower
+from areal_eval.scheduling.planner import DecisionThread, EvaluationPlanner
 from areal_eval.scheduling.policy import Decision
 
 

@@ -2,7 +2,7 @@ import dataclasses
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
-from areal_eval.scheduling.planner import CoalescingQueue, EvaluationPlanner, JsonlFollower
+from areal_eval.scheduling.planner import CoalescingQueue, EvaluationPlanner
 from areal_eval.scheduling.policy import SchedulerConfig
 
 
@@ -109,17 +109,6 @@ def test_ledger_history_feeds_the_scheduler(tmp_path):
     assert [(h.step, h.metric, h.stderr) for h in hist] == [(0, 0.5, 0.02), (10, None, None)]
 
 
-def test_jsonl_follower_reads_only_complete_lines(tmp_path):
-    path = tmp_path / "log.jsonl"
-    f = JsonlFollower(path)
-    assert f.poll() == []
-    path.write_text('{"step": 1}\n{"step": 2')
-    assert f.poll() == [{"step": 1}]
-    with path.open("a") as fh:
-        fh.write("}\n")
-    assert f.poll() == [{"step": 2}]
-
-
 def test_without_coalescing_every_item_is_served_in_order():
     q = CoalescingQueue(capacity=1, coalesce=False)
     for step in (1, 2, 3):
@@ -127,25 +116,12 @@ def test_without_coalescing_every_item_is_served_in_order():
     assert [q.pop()[0].global_step for _ in range(3)] == [1, 2, 3]
 
 
-def test_manifest_follower_wakes_when_the_manifest_grows(tmp_path):
-    import threading
-
-    from areal_eval.checkpoints.manifest import Manifest
-    from areal_eval.scheduling.planner import ManifestFollower
-
-    manifest = Manifest(tmp_path / "m.jsonl")
-    follower = ManifestFollower(manifest)
-    follower.wait(0.01)  # no file yet: returns after the timeout
-    threading.Timer(0.05, manifest.append, args=(ev(7),)).start()
-    follower.wait(30)  # returns once the line is there, long before 30 s
-    assert [e.global_step for e in follower.poll()] == [7]
-
-
 def test_decision_thread_decides_as_the_manifest_grows(tmp_path):
     import time
 
     from areal_eval.checkpoints.manifest import Manifest
-    from areal_eval.scheduling.planner import DecisionThread, ManifestFollower
+    from areal_eval.followers import ManifestFollower
+    from areal_eval.scheduling.planner import DecisionThread
 
     manifest = Manifest(tmp_path / "manifest.jsonl")
     planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))
