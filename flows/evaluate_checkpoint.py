@@ -38,7 +38,7 @@ from tasks.mlflow_logging import (
     tracker_for,
 )
 from tasks.orchestration import flow_run_alive, holding_slot, tag_flow_run
-from tasks.reports import summarize, summary_line, update_evaluation_table
+from tasks.reports import announce_outcome, summarize, summary_line, update_evaluation_table
 from tasks.scoring import score_now
 
 
@@ -143,11 +143,11 @@ def evaluate_checkpoint(
         summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, Ledger(run.ledger), None)
     log_decisions(cfg, mlflow_run_id, record.take_decided(), record)
     log_published_train_metrics(cfg, mlflow_run_id, record)
-    if failures:
-        print(f"step {global_step}: failed: {failures[0]}")  # one line, before Prefect's traceback
+    if failures:  # one line, before Prefect's traceback
+        announce_outcome(event.run_id, f"{event.run_id}@{global_step} failed: {failures[0]}", failed=True)
         raise failures[0]
     if "run" in summary:
-        print(summary_line(summary["run"], cfg.scheduler.metric))
+        announce_outcome(event.run_id, summary_line(summary["run"], cfg.scheduler.metric))
     return summary
 
 

@@ -44,7 +44,7 @@ from tasks.checkpoints import share_run_record
 from tasks.loop_io import PrefectLoopIO
 from tasks.mlflow_logging import finish_tracking, start_tracking
 from tasks.orchestration import crash_orphaned_runs, tag_flow_run
-from tasks.reports import summarize, summary_line
+from tasks.reports import announce_outcome, summarize, summary_line
 from tasks.scoring import warm_workers
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
@@ -68,13 +68,18 @@ def owning_run(run: RunDir) -> Iterator[RunLock]:
         lock.release()
 
 
+def run_config(params: PipelineParams | dict | None, config_path: str | None, overrides: list[str] | None):
+    """This flow run's config. A deployment run that names no run (an unedited form) trains a new
+    one named after the flow run, rather than resuming the default ``demo``."""
+    own_name = flow_run.name if flow_run.deployment_id else None
+    return load_pipeline_config(config_path, set_fields(params), overrides, run_name=own_name)
+
+
 def training_run_name() -> str:
     """The run's ``run_name`` (what its directory and MLflow run are called)."""
     params = flow_run.parameters
     try:
-        return load_pipeline_config(
-            params.get("config_path"), set_fields(params.get("params")), params.get("overrides")
-        ).run_name
+        return run_config(params.get("params"), params.get("config_path"), params.get("overrides")).run_name
     except Exception:  # noqa: BLE001 - a bad config fails the run itself, with its message
         return "train-and-evaluate"
 
@@ -95,7 +100,7 @@ def train_and_evaluate(
         config_path: a JSON or YAML pipeline config file on the worker.
         overrides: ``section.field=value`` strings, applied last.
     """
-    cfg = load_pipeline_config(config_path, set_fields(params), overrides)
+    cfg = run_config(params, config_path, overrides)
     webhook_url(cfg.alerts)  # a webhook named but not set fails now, not at the first alert
     watch_over_children()  # training and evaluation workers end with this process, however it ends
     with owning_run(RunDir(cfg.run_root)):
@@ -126,9 +131,9 @@ def train_and_evaluate(
             mark_over(run)
             share_run_record(cfg, run)
             summary = summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
-            print(summary_line(summary, cfg.scheduler.metric))
+            announce_outcome(run.run_id, summary_line(summary, cfg.scheduler.metric))
             return summary
-        print(f"{run.run_id} failed: {failure!r}")  # one line, before Prefect's traceback
+        announce_outcome(run.run_id, f"{run.run_id} failed: {failure!r}", failed=True)  # before Prefect's traceback
         if mlflow_run_id is None:  # MLflow could not be reached to start with: nothing to record there
             raise failure
         try:  # best effort: the run's own failure is what gets raised

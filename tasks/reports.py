@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import logging
 import re
 from pathlib import Path
 
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.events import emit_event
 
 from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.runs.directory import RunDir
@@ -72,8 +75,19 @@ def summarize(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str,
     return summary
 
 
+def announce_outcome(run_id: str, line: str, failed: bool = False) -> None:
+    """The flow run's last word, in its log and as an event (``areal.run.finished`` or
+    ``areal.run.failed``, the line as the resource's name): ``prefect deployment run --watch``
+    prints the flow run's events, so it ends on this line."""
+    get_run_logger().log(logging.ERROR if failed else logging.INFO, line)
+    emit_event(
+        "areal.run.failed" if failed else "areal.run.finished",
+        resource={"prefect.resource.id": f"areal.run.{run_id}", "prefect.resource.name": line[:2000]},
+    )
+
+
 def summary_line(summary: dict, metric: str) -> str:
-    """A run's summary in one line, the last a flow run logs (``--watch`` shows it)."""
+    """A run's summary in one line: counts, the curve and the MLflow link."""
     counts = ", ".join(f"{k} {summary[k]}" for k in ("evaluated", "skipped", "superseded", "failed"))
     curve = ", ".join(f"{s}:{v}" for s, v in summary["curve"])
     return (

@@ -58,7 +58,8 @@ def _default_rules() -> list[AlertRule]:
 @dataclasses.dataclass
 class PipelineConfig:
     run_name: str = "demo"
-    """Name of the training run (MLflow run name, run directory name)."""
+    """Name of the training run (MLflow run name, run directory name); a name already used resumes
+    that run. Started from a deployment without one, the run is named after its flow run."""
     work_dir: str = "runs"
     """Root of run directories (and of the default SQLite MLflow store)."""
     poll_interval_s: float = 0.5
@@ -137,9 +138,16 @@ class PipelineConfig:
 
 
 def load_pipeline_config(
-    path: str | Path | None = None, params: dict | None = None, overrides: list[str] | None = None
+    path: str | Path | None = None,
+    params: dict | None = None,
+    overrides: list[str] | None = None,
+    run_name: str | None = None,
 ) -> PipelineConfig:
+    """The config file, then ``params``, then ``overrides`` over the defaults; ``run_name``: the
+    name when none of them gives one (a deployment run's own name)."""
     data: dict = read_file(path) if path else {}
     data = merge(data, params or {})
     data = merge(data, parse_overrides(overrides or []))
+    if run_name is not None:
+        data.setdefault("run_name", run_name)
     return from_dict(PipelineConfig, data)

@@ -3,7 +3,7 @@
 The config stays plain dataclasses, parsed by :func:`areal_eval.config.parsing.from_dict`. This
 module derives a strict pydantic model from them (a bool is not an int, an unknown field is
 refused by its dotted path, a number outside its class's ``RANGES`` too), with each field's
-docstring as its description and the pipeline's defaults as defaults. A class's ``CHOICES``
+docstring and default as its description (a form leaves it empty: only what is set is sent). A class's ``CHOICES``
 (field -> a function giving the allowed names) become enums, shown as a choice in the form, and
 its ``PATTERNS`` (field -> a function giving a regular expression) patterns. A Prefect flow parameter
 typed with it gets a form in the UI and server-side validation; the flow then parses
@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import textwrap
 import types
 import typing
@@ -79,48 +80,62 @@ def _pydantic_bounds(bounds: Bounds) -> dict:
 
 
 @functools.cache
-def config_model(cls: type, defaults: typing.Any = None) -> type[BaseModel]:
-    """A strict pydantic model of config dataclass ``cls`` (``defaults``: an instance whose
-    values are the defaults; default: ``cls()``, falling back to the field defaults)."""
-    if defaults is None:
+def config_model(cls: type, defaults_json: str | None = None) -> type[BaseModel]:
+    """A strict pydantic model of config dataclass ``cls`` (``defaults_json``: its defaults as a
+    JSON object, as a section of an enclosing config has them; default: ``cls()``'s, falling
+    back to the field defaults)."""
+    if defaults_json is not None:
+        defaults = json.loads(defaults_json)
+    else:
         try:
-            defaults = cls()
+            defaults = _plain(cls())
         except TypeError:  # required fields: no instance without them
             defaults = None
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     ranges = getattr(cls, "RANGES", {})
     choices, patterns = getattr(cls, "CHOICES", {}), getattr(cls, "PATTERNS", {})
-    fields = {}
+    fields, nullable_bools = {}, set()
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         bounds = _pydantic_bounds(ranges.get(f.name, Bounds()))
         if f.name in patterns:  # e.g. comma-separated names: the form checks them as it checks a range
             bounds["pattern"] = patterns[f.name]()
+        tp = typing.Literal[tuple(choices[f.name]())] if f.name in choices else _model_type(hints[f.name])
         if defaults is not None:
-            default = _plain(getattr(defaults, f.name))
-            spec = Field(
-                default_factory=lambda d=default: d,
-                description=docs.get(f.name),
-                json_schema_extra={"default": default},
-                **bounds,
-            )
+            # The default goes in the description, not in the schema: a form fills in every schema
+            # default and sends it back, so an unedited form would override the config file (a
+            # preset's) with the pipeline's defaults. Left empty, only what the user types is sent.
+            default = defaults[f.name]
+            if dataclasses.is_dataclass(hints[f.name]):  # a section: its fields say their defaults
+                tp = config_model(hints[f.name], json.dumps(default, sort_keys=True))
+                description = docs.get(f.name)
+            elif hints[f.name] is bool:  # a form sends every checkbox; left at "None", it sends nothing
+                tp, description = bool | None, f"{docs.get(f.name) or ''} Default: {json.dumps(default)}.".strip()
+                nullable_bools.add(f.name)
+            else:
+                description = f"{docs.get(f.name) or ''} Default: {json.dumps(default)}.".strip()
+            if f.name in nullable_bools:  # "None" chosen in the form: nothing sent, the default applies
+                spec = Field(default=None, description=description)
+            else:
+                spec = Field(default_factory=lambda d=default: d, description=description, **bounds)
         elif f.default is not dataclasses.MISSING:
             spec = Field(default=_plain(f.default), description=docs.get(f.name), **bounds)
         elif f.default_factory is not dataclasses.MISSING:
             spec = Field(default_factory=f.default_factory, description=docs.get(f.name), **bounds)
         else:
             spec = Field(description=docs.get(f.name), **bounds)
-        tp = typing.Literal[tuple(choices[f.name]())] if f.name in choices else _model_type(hints[f.name])
         fields[f.name] = (tp, spec)
     doc = inspect.getdoc(cls)
-    return create_model(
+    model = create_model(
         cls.__name__,
         __config__=ConfigDict(extra="forbid", strict=True, protected_namespaces=()),
         __doc__=doc if doc and not doc.startswith(f"{cls.__name__}(") else None,
         **fields,
     )
+    model.nullable_bools = frozenset(nullable_bools)  # None there means "not set" (set_fields)
+    return model
 
 
 PipelineParams = config_model(PipelineConfig)
@@ -133,4 +148,13 @@ def set_fields(params: BaseModel | dict | None) -> dict | None:
     """What the user set in ``params``, as a mapping for :func:`load_pipeline_config`."""
     if params is None or isinstance(params, dict):
         return params
-    return params.model_dump(exclude_unset=True)
+    return _without_unset_bools(params, params.model_dump(exclude_unset=True))
+
+
+def _without_unset_bools(model: BaseModel, data: dict) -> dict:
+    for name, value in list(data.items()):
+        if value is None and name in getattr(type(model), "nullable_bools", ()):
+            del data[name]
+        elif isinstance(value, dict) and isinstance(getattr(model, name, None), BaseModel):
+            _without_unset_bools(getattr(model, name), value)
+    return data

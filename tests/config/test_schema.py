@@ -16,7 +16,14 @@ def test_every_field_has_its_docstring_as_description():
     schema = PipelineParams.model_json_schema()
     eval_fields = schema["$defs"]["EvalConfig"]["properties"]
     assert all(field.get("description") for field in eval_fields.values())
-    assert schema["properties"]["scheduler"]["default"]["min_interval_steps"] == 25  # the pipeline's default
+    # The pipeline's default, said in the description; the schema itself carries no defaults, so a
+    # form starts empty and sends back only what is filled in.
+    scheduler = schema["$defs"]["SchedulerConfig"]["properties"]["min_interval_steps"]
+    assert scheduler["description"].endswith("Default: 25.") and "default" not in scheduler
+    assert (
+        "default" not in schema["properties"]["run_name"]
+        and 'Default: "demo".' in schema["properties"]["run_name"]["description"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,3 +112,18 @@ def test_global_step_is_refused_below_zero_in_evaluate_checkpoints_form():
     from flows.evaluate_checkpoint import evaluate_checkpoint
 
     assert parameter_schema(evaluate_checkpoint).properties["global_step"]["minimum"] == 0
+
+
+def test_an_unedited_form_overrides_nothing():
+    # What the Prefect UI sends for an untouched form: every checkbox left at None, nothing else.
+    untouched = {
+        "eval": {"warm_workers": None, "generation": {"greedy": None}},
+        "train": {"save": {"eval_before_train": None}},
+    }
+    assert set_fields(PipelineParams.model_validate(untouched)) == {"eval": {"generation": {}}, "train": {"save": {}}}
+    cfg = load_pipeline_config(params=set_fields(PipelineParams.model_validate(untouched)))
+    assert cfg == load_pipeline_config()
+    edited = {"eval": {"warm_workers": False}, "run_name": "mine"}
+    assert set_fields(PipelineParams.model_validate(edited)) == edited
+    warm = PipelineParams.model_json_schema()["$defs"]["EvalConfig"]["properties"]["warm_workers"]
+    assert warm["default"] is None and warm["description"].endswith("Default: true.")

@@ -81,6 +81,8 @@ def test_deployments_and_the_automation_are_named(server):
         "sweep-checkpoints/every-30-minutes",
     ):
         assert api_get(server, f"/deployments/name/{name}")["tags"]
+    for name in ("train-and-evaluate/pipeline", "train-and-evaluate/sft-math"):  # the form opens on the typed section
+        assert api_get(server, f"/deployments/name/{name}")["parameters"]["params"] == {}
     on_checkpoint = api_get(server, "/deployments/name/evaluate-checkpoint/on-checkpoint")
     assert on_checkpoint["parameters"]["gpu_slot"] == "gpu:0" and "evaluation" in on_checkpoint["tags"]
     sft = api_get(server, "/deployments/name/train-and-evaluate/sft-math")
