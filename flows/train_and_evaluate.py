@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prefect import flow
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
 from areal_eval.alerts import AlertEngine
@@ -71,7 +71,7 @@ def owning_run(run: RunDir) -> Iterator[RunLock]:
 def run_config(params: PipelineParams | dict | None, config_path: str | None, overrides: list[str] | None):
     """This flow run's config. A deployment run that names no run (an unedited form) trains a new
     one named after the flow run, rather than resuming the default ``demo``."""
-    own_name = flow_run.name if flow_run.deployment_id else None
+    own_name = flow_run.name if deployment.id else None
     return load_pipeline_config(config_path, set_fields(params), overrides, run_name=own_name)
 
 
