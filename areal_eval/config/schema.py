@@ -108,18 +108,15 @@ def config_model(cls: type, defaults_json: str | None = None) -> type[BaseModel]
             # default and sends it back, so an unedited form would override the config file (a
             # preset's) with the pipeline's defaults. Left empty, only what the user types is sent.
             default = defaults[f.name]
+            described = f"{docs.get(f.name) or ''} Default: {json.dumps(default)}.".strip()
             if dataclasses.is_dataclass(hints[f.name]):  # a section: its fields say their defaults
                 tp = config_model(hints[f.name], json.dumps(default, sort_keys=True))
-                description = docs.get(f.name)
-            elif hints[f.name] is bool:  # a form sends every checkbox; left at "None", it sends nothing
-                tp, description = bool | None, f"{docs.get(f.name) or ''} Default: {json.dumps(default)}.".strip()
+                spec = Field(default_factory=lambda d=default: d, description=docs.get(f.name))
+            elif hints[f.name] is bool:  # a form sends every checkbox; left at "None" it sends nothing
+                tp, spec = bool | None, Field(default=None, description=described)
                 nullable_bools.add(f.name)
             else:
-                description = f"{docs.get(f.name) or ''} Default: {json.dumps(default)}.".strip()
-            if f.name in nullable_bools:  # "None" chosen in the form: nothing sent, the default applies
-                spec = Field(default=None, description=description)
-            else:
-                spec = Field(default_factory=lambda d=default: d, description=description, **bounds)
+                spec = Field(default_factory=lambda d=default: d, description=described, **bounds)
         elif f.default is not dataclasses.MISSING:
             spec = Field(default=_plain(f.default), description=docs.get(f.name), **bounds)
         elif f.default_factory is not dataclasses.MISSING:
