@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from areal_eval.checkpoints.manifest import CheckpointError
 from areal_eval.config.parsing import ConfigError
-from areal_eval.evaluation.jobs import CorruptCheckpoint
+from areal_eval.evaluation.jobs import CorruptCheckpoint, EvaluationConfigError, EvaluationDataError
 from areal_eval.preference_data import DataError
 
-PERMANENT = (CorruptCheckpoint, CheckpointError, DataError, ConfigError)
+PERMANENT = (CorruptCheckpoint, EvaluationDataError, EvaluationConfigError, CheckpointError, DataError, ConfigError)
 
 
 class OrchestrationUnavailable(RuntimeError):

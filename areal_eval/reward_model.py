@@ -27,18 +27,22 @@ def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[EOS]"])
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
-    fast.truncation_side = "left"
+    # Left: a long text keeps its end, where the answer is. Saved in tokenizer_config.json, so
+    # the evaluator and a user's own AutoTokenizer truncate alike.
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]", truncation_side="left"
+    )
     fast.save_pretrained(str(out_dir))
     return fast
 
 
 def load_tokenizer(path: str | Path):
+    """The tokenizer saved at ``path``, truncating on the side it records (``truncation_side``
+    in ``tokenizer_config.json``; transformers' default, the right, when it records none), as
+    ``AutoTokenizer.from_pretrained`` outside the pipeline does."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.truncation_side = "left"
-    return tok
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def build_model(cfg, tokenizer):
@@ -75,13 +79,20 @@ def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, source: str | 
     A text that tokenizes to nothing cannot be scored: it is refused, naming ``source``'s line.
     """
     texts = [t for row in pairs for t in (row["chosen"], row["rejected"])]
-    ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=False)["input_ids"]
+    whole = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    # What tokenizer(..., truncation=True, max_length=...) keeps, on its truncation side; and which were cut.
+    keep_end = tokenizer.truncation_side == "left"
+    ids = [seq[-max_length:] if keep_end else seq[:max_length] for seq in whole]
+    cut = [len(seq) > max_length for seq in whole]
     for i, seq in enumerate(ids):
         if not seq:
             where = f"{source}:{line_of_pair(source, i // 2)}" if source else f"pair {i // 2}"
             field = ("chosen", "rejected")[i % 2]
             raise DataError(f"{where}: field '{field}' has no tokens for this tokenizer ({texts[i]!r})")
-    return [{"chosen_ids": ids[2 * i], "rejected_ids": ids[2 * i + 1]} for i in range(len(pairs))]
+    return [
+        {"chosen_ids": ids[2 * i], "rejected_ids": ids[2 * i + 1], "truncated": cut[2 * i] + cut[2 * i + 1]}
+        for i in range(len(pairs))
+    ]
 
 
 def collate_pairs(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -97,7 +108,8 @@ def collate_pairs(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention_mask[row, : len(seq)] = 1
     identical = torch.tensor([item["chosen_ids"] == item["rejected_ids"] for item in items], dtype=torch.bool)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "identical": identical}
+    truncated = torch.tensor([item.get("truncated", 0) for item in items], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "identical": identical, "truncated": truncated}
 
 
 def pair_scores(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

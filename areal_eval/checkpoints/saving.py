@@ -29,6 +29,10 @@ def save_clean_tokenizer(tokenizer, directory: Path) -> None:
     if backend is not None:
         backend.no_truncation()
         backend.no_padding()
+    # The side training and evaluation cut long texts on, in tokenizer_config.json: a user's own
+    # AutoTokenizer.from_pretrained(checkpoint) then scores a long text as the evaluator does.
+    if hasattr(tokenizer, "truncation_side"):
+        tokenizer.init_kwargs["truncation_side"] = tokenizer.truncation_side
     tokenizer.save_pretrained(str(directory))
 
 

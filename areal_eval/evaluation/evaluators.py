@@ -55,9 +55,11 @@ class BaseEvaluator:
         return declared_metrics(cls)
 
     @classmethod
-    def check_data(cls, path: Path, settings) -> None:
+    def check_data(cls, path: Path, settings, tokenizer_dir: Path | None = None) -> None:
         """Read evaluation data ``path`` as :meth:`load` will, so that a bad row is named (file
-        and line) before anything starts. Default: not checked."""
+        and line) before anything starts; with ``tokenizer_dir``, tokenize it with that tokenizer
+        too, so a row with nothing to score is refused before any worker starts. Default: not
+        checked."""
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         """Load the model and the evaluation data (called on every rank)."""
@@ -93,6 +95,15 @@ class BaseEvaluator:
         """Metrics from the global sums."""
         raise NotImplementedError
 
+    def warnings(self, sums: dict[str, float]) -> list[str]:
+        """What the global ``sums`` show went wrong without failing the evaluation (texts cut to
+        fit): the job logs each once and reports them with its result."""
+        return []
+
+    first_error: str | None = None
+    """The first error this rank scored past (a reward function that raised), with its item:
+    its traceback is in the job's log, and the result and the ledger name it."""
+
 
 class RewardModelEvaluator(BaseEvaluator):
     """Pairwise accuracy, Bradley-Terry loss, chosen/rejected scores and margin."""
@@ -108,14 +119,19 @@ class RewardModelEvaluator(BaseEvaluator):
         "rejected_score",
         "margin",
         "n_pairs",
+        "truncated_texts",
     )
 
     def __init__(self, max_length: int = 64):
         self.max_length = max_length
 
     @classmethod
-    def check_data(cls, path: Path, settings) -> None:
-        read_pairs(path)
+    def check_data(cls, path: Path, settings, tokenizer_dir: Path | None = None) -> None:
+        pairs = read_pairs(path)
+        if tokenizer_dir is not None:
+            from areal_eval import reward_model
+
+            reward_model.tokenize_pairs(reward_model.load_tokenizer(tokenizer_dir), pairs, settings.max_length, path)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         from areal_eval import reward_model
@@ -154,9 +170,12 @@ class RewardModelEvaluator(BaseEvaluator):
         identical = batch["identical"].bool()
         rejected = torch.where(identical, chosen, rejected)
         losses = reward_model.bradley_terry_loss(chosen, rejected, reduction="none")
+        correct = torch.where(identical, 0.5, (chosen > rejected).double())
         return {
             "n_pairs": float(chosen.numel()),
-            "correct": float((chosen > rejected).sum()) + 0.5 * float(identical.sum()),
+            "correct": float(correct.sum()),
+            "correct_sq": float((correct * correct).sum()),
+            "truncated_texts": float(batch["truncated"].sum()),
             "loss": float(losses.sum()),
             "loss_sq": float((losses * losses).sum()),
             "chosen_score": float(chosen.sum()),
@@ -167,20 +186,30 @@ class RewardModelEvaluator(BaseEvaluator):
         n = sums["n_pairs"]
         if n == 0:
             raise ValueError("evaluation saw no pairs")
-        acc = sums["correct"] / n
-        loss = sums["loss"] / n
+        acc, acc_stderr = mean_and_stderr(sums["correct"], sums["correct_sq"], n)
+        loss, loss_stderr = mean_and_stderr(sums["loss"], sums["loss_sq"], n)
         chosen, rejected = sums["chosen_score"] / n, sums["rejected_score"] / n
         return {
             "accuracy": acc,
-            # Binomial standard error: the scheduler's and alerts' notion of noise.
-            "accuracy_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / n),
+            "accuracy_stderr": acc_stderr,
             "loss": loss,
-            "loss_stderr": math.sqrt(max(sums["loss_sq"] / n - loss * loss, 0.0) / n),
+            "loss_stderr": loss_stderr,
             "chosen_score": chosen,
             "rejected_score": rejected,
             "margin": chosen - rejected,
             "n_pairs": n,
+            "truncated_texts": sums["truncated_texts"],
         }
+
+    def warnings(self, sums):
+        kept = "their end" if self.tokenizer.truncation_side == "left" else "their start"
+        return truncation_warning(
+            sums.get("truncated_texts", 0),
+            2 * sums.get("n_pairs", 0),
+            "texts",
+            f"max_length ({self.max_length} tokens)",
+            kept,
+        )
 
 
 _METRIC_NAME = re.compile(r"^[\w\-. :/]+$")
@@ -198,6 +227,14 @@ def check_metric_names(metrics: dict[str, float], evaluator: str) -> dict[str, f
     return metrics
 
 
+def truncation_warning(cut: float, total: float, what: str, limit: str, kept: str) -> list[str]:
+    """The warning for ``cut`` of ``total`` ``what`` cut to fit ``limit`` (none when none was;
+    a subclass that sums no such count gets none either)."""
+    if not cut:
+        return []
+    return [f"{cut:g} of {total:g} {what} were longer than {limit} and kept {kept} (metric truncated_{what})"]
+
+
 def probe_items(n: int, fraction: float) -> list[int]:
     """The probe subset of ``n`` items: a fixed random ``fraction`` of them (at least one), the
     same every time, so a probe and the subset part of a full evaluation score the same items."""
@@ -211,10 +248,17 @@ def probe_rest(n: int, fraction: float) -> list[int]:
 
 
 def mean_and_stderr(total: float, total_sq: float, n: float) -> tuple[float, float]:
-    """Mean of ``n`` values from their sum and sum of squares, and its standard error (the
-    scheduler's and alerts' notion of noise; floored so a constant metric is not noise-free)."""
+    """Mean of ``n`` values from their sum and sum of squares, and its standard error: the
+    sample variance (divided by n - 1, as lm-evaluation-harness) over n. A constant metric has
+    a standard error of 0, and so has a single value (no spread to estimate); the scheduler and
+    the alerts then take their ``default_stderr``."""
     mean = total / n
-    return mean, math.sqrt(max(total_sq / n - mean * mean, 1e-12) / n)
+    return mean, sample_stderr(total_sq - n * mean * mean, n)
+
+
+def sample_stderr(spread: float, n: float) -> float:
+    """The standard error of a mean of ``n`` values whose squared deviations sum to ``spread``."""
+    return math.sqrt(max(spread, 0.0) / (n - 1) / n) if n > 1 else 0.0
 
 
 class CombinedEvaluator(BaseEvaluator):
@@ -252,12 +296,19 @@ class CombinedEvaluator(BaseEvaluator):
         return {f"{part.name}/{k}": v for k, v in sums.items()}
 
     def metrics(self, sums):
-        out = {}
+        return {f"{part.name}/{k}": v for part, mine in self._split(sums) for k, v in part.metrics(mine).items()}
+
+    def warnings(self, sums):
+        return [f"{part.name}: {w}" for part, mine in self._split(sums) for w in part.warnings(mine)]
+
+    @property
+    def first_error(self):
+        return next((f"{p.name}: {p.first_error}" for p in self.parts if p.first_error), None)
+
+    def _split(self, sums):
         for part in self.parts:
             prefix = f"{part.name}/"
-            mine = {k.removeprefix(prefix): v for k, v in sums.items() if k.startswith(prefix)}
-            out.update({prefix + k: v for k, v in part.metrics(mine).items()})
-        return out
+            yield part, {k.removeprefix(prefix): v for k, v in sums.items() if k.startswith(prefix)}
 
 
 EVALUATORS: dict[str, str] = {
@@ -298,10 +349,11 @@ def make_evaluator(spec: str, settings=None) -> BaseEvaluator:
     return parts[0] if len(parts) == 1 else CombinedEvaluator(parts)
 
 
-def check_evaluation_data(spec: str, path: Path, settings) -> None:
-    """Every evaluator of ``spec`` reads ``path`` as it will in the workers."""
+def check_evaluation_data(spec: str, path: Path, settings, tokenizer_dir: Path | None = None) -> None:
+    """Every evaluator of ``spec`` reads ``path`` as it will in the workers (and tokenizes it
+    with the tokenizer at ``tokenizer_dir``, when given)."""
     for name in evaluator_names(spec):
-        evaluator_class(name).check_data(Path(path), settings)
+        evaluator_class(name).check_data(Path(path), settings, tokenizer_dir)
 
 
 def produced_metrics(spec: str, settings) -> tuple[str, ...] | None:

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
+import traceback
 from collections import Counter
 from math import comb
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from areal_eval import causal_lm
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, Bounds, FieldError, Ranges, check_ranges
-from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr
+from areal_eval.config.parsing import NON_NEGATIVE, TOKENS, Bounds, ConfigError, FieldError, Ranges, check_ranges
+from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr, truncation_warning
 from areal_eval.evaluation.rewards import load_reward
+from areal_eval.preference_data import DataError
 from areal_eval.prompt_data import read_prompts
 
 if TYPE_CHECKING:
@@ -48,8 +51,10 @@ class GenerationConfig:
     """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p."""
     max_new_tokens: int = 64
     """Tokens per answer; an answer that reaches it without ending counts as truncated."""
-    max_prompt_tokens: int = 256
-    """Tokens per prompt; longer prompts keep their end."""
+    max_prompt_tokens: int | None = None
+    """Tokens per prompt; longer prompts keep their end (counted in ``truncated_prompts``, and
+    warned about). None: what the model's ``max_position_embeddings`` leaves after
+    ``max_new_tokens``. A budget over the model's positions is refused when the job starts."""
     stop: list[str] = dataclasses.field(default_factory=list)
     """Strings that end an answer (cut there); the end-of-sequence token always does."""
     seed: int = 0
@@ -65,9 +70,9 @@ class GenerationConfig:
 
     CHOICES: ClassVar[dict] = {"backend": lambda: list(DECODERS)}
     RANGES: ClassVar[Ranges] = {
-        "n_samples": AT_LEAST_1,
-        "max_new_tokens": AT_LEAST_1,
-        "max_prompt_tokens": AT_LEAST_1,
+        "n_samples": Bounds(1, 4096),
+        "max_new_tokens": TOKENS,
+        "max_prompt_tokens": TOKENS,
         "temperature": NON_NEGATIVE,
         "top_p": Bounds(0, 1, low_excluded=True),
     }
@@ -208,8 +213,10 @@ class TransformersDecoder:
 DECODERS = {"transformers": TransformersDecoder}
 
 
-COUNTS = ("reward_errors", "n_prompts", "n_answers")
-"""Totals reported as they are: rewards that raised (scored 0), prompts, answers decoded."""
+COUNTS = ("reward_errors", "truncated_prompts", "n_prompts", "n_answers")
+"""Totals reported as they are: rewards that raised (scored 0; the first one's prompt and
+exception are in the job's log and the ledger), prompts cut to ``max_prompt_tokens``, prompts,
+answers decoded."""
 
 
 class GenerationEvaluator(BaseEvaluator):
@@ -237,27 +244,24 @@ class GenerationEvaluator(BaseEvaluator):
         return tuple(m for n in names for m in (n, f"{n}_stderr")) + COUNTS
 
     @classmethod
-    def check_data(cls, path: Path, settings) -> None:
-        read_prompts(path, settings.generation.prompt_field, settings.generation.answer_field)
+    def check_data(cls, path: Path, settings, tokenizer_dir: Path | None = None) -> None:
+        cfg = settings.generation
+        prompts = read_prompts(path, cfg.prompt_field, cfg.answer_field)
+        if tokenizer_dir is not None:
+            tok = causal_lm.load_tokenizer(tokenizer_dir)
+            for p in prompts:
+                encode_prompt(tok, p["prompt"], cfg.chat_template, f"{path}:{p['line']}")
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models)
         self.prompts = read_prompts(data_path, self.cfg.prompt_field, self.cfg.answer_field)
-        self.prompt_ids = [self._encode(p["prompt"], data_path, p["line"]) for p in self.prompts]
+        self.data_path = data_path
+        self.max_prompt_tokens = prompt_budget(self.cfg, getattr(self.model.config, "max_position_embeddings", None))
+        chat = self.cfg.chat_template
+        whole = [encode_prompt(self.tokenizer, p["prompt"], chat, f"{data_path}:{p['line']}") for p in self.prompts]
+        self.prompt_ids = [ids[-self.max_prompt_tokens :] for ids in whole]
+        self.truncated = [len(ids) > self.max_prompt_tokens for ids in whole]
         self.decoder = DECODERS[self.cfg.backend](self.model, self.tokenizer, self.cfg)
-
-    def _encode(self, prompt: str, data_path: Path, line: int) -> list[int]:
-        tok = self.tokenizer
-        if self.cfg.chat_template:
-            if not tok.chat_template:
-                raise ValueError("eval.generation.chat_template: the checkpoint's tokenizer has no chat template")
-            prompt = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-        ids = tok(prompt, add_special_tokens=not self.cfg.chat_template)["input_ids"][-self.cfg.max_prompt_tokens :]
-        if not ids:
-            raise ValueError(f"{data_path}:{line}: the prompt has no tokens for this tokenizer")
-        return ids
 
     def num_samples(self) -> int:
         return len(self.prompts)
@@ -293,6 +297,7 @@ class GenerationEvaluator(BaseEvaluator):
             "n_prompts": float(len(indices)),
             "n_answers": float(len(seeds)),
             "reward_errors": 0.0,
+            "truncated_prompts": float(sum(self.truncated[i] for i in indices)),
         }
         n = self.cfg.n_samples
         for p, i in enumerate(indices):
@@ -327,17 +332,64 @@ class GenerationEvaluator(BaseEvaluator):
                     prompt["answer"],
                 )
             )
-        except Exception:  # a verifier's failure scores 0 and is counted, as in AReaL
+        except Exception as exc:  # a verifier's failure scores 0 and is counted, as in AReaL
             sums["reward_errors"] += 1
+            if self.first_error is None:  # the first one is told in full; the count says how many followed
+                where = f"prompt {index} ({self.data_path}:{prompt['line']})"
+                self.first_error = f"reward {self.cfg.reward!r} raised on {where}: {type(exc).__name__}: {exc}"
+                print(f"warning: {self.first_error}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             return 0.0
 
     def metrics(self, sums):
         n = sums.get("n_prompts", 0.0)
         if n == 0:
-            raise ValueError("evaluation saw no prompts")
+            raise DataError("evaluation saw no prompts")
         out: dict[str, float] = {}
         for name in sums:
             if name.endswith("_sq") or name in COUNTS:
                 continue
             out[name], out[f"{name}_stderr"] = mean_and_stderr(sums[name], sums[f"{name}_sq"], n)
         return {**out, **{name: sums[name] for name in COUNTS}}
+
+    def warnings(self, sums):
+        budget = f"max_prompt_tokens ({self.max_prompt_tokens} tokens)"
+        return truncation_warning(
+            sums.get("truncated_prompts", 0), sums.get("n_prompts", 0), "prompts", budget, "their end"
+        )
+
+
+def encode_prompt(tok, prompt: str, chat_template: bool, where: str) -> list[int]:
+    """A prompt's token ids (in the tokenizer's chat template, with ``chat_template``), whole."""
+    if chat_template:
+        if not tok.chat_template:
+            raise ConfigError("eval.generation.chat_template: the checkpoint's tokenizer has no chat template")
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    ids = tok(prompt, add_special_tokens=not chat_template)["input_ids"]
+    if not ids:
+        raise DataError(f"{where}: the prompt has no tokens for this tokenizer")
+    return ids
+
+
+def prompt_budget(cfg: GenerationConfig, positions: int | None) -> int:
+    """Tokens a prompt may keep: ``max_prompt_tokens``, or what the model's ``positions`` leave
+    after ``max_new_tokens``. A budget over the positions is refused: the model would decode
+    past what it was built for, silently."""
+    where = "eval.generation"
+    if positions is None:
+        return cfg.max_prompt_tokens or 256
+    if cfg.max_prompt_tokens is None:
+        if cfg.max_new_tokens >= positions:
+            raise ConfigError(
+                f"{where}.max_new_tokens: {cfg.max_new_tokens} leaves no room for a prompt in the model's "
+                f"{positions} positions (max_position_embeddings)"
+            )
+        return positions - cfg.max_new_tokens
+    if cfg.max_prompt_tokens + cfg.max_new_tokens > positions:
+        raise ConfigError(
+            f"{where}: max_prompt_tokens ({cfg.max_prompt_tokens}) + max_new_tokens ({cfg.max_new_tokens}) = "
+            f"{cfg.max_prompt_tokens + cfg.max_new_tokens} exceed the model's {positions} positions "
+            "(max_position_embeddings); lower them, or leave max_prompt_tokens unset to fit the model"
+        )
+    return cfg.max_prompt_tokens

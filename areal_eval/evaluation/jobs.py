@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -12,13 +13,24 @@ from typing import ClassVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name
 from areal_eval.checkpoints.store import S3Config
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Bounds, FieldError, Ranges, check_ranges
+from areal_eval.config.parsing import (
+    AT_LEAST_1,
+    BATCH,
+    NON_NEGATIVE,
+    POSITIVE,
+    RANKS,
+    Bounds,
+    FieldError,
+    Ranges,
+    check_ranges,
+)
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
+from areal_eval.evaluation.preflight import preflight_key, run_preflight
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, write_spec
-from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary
+from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json, write_spec
+from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary, stay_offline
 
 
 class EvaluationFailed(RuntimeError):
@@ -26,16 +38,33 @@ class EvaluationFailed(RuntimeError):
 
 
 class CorruptCheckpoint(EvaluationFailed):
-    """The checkpoint (or the validation data) is missing, fails verification or cannot be
-    read: retrying cannot help."""
+    """The checkpoint is missing, fails verification or cannot be read: retrying cannot help."""
+
+
+class EvaluationDataError(EvaluationFailed):
+    """The validation data cannot be evaluated (missing, malformed, a row with nothing to score):
+    retrying cannot help."""
+
+
+class EvaluationConfigError(EvaluationFailed):
+    """The evaluation settings cannot run on this checkpoint (a token budget over the model's
+    positions, a chat template it lacks): retrying cannot help."""
+
+
+FAILURE_CLASSES = {
+    "CheckpointError": CorruptCheckpoint,
+    "DataError": EvaluationDataError,
+    "ConfigError": EvaluationConfigError,
+}
+"""The worker's exception classes that no retry can fix, by the name its result file gives."""
 
 
 def check_validation_data(path: str | Path, given_by: str) -> Path:
-    """``path`` if it is a readable file; else a :class:`CorruptCheckpoint` (not retried) that
+    """``path`` if it is a readable file; else a :class:`EvaluationDataError` (not retried) that
     says where the path came from and how to give one, before any worker starts."""
     path = Path(path)
     if not path.is_file():
-        raise CorruptCheckpoint(
+        raise EvaluationDataError(
             f"{path}: no such validation data file (from {given_by}); pass data_path, or register "
             "the run's data when publishing: publish_checkpoint(..., valid_data=PATH)"
         )
@@ -98,10 +127,10 @@ class EvalConfig:
 
     PATTERNS: ClassVar[dict] = {"evaluator": lambda: evaluator_spec_pattern()}
     RANGES: ClassVar[Ranges] = {
-        "nproc": AT_LEAST_1,
-        "slots": AT_LEAST_1,
-        "mp_size": AT_LEAST_1,
-        "batch_size": AT_LEAST_1,
+        "nproc": RANKS,
+        "slots": Bounds(1, 64),
+        "mp_size": RANKS,
+        "batch_size": BATCH,
         "collective_timeout_s": POSITIVE,
         "job_timeout_s": POSITIVE,
         "retries": NON_NEGATIVE,
@@ -128,9 +157,32 @@ class EvalResult:
     probe_metrics: dict = dataclasses.field(default_factory=dict)
     """Metrics on the probe subset, with probes: a probe's (``metrics`` is then empty), or the
     subset part of a full evaluation. Logged as ``eval_probe/*``."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What went wrong without failing it: texts cut to fit, the first reward that raised."""
 
     def nonfinite(self) -> list[str]:
         return [k for k, v in self.metrics.items() if not math.isfinite(v)]
+
+
+def check_before_launch(event: CheckpointEvent, spec: EvalJobSpec, work_dir: Path, stem: str) -> None:
+    """Tokenize the data with a local checkpoint's tokenizer before any worker starts
+    (:mod:`~areal_eval.evaluation.preflight`), once per data, settings and tokenizer; what cannot
+    be scored raises :class:`EvaluationDataError` (or :class:`EvaluationConfigError`), naming
+    file and line. An ``s3://`` checkpoint is checked by its workers."""
+    if "://" in event.uri or not Path(event.uri).is_dir():
+        return
+    passed = work_dir / "preflight" / f"{preflight_key(event, Path(spec.data), to_json(spec))}.ok"
+    if passed.exists():
+        return
+    spec_file = write_spec(work_dir / f"{stem}.preflight.json", spec)
+    refusal = run_preflight(spec_file, stay_offline(dict(os.environ)), timeout_s=300)
+    if refusal is not None:
+        failure = FAILURE_CLASSES.get(refusal.split(":", 1)[0], EvaluationDataError)
+        raise failure(
+            f"checkpoint step {event.global_step} ({event.uri}): refused before any worker started: {refusal}"
+        )
+    passed.parent.mkdir(exist_ok=True)
+    passed.touch()
 
 
 def run_evaluation_job(
@@ -178,6 +230,7 @@ def run_evaluation_job(
         probe_fraction=probe_fraction,
         probe_only=probe_only,
     )
+    check_before_launch(event, spec, work_dir, stem)
     # On a multi-node pool (infra/k8s) the other nodes run ``evaluation.worker --follow`` and get the job from rank 0.
     nodes = NodeLayout.from_env()
     job = None
@@ -202,7 +255,7 @@ def run_evaluation_job(
                 "workers exited abnormally" if "metrics" in result else "worker wrote no result"
             )
             cause = re.sub(r"^rank \d+: ", "", reason)
-            failure = CorruptCheckpoint if cause.startswith(("CheckpointError", "DataError")) else EvaluationFailed
+            failure = FAILURE_CLASSES.get(cause.split(":", 1)[0], EvaluationFailed)
             raise failure(
                 f"checkpoint step {event.global_step} ({event.uri}): {reason} [torchrun exit {code}; log {log_path}]"
                 + (f"\n{summary}" if summary else "")
@@ -220,4 +273,5 @@ def run_evaluation_job(
         spec.launched_at,
         result.get("started_at", 0.0),
         result.get("probe_metrics", {}),
+        result.get("notes", []),
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from areal_eval import causal_lm
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, FieldError, Ranges, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, BATCH, NON_NEGATIVE, FieldError, Ranges, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator
 
 
@@ -36,7 +36,7 @@ class LMEvalConfig:
     seed: int = 1234
     """Seed of the harness's few-shot sampling (and its other seeds)."""
 
-    RANGES: ClassVar[Ranges] = {"num_fewshot": NON_NEGATIVE, "limit": AT_LEAST_1, "batch_size": AT_LEAST_1}
+    RANGES: ClassVar[Ranges] = {"num_fewshot": NON_NEGATIVE, "limit": AT_LEAST_1, "batch_size": BATCH}
 
     def __post_init__(self):
         check_ranges(self, self.RANGES)

@@ -1,8 +1,11 @@
 """The ``lm_loss`` evaluator: held-out loss, perplexity and bits per byte of a causal LM.
 
-What SFT and pretraining users watch. Sums of token NLLs, token counts and UTF-8 byte counts
-are additive, so distributed equals single-process; batches are fixed for the whole data set
-(see :func:`distributed.dealt_batches`), so the sums agree to the bit across world sizes.
+What SFT and pretraining users watch. A ``text`` row (or an empty prompt) is scored whole: its
+first token is predicted from the tokenizer's BOS token (EOS where it has none, as
+lm-evaluation-harness does), so bits per byte divides by the text's own UTF-8 bytes. Sums of
+token NLLs, token counts and byte counts are additive, so distributed equals single-process;
+batches are fixed for the whole data set (see :func:`distributed.dealt_batches`), so the sums
+agree to the bit across world sizes.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from areal_eval import causal_lm
-from areal_eval.config.parsing import Bounds, Ranges, check_ranges
-from areal_eval.evaluation.evaluators import BaseEvaluator
+from areal_eval.config.parsing import TOKENS, Bounds, Ranges, check_ranges
+from areal_eval.evaluation.evaluators import BaseEvaluator, sample_stderr, truncation_warning
+from areal_eval.preference_data import DataError
 from areal_eval.prompt_data import read_texts
 
 
@@ -24,9 +28,10 @@ class LMLossConfig:
     """With ``prompt`` rows: the field whose tokens are scored (the prompt is context only).
     ``answer`` scores the reference answers of a generation data set."""
     max_length: int = 512
-    """Tokens per row: the prompt keeps its end, the completion its start."""
+    """Tokens per row: the prompt keeps its end, the completion its start (rows cut are counted
+    in ``truncated_texts`` and warned about; bits per byte then counts the kept tokens' bytes)."""
 
-    RANGES: ClassVar[Ranges] = {"max_length": Bounds(2)}
+    RANGES: ClassVar[Ranges] = {"max_length": Bounds(2, TOKENS.high)}
 
     def __post_init__(self):
         check_ranges(self, self.RANGES)
@@ -37,7 +42,7 @@ class LMLossEvaluator(BaseEvaluator):
 
     name = "lm_loss"
     supports_subsets = True
-    metric_names = ("loss", "loss_stderr", "perplexity", "bits_per_byte", "n_tokens", "n_texts")
+    metric_names = ("loss", "loss_stderr", "perplexity", "bits_per_byte", "n_tokens", "n_texts", "truncated_texts")
 
     def __init__(self, cfg: LMLossConfig | None = None):
         self.cfg = cfg or LMLossConfig()
@@ -47,28 +52,17 @@ class LMLossEvaluator(BaseEvaluator):
         return cls(settings.lm_loss)
 
     @classmethod
-    def check_data(cls, path: Path, settings) -> None:
-        read_texts(path, settings.lm_loss.completion_field)
+    def check_data(cls, path: Path, settings, tokenizer_dir: Path | None = None) -> None:
+        rows = read_texts(path, settings.lm_loss.completion_field)
+        if tokenizer_dir is not None:
+            tok = causal_lm.load_tokenizer(tokenizer_dir)
+            for row in rows:
+                encode_row(tok, row, settings.lm_loss.max_length, path)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models)
-        self.rows = [self._encode(row, data_path) for row in read_texts(data_path, self.cfg.completion_field)]
-
-    def _encode(self, row: dict, data_path: Path) -> dict:
-        tok = self.tokenizer
-        prompt = tok(row["prompt"])["input_ids"] if row["prompt"] else []
-        # A text row starts the sequence: BOS (when the tokenizer adds one) is its context.
-        completion = tok(row["completion"], add_special_tokens=not row["prompt"])["input_ids"]
-        if row["prompt"] == "" and completion and completion[0] == tok.bos_token_id:
-            prompt, completion = completion[:1], completion[1:]
-        completion = completion[: self.cfg.max_length - 1]
-        prompt = prompt[max(0, len(prompt) + len(completion) - self.cfg.max_length) :]
-        if not completion or (not prompt and len(completion) < 2):
-            raise ValueError(f"{data_path}:{row['line']}: too few tokens to score (needs one after its context)")
-        if not prompt:  # the first token has no context: it is not scored
-            prompt, completion = completion[:1], completion[1:]
-        scored_text = tok.decode(completion, skip_special_tokens=True)
-        return {"ids": prompt + completion, "context": len(prompt), "bytes": len(scored_text.encode("utf-8"))}
+        rows = read_texts(data_path, self.cfg.completion_field)
+        self.rows = [encode_row(self.tokenizer, row, self.cfg.max_length, data_path) for row in rows]
 
     def num_samples(self) -> int:
         return len(self.rows)
@@ -104,6 +98,7 @@ class LMLossEvaluator(BaseEvaluator):
         tokens = scored[:, 1:].sum(dim=1).double()
         return {
             "n_texts": float(len(rows)),
+            "truncated_texts": float(sum(r["truncated"] for r in rows)),
             "nll": float(nll.sum()),
             "nll_sq": float((nll * nll).sum()),
             "nll_tokens": float((nll * tokens).sum()),
@@ -119,7 +114,7 @@ class LMLossEvaluator(BaseEvaluator):
         loss = sums["nll"] / tokens
         # A ratio of sums over texts: its standard error by the delta method, texts as the units.
         spread = sums["nll_sq"] - 2 * loss * sums["nll_tokens"] + loss * loss * sums["tokens_sq"]
-        stderr = math.sqrt(max(spread / n, 1e-12) / n) / (tokens / n)
+        stderr = sample_stderr(spread, n) / (tokens / n)
         return {
             "loss": loss,
             "loss_stderr": stderr,
@@ -127,4 +122,39 @@ class LMLossEvaluator(BaseEvaluator):
             "bits_per_byte": sums["nll"] / (math.log(2) * sums["bytes"]) if sums["bytes"] else float("nan"),
             "n_tokens": tokens,
             "n_texts": n,
+            "truncated_texts": sums["truncated_texts"],
         }
+
+    def warnings(self, sums):
+        limit = f"max_length ({self.cfg.max_length} tokens)"
+        return truncation_warning(
+            sums.get("truncated_texts", 0), sums.get("n_texts", 0), "texts", limit, "the start of their completion"
+        )
+
+
+def encode_row(tok, row: dict, max_length: int, data_path: Path) -> dict:
+    """A row's token ids, how many of them are context (not scored), the UTF-8 bytes of the
+    text they score, and whether it was cut to ``max_length``. A row with nothing to score is a
+    :class:`DataError` naming its line."""
+    where = f"{data_path}:{row['line']}"
+    if row["prompt"]:
+        prompt = tok(row["prompt"])["input_ids"]
+    else:  # a whole text: its first token is predicted from BOS, or EOS (lm-evaluation-harness)
+        start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        prompt = [] if start is None else [start]
+    whole = tok(row["completion"], add_special_tokens=False)["input_ids"]
+    completion = whole[: max_length - 1]
+    prompt = prompt[max(0, len(prompt) + len(completion) - max_length) :]
+    if not completion or not prompt:
+        raise DataError(
+            f"{where}: nothing to score: the completion has no tokens, or no context to predict its first token from "
+            "(an empty prompt, and the tokenizer has neither a BOS nor an EOS token)"
+        )
+    truncated = len(completion) < len(whole)
+    text = tok.decode(completion, skip_special_tokens=True) if truncated else row["completion"]
+    return {
+        "ids": prompt + completion,
+        "context": len(prompt),
+        "bytes": len(text.encode("utf-8")),
+        "truncated": truncated,
+    }

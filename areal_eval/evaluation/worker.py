@@ -104,19 +104,34 @@ def compute_with_probe(
     probe_only: bool,
     mp_group=None,
 ) -> tuple[dict, dict]:
-    """(metrics, probe metrics): the probe subset's sums, then (unless ``probe_only``) the rest's,
-    kept apart. The full metrics come from the two added, so they are the whole set's sums
-    exactly, and the subset's metrics are what a probe of this checkpoint sees."""
+    """(metrics, probe metrics): see :func:`probe_sums`."""
+    whole, subset = probe_sums(evaluator, layout, batch_size, fraction, probe_only, mp_group)
+    return (evaluator.metrics(whole) if not probe_only else {}), evaluator.metrics(subset)
+
+
+def probe_sums(evaluator, layout, batch_size, fraction, probe_only, mp_group=None) -> tuple[dict, dict]:
+    """(sums, probe subset's sums): the probe subset's sums, then (unless ``probe_only``, when
+    the first are the subset's) the rest's, kept apart. The whole set's sums are the two added,
+    exactly, and the subset's are what a probe of this checkpoint sees."""
     evaluator.select(lambda n: probe_items(n, fraction))
     subset = compute_sums(evaluator, layout, batch_size, mp_group)
-    probe_metrics = evaluator.metrics(subset)
     if probe_only:
-        return {}, probe_metrics
+        return subset, subset
     evaluator.select(lambda n: probe_rest(n, fraction))
     rest = compute_sums(evaluator, layout, batch_size, mp_group)
     evaluator.select(None)
-    whole = {k: subset.get(k, 0.0) + rest.get(k, 0.0) for k in subset.keys() | rest.keys()}
-    return evaluator.metrics(whole), probe_metrics
+    return {k: subset.get(k, 0.0) + rest.get(k, 0.0) for k in subset.keys() | rest.keys()}, subset
+
+
+def evaluation_notes(evaluator: BaseEvaluator, sums: dict) -> list[str]:
+    """What went wrong without failing the evaluation: the warnings of the global ``sums``, and
+    the first error any rank scored past (all ranks call this: it gathers)."""
+    errors = [evaluator.first_error]
+    if distributed.world_size() > 1:
+        errors = [None] * distributed.world_size()
+        torch.distributed.all_gather_object(errors, evaluator.first_error)
+    first = next((f"rank {r}: {e}" if len(errors) > 1 else e for r, e in enumerate(errors) if e), None)
+    return evaluator.warnings(sums) + ([f"first error: {first}"] if first else [])
 
 
 def _agreed_keys(keys: list[str] | None) -> list[str]:
@@ -192,13 +207,17 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
     evaluator.load(store.local_path(spec.checkpoint, files, cache_dir), Path(spec.data), allow_pickle=spec.allow_pickle)
     loop_start = time.time()
     if spec.probe_fraction is None:
-        metrics, probe_metrics = compute_metrics(evaluator, layout, spec.batch_size, mp_group), {}
+        sums = compute_sums(evaluator, layout, spec.batch_size, mp_group)
+        metrics, probe_metrics = evaluator.metrics(sums), {}
     else:
-        metrics, probe_metrics = compute_with_probe(
-            evaluator, layout, spec.batch_size, spec.probe_fraction, spec.probe_only, mp_group
-        )
+        sums, subset = probe_sums(evaluator, layout, spec.batch_size, spec.probe_fraction, spec.probe_only, mp_group)
+        metrics = {} if spec.probe_only else evaluator.metrics(sums)
+        probe_metrics = evaluator.metrics(subset)
     metrics = check_metric_names(metrics, spec.evaluator)
+    notes = evaluation_notes(evaluator, sums)
     if layout.rank == 0:
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
         jsonl.write_json(
             Path(spec.out),
             {
@@ -211,6 +230,7 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
                 "started_at": started_at,
                 "seconds": time.time() - started_at,
                 "eval_loop_seconds": time.time() - loop_start,
+                "notes": notes,
             },
         )
 

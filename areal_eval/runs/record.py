@@ -122,8 +122,10 @@ class RunRecord:
         return [e.step for e in Ledger(self.run.ledger).entries() if e.status in ("skipped", "superseded")]
 
     def record(self, event: CheckpointEvent, metrics: dict | None, error: str | None = None,
-               probe_metrics: dict | None = None, permanent: bool = True, max_attempts: int = 1) -> list[Alert]:
-        """Record a result (logged to the tracker already; ``probe_metrics``: its subset part) or a
+               probe_metrics: dict | None = None, permanent: bool = True, max_attempts: int = 1,
+               notes: list[str] = ()) -> list[Alert]:
+        """Record a result (logged to the tracker already; ``probe_metrics``: its subset part;
+        ``notes``: what went wrong without failing it) or a
         failed attempt (``permanent`` or not, :meth:`EvaluationPlanner.attempt_failed`); returns
         the alerts it fires, judged against earlier steps and throttled across flow runs. A
         transient failure left for a later attempt fires none."""
@@ -133,7 +135,7 @@ class RunRecord:
                     return []
                 error = planner.ledger.latest(event.global_step).reason
             else:
-                planner.evaluated(event, metrics, delivered=True, probe_metrics=probe_metrics)
+                planner.evaluated(event, metrics, delivered=True, probe_metrics=probe_metrics, notes=notes)
             state = self._state()
             engine = AlertEngine(self.alerts, time.time, state.get("notified"))
             for entry in planner.ledger.entries():

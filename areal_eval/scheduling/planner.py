@@ -221,12 +221,19 @@ class EvaluationPlanner:
 
     @_locked
     def evaluated(
-        self, event: CheckpointEvent, metrics: dict, delivered: bool = False, probe_metrics: dict | None = None
+        self,
+        event: CheckpointEvent,
+        metrics: dict,
+        delivered: bool = False,
+        probe_metrics: dict | None = None,
+        notes: list[str] = (),
     ) -> None:
-        """Record a result, with the reason it was scheduled for (``delivered``: already in the
-        tracker); ``probe_metrics``: its subset part, with probes."""
+        """Record a result, with the reason it was scheduled for and the evaluation's ``notes``
+        (what went wrong without failing it); ``delivered``: already in the tracker;
+        ``probe_metrics``: its subset part, with probes."""
         scheduled = self.ledger.latest(event.global_step)
         reason = scheduled.reason if scheduled and scheduled.status == "scheduled" else ""
+        reason = "; ".join([reason, *notes]) if reason and notes else reason or "; ".join(notes)
         probe = scheduled.probe if scheduled and scheduled.status == "scheduled" else None
         self._record(
             event.global_step,

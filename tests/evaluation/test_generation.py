@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 from math import comb
 
 import pytest
@@ -41,7 +42,9 @@ def test_greedy_metrics_count_every_prompt_once(causal_checkpoint):
     assert m["n_prompts"] == m["n_answers"] == 41
     assert 0.05 < m["accuracy"] < 0.95  # half-trained: the test sees both outcomes
     assert m["accuracy"] * 41 == pytest.approx(round(m["accuracy"] * 41))
-    assert m["accuracy_stderr"] == pytest.approx((m["accuracy"] * (1 - m["accuracy"]) / 41) ** 0.5)
+    # The sample variance (n - 1), as lm-evaluation-harness: of 0/1 values, p(1 - p) n / (n - 1).
+    assert m["accuracy_stderr"] == pytest.approx((m["accuracy"] * (1 - m["accuracy"]) / 40) ** 0.5, rel=1e-12)
+    assert m["truncated_prompts"] == 0 and m["reward_errors"] == 0
     assert m["truncation_rate"] == 0.0 and 5 < m["response_length"] < 16
 
 
@@ -74,12 +77,49 @@ def failing_reward(prompt, completions, prompt_ids, completion_ids, answer, **kw
     return 1.0
 
 
-def test_a_reward_that_raises_scores_zero_and_is_counted(causal_checkpoint):
+def test_a_reward_that_raises_scores_zero_is_counted_and_its_first_error_is_told(causal_checkpoint, capfd):
+    from areal_eval import distributed
+    from areal_eval.evaluation.worker import compute_sums, evaluation_notes
+
     checkpoint, prompts = causal_checkpoint
     cfg = GenerationConfig(reward=f"{__name__}.failing_reward")
-    m = causal_metrics(checkpoint, prompts, generation=cfg)
+    evaluator = generation.GenerationEvaluator(cfg)
+    evaluator.load(checkpoint, prompts)
+    sums = compute_sums(evaluator, distributed.ParallelLayout(1, 0, 1), 7)
+    m = evaluator.metrics(sums)
     assert 0 < m["reward_errors"] < 41
     assert m["accuracy"] == pytest.approx((41 - m["reward_errors"]) / 41)
+    [note] = evaluation_notes(evaluator, sums)
+    assert re.fullmatch(
+        rf"first error: reward '{__name__}.failing_reward' raised on prompt \d+ \({prompts}:\d+\): "
+        "RuntimeError: verifier crashed",
+        note,
+    )
+    log = capfd.readouterr().err  # the job's log: the traceback, once
+    assert log.count("Traceback (most recent call last)") == 1 and 'raise RuntimeError("verifier crashed")' in log
+
+
+def test_prompts_cut_to_max_prompt_tokens_are_counted_and_a_budget_over_the_models_positions_is_refused(
+    causal_checkpoint,
+):
+    from areal_eval.config.parsing import ConfigError
+
+    checkpoint, prompts = causal_checkpoint
+    m = causal_metrics(checkpoint, prompts, generation=GenerationConfig(max_prompt_tokens=6, max_new_tokens=4))
+    assert m["truncated_prompts"] == 41  # every prompt is longer than 6 tokens
+    evaluator = generation.GenerationEvaluator(GenerationConfig(max_prompt_tokens=6, max_new_tokens=4))
+    evaluator.load(checkpoint, prompts)
+    assert evaluator.warnings({"truncated_prompts": 41.0, "n_prompts": 41.0}) == [
+        "41 of 41 prompts were longer than max_prompt_tokens (6 tokens) and kept their end (metric truncated_prompts)"
+    ]
+    fitted = generation.GenerationEvaluator(GenerationConfig(max_new_tokens=24))
+    fitted.load(checkpoint, prompts)
+    assert fitted.max_prompt_tokens == 128 - 24  # unset: what the model's 128 positions leave
+    over = generation.GenerationEvaluator(GenerationConfig(max_prompt_tokens=256, max_new_tokens=24))
+    with pytest.raises(
+        ConfigError, match=r"max_prompt_tokens \(256\) \+ max_new_tokens \(24\) = 280 exceed the model's 128"
+    ):
+        over.load(checkpoint, prompts)
 
 
 def test_a_reward_that_does_not_import_names_its_dotted_path_before_anything_starts():

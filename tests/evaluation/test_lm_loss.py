@@ -17,10 +17,8 @@ def brute_force_nll(checkpoint, rows):
     model, tok = causal_lm.load_model(checkpoint).eval(), causal_lm.load_tokenizer(checkpoint)
     total, tokens = 0.0, 0
     for prompt, completion in rows:
-        context = tok(prompt)["input_ids"]
-        scored = tok(completion)["input_ids"]
-        if not context:
-            context, scored = scored[:1], scored[1:]
+        context = tok(prompt)["input_ids"] if prompt else [tok.bos_token_id]
+        scored = tok(completion, add_special_tokens=False)["input_ids"]
         ids = torch.tensor([context + scored])
         with torch.no_grad():
             logprobs = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
@@ -47,15 +45,37 @@ def test_loss_counts_completion_tokens_only_and_equals_brute_force(causal_checkp
     assert answers["n_texts"] == 41
 
 
-def test_text_rows_score_every_token_after_the_first(causal_checkpoint, tmp_path):
+def test_text_rows_score_every_token_from_bos_and_bits_per_byte_counts_the_texts_bytes(causal_checkpoint, tmp_path):
     checkpoint, prompts = causal_checkpoint
     texts = [r["prompt"] + r["answer"] for r in map(json.loads, prompts.read_text().splitlines())][:5]
+    texts.append("é½ 7 + 5 = 12 ünïcode ✓")  # multi-byte characters, the first at the text's start
     data = tmp_path / "texts.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    rows = [{"text": t} for t in texts] + [{"prompt": "", "completion": "Q"}]  # an empty prompt: a whole text too
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     m = causal_metrics(checkpoint, data, "lm_loss", batch_size=2)
-    nll, tokens = brute_force_nll(checkpoint, [("", t) for t in texts])
+    nll, tokens = brute_force_nll(checkpoint, [("", t) for t in [*texts, "Q"]])
     assert m["n_tokens"] == tokens and m["loss"] == pytest.approx(nll / tokens, rel=1e-6)
+    text_bytes = sum(len(t.encode("utf-8")) for t in [*texts, "Q"])
+    assert m["bits_per_byte"] == pytest.approx(nll / math.log(2) / text_bytes, rel=1e-6)
     assert causal_metrics(checkpoint, data, "lm_loss", batch_size=5) == pytest.approx(m, rel=1e-6)
+    assert m["truncated_texts"] == 0
+
+
+def test_rows_cut_to_max_length_are_counted_and_warned_about(causal_checkpoint, tmp_path):
+    from areal_eval.evaluation.lm_loss import LMLossEvaluator
+
+    checkpoint, _ = causal_checkpoint
+    data = tmp_path / "texts.jsonl"
+    data.write_text(json.dumps({"text": "1 + 1 = 2 " * 40}) + "\n" + json.dumps({"text": "3 + 4 = 7"}) + "\n")
+    cfg = LMLossConfig(max_length=16)
+    m = causal_metrics(checkpoint, data, "lm_loss", lm_loss=cfg)
+    short = len(causal_lm.load_tokenizer(checkpoint)("3 + 4 = 7", add_special_tokens=False)["input_ids"])
+    assert m["truncated_texts"] == 1 and m["n_tokens"] == 15 + short  # BOS and 15 scored tokens: max_length 16
+    evaluator = LMLossEvaluator(cfg)
+    assert evaluator.warnings({"truncated_texts": 1.0, "n_texts": 2.0}) == [
+        "1 of 2 texts were longer than max_length (16 tokens) and kept the start of their completion "
+        "(metric truncated_texts)"
+    ]
 
 
 def test_a_row_without_text_names_file_and_line(causal_checkpoint, tmp_path):

@@ -276,15 +276,35 @@ def test_two_nodes_on_loopback_match_one_process_and_fetch_once_per_node(
 def test_a_whitespace_only_response_is_refused_naming_its_line_and_no_rank_crashes(final_checkpoint, tmp_path):
     import json
 
-    from areal_eval.evaluation.jobs import CorruptCheckpoint
+    from areal_eval.evaluation.jobs import EvaluationDataError
+    from areal_eval.failures import is_permanent
 
     run, event = final_checkpoint
     data = tmp_path / "valid.jsonl"
     rows = [{"chosen": "kind words", "rejected": "rude"}] * 3 + [{"chosen": "kind", "rejected": " "}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(CorruptCheckpoint, match=rf"{data}:4: field 'rejected' must be a string with text"):
+    with pytest.raises(EvaluationDataError, match=rf"{data}:4: field 'rejected' must be a string with text") as info:
         run_evaluation_job(event, data, EvalConfig(nproc=2, batch_size=2), tmp_path / "evals")
+    assert is_permanent(info.value) and "refused before any worker started" in str(info.value)
+    assert not list((tmp_path / "evals").glob("*.log"))  # no torchrun job was started
     assert live_processes(str(tmp_path)) == []
+
+
+def test_a_data_error_inside_the_workers_is_a_data_error_and_never_retried(final_checkpoint, tmp_path):
+    """What the pre-flight check does not see (an s3 checkpoint is checked by its workers, say)
+    still comes back as a data error, not a corrupt checkpoint."""
+    import json
+
+    from areal_eval.evaluation import jobs
+    from areal_eval.evaluation.jobs import EvaluationDataError
+
+    run, event = final_checkpoint
+    data = tmp_path / "valid.jsonl"
+    data.write_text(json.dumps({"chosen": "kind", "rejected": " "}) + "\n")
+    skip_check = pytest.MonkeyPatch.context()
+    with skip_check as patch, pytest.raises(EvaluationDataError, match=rf"DataError: {data}:1: field 'rejected'"):
+        patch.setattr(jobs, "check_before_launch", lambda *args: None)
+        run_evaluation_job(event, data, EvalConfig(nproc=1, batch_size=2), tmp_path / "evals")
 
 
 CAUSAL = EvalConfig(
@@ -323,3 +343,53 @@ def test_lm_eval_tasks_on_the_workers_equal_the_harness_in_one_process(
     assert set(result.metrics) == set(reference) and "arith_mc/acc_stderr" in reference
     for key, value in reference.items():
         assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_a_saved_checkpoint_scores_the_same_with_plain_transformers_on_long_texts(final_checkpoint, awkward_pairs):
+    """What a user's own script gets from the checkpoint (AutoTokenizer, one pair at a time) is
+    the evaluator's result: the truncation side is saved with the tokenizer."""
+    import json
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _, event = final_checkpoint
+    tok = AutoTokenizer.from_pretrained(event.uri)
+    model = AutoModelForSequenceClassification.from_pretrained(event.uri).eval()
+    assert tok.truncation_side == "left"
+    rows = [json.loads(line) for line in awkward_pairs.read_text().splitlines()]
+    margins, correct = [], 0.0
+    for row in rows:
+        ids = [tok(row[k], truncation=True, max_length=64)["input_ids"] for k in ("chosen", "rejected")]
+        with torch.no_grad():
+            chosen, rejected = (model(input_ids=torch.tensor([i])).logits[0, 0].double().item() for i in ids)
+        tie = ids[0] == ids[1]  # the same tokens once cut: a tie, half correct
+        correct += 0.5 if tie else float(chosen > rejected)
+        margins.append(0.0 if tie else chosen - rejected)
+    evaluated = single_process_metrics(event, awkward_pairs)
+    assert any(len(tok(row["chosen"])["input_ids"]) > 64 for row in rows) and evaluated["truncated_texts"] == 2
+    assert evaluated["accuracy"] == correct / len(rows)
+    assert evaluated["margin"] == pytest.approx(sum(margins) / len(rows), abs=1e-6)
+
+
+def test_settings_the_checkpoint_cannot_honour_are_refused_before_any_worker_starts(causal_checkpoint, tmp_path):
+    from areal_eval.evaluation.jobs import EvaluationConfigError
+
+    checkpoint, prompts = causal_checkpoint
+    event = CheckpointEvent("causal", str(checkpoint), 0, 0, 150, 0.0, {}, describe_files(checkpoint))
+    cfg = EvalConfig(nproc=1, evaluator="generation", generation=GenerationConfig(chat_template=True))
+    refused = "refused before any worker started: ConfigError: .*no chat template"
+    with pytest.raises(EvaluationConfigError, match=refused):
+        run_evaluation_job(event, prompts, cfg, tmp_path)
+    assert not list(tmp_path.glob("*.log"))
+
+
+def test_a_raising_reward_reaches_the_result_with_its_prompt_at_every_world(causal_checkpoint, warm_ranks, tmp_path):
+    checkpoint, prompts = causal_checkpoint
+    event = CheckpointEvent("causal", str(checkpoint), 0, 0, 150, 0.0, {}, describe_files(checkpoint))
+    reward = "tests.evaluation.test_generation.failing_reward"
+    cfg = EvalConfig(nproc=2, evaluator="generation", generation=GenerationConfig(reward=reward, max_new_tokens=12))
+    result = run_evaluation_job(event, prompts, cfg, tmp_path, workers=warm_ranks(2))
+    assert result.metrics["reward_errors"] > 0
+    [note] = result.notes
+    assert note.startswith("first error: rank ") and "RuntimeError: verifier crashed" in note and str(prompts) in note

@@ -1,0 +1,73 @@
+"""Tokenizing the validation data with the checkpoint's tokenizer before any worker starts.
+
+    python -m areal_eval.evaluation.preflight job.json
+
+A row that tokenizes to nothing to score, or a setting the tokenizer cannot honour, is refused
+here, naming file and line, instead of inside a torchrun job. It runs in a process of its own,
+so the flow's process never imports torch or transformers; once the data, the settings and the
+tokenizer are known good, later checkpoints with the same tokenizer skip it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from areal_eval.checkpoints.manifest import CheckpointEvent, sha256_file
+
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".index.json")
+"""Checkpoint files that change with every step and never hold the tokenizer."""
+
+REFUSED_EXIT = 3
+"""Exit status of a refusal (its reason on stderr): anything else is the check's own failure."""
+
+
+def preflight_key(event: CheckpointEvent, data: Path, spec_json: dict) -> str:
+    """What the check depends on: the data, the evaluator settings and the checkpoint's
+    non-weight files (tokenizer and config)."""
+    settings = {
+        k: v for k, v in spec_json.items() if k not in ("checkpoint", "out", "files", "launched_at", "cache_dir")
+    }
+    tokenizer = sorted((f.name, f.sha256) for f in event.files if not f.name.endswith(WEIGHTS))
+    blob = json.dumps([sha256_file(data), settings, tokenizer], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def run_preflight(spec_file: Path, env: dict, timeout_s: float) -> str | None:
+    """None if the data passes; the refusal's one line (``DataError: file:line: ...``) if not.
+    A check that cannot run (a crash, a timeout) passes: the workers meet the same rows anyway."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "areal_eval.evaluation.preflight", str(spec_file)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode == REFUSED_EXIT:
+        return done.stderr.strip().splitlines()[-1]
+    return None
+
+
+def main(argv: list[str]) -> int:
+    from areal_eval.config.parsing import ConfigError
+    from areal_eval.evaluation.evaluators import check_evaluation_data
+    from areal_eval.job_spec import EvalJobSpec, read_spec
+    from areal_eval.preference_data import DataError
+
+    spec = read_spec(EvalJobSpec, argv[0])
+    try:
+        check_evaluation_data(spec.evaluator, Path(spec.data), spec, tokenizer_dir=Path(spec.checkpoint))
+    except (DataError, ConfigError) as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return REFUSED_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
