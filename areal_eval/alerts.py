@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import re
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -81,9 +82,10 @@ class AlertsConfig:
     rules: list[AlertRule] = dataclasses.field(default_factory=list)
     """The rules; see AlertRule."""
     webhook_url: str | None = None
-    """Generic webhook to notify (Prefect CustomWebhookNotificationBlock). Only for a URL that is
-    no secret: one with credentials (``user:pass@``, a query string) is refused, and the URL is
-    recorded only as scheme and host. A secret URL goes in ``webhook_url_env`` or ``_secret``."""
+    """Generic webhook to notify (Prefect CustomWebhookNotificationBlock), for a URL that holds no
+    secret: scheme, host and port only (``http://alerts.internal:8080``). One with a path, a
+    query or a ``user@`` is refused, since webhooks keep their token there: give such a URL
+    through ``webhook_url_env`` or ``webhook_url_secret``. Recorded as scheme and host only."""
     webhook_url_env: str | None = None
     """Name of an environment variable of the flow's process that holds the webhook URL."""
     webhook_url_secret: str | None = None
@@ -91,11 +93,14 @@ class AlertsConfig:
     notification_block: str | None = None
     """Name of a saved Prefect notification block (Slack, e-mail, ...) to notify as well."""
 
+    PATTERNS: ClassVar[dict] = {"webhook_url": lambda: PLAIN_WEBHOOK_PATTERN}
+
     def __post_init__(self):
         if self.webhook_url and has_credentials(self.webhook_url):
             raise FieldError(
                 "webhook_url",
-                "carries credentials (user:password@ or a query string); put the URL in an "
+                "may hold only scheme://host:port: a path, a query or a user@ is where webhooks keep "
+                "their token, and this field is stored in Prefect's parameters; put the URL in an "
                 "environment variable named by alerts.webhook_url_env, or a Prefect Secret "
                 "block named by alerts.webhook_url_secret",
             )
@@ -112,9 +117,16 @@ def _ratio(distance: float, stderr: float | None) -> float:
     return distance / stderr if stderr else math.inf
 
 
+PLAIN_WEBHOOK_PATTERN = r"^https?://[^/?#@\s]+/?$"
+"""What ``alerts.webhook_url`` may hold: a scheme, a host and a port, nothing after them. Slack,
+Discord and Teams put their secret in the path (``/services/T0/B0/TOKEN``) and others in the
+query or before an ``@``; none of that may reach Prefect's parameters, MLflow or a file."""
+
+
 def has_credentials(url: str) -> bool:
-    parts = urllib.parse.urlsplit(url)
-    return bool(parts.username or parts.password or parts.query)
+    """``url`` has more than :data:`PLAIN_WEBHOOK_PATTERN` lets in: a path, a query, a fragment
+    or a user, any of which may be its secret."""
+    return re.fullmatch(PLAIN_WEBHOOK_PATTERN, url) is None
 
 
 def redact_url(url: str) -> str:

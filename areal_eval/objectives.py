@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from areal_eval import causal_lm, reward_model
-from areal_eval.config.parsing import AT_LEAST_1, Bounds, FieldError, Ranges, check_ranges
+from areal_eval.config.parsing import TOKENS, Bounds, FieldError, Ranges, check_ranges
 from areal_eval.math_problems import SyntheticMathProblems
 from areal_eval.preference_data import SyntheticPreferences, read_pairs
 from areal_eval.prompt_data import read_prompts
@@ -41,11 +41,11 @@ class ModelConfig:
 
     CHOICES: ClassVar[dict] = {"objective": lambda: list(OBJECTIVES)}
     RANGES: ClassVar[Ranges] = {
-        "hidden_size": AT_LEAST_1,
-        "num_layers": AT_LEAST_1,
-        "num_heads": AT_LEAST_1,
-        "max_length": Bounds(2),
-        "vocab_size": Bounds(16),
+        "hidden_size": Bounds(1, 65536),
+        "num_layers": Bounds(1, 1024),
+        "num_heads": Bounds(1, 1024),
+        "max_length": Bounds(2, TOKENS.high),
+        "vocab_size": Bounds(16, 1 << 22),
     }
 
     def __post_init__(self):

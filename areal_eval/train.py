@@ -25,7 +25,7 @@ from typing import ClassVar
 from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
 from areal_eval.checkpoints.store import StorageConfig, open_store
-from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
+from areal_eval.config.parsing import AT_LEAST_1, BATCH, NON_NEGATIVE, POSITIVE, RANKS, FieldError, Ranges, check_ranges
 from areal_eval.job_spec import read_spec
 from areal_eval.launcher import TorchrunJob, die_with_parent
 from areal_eval.objectives import ModelConfig, objective
@@ -86,10 +86,10 @@ class TrainConfig:
     died without publishing its final checkpoint)."""
 
     RANGES: ClassVar[Ranges] = {
-        "nproc": AT_LEAST_1,
+        "nproc": RANKS,
         "epochs": AT_LEAST_1,
         "max_steps": AT_LEAST_1,
-        "batch_size": AT_LEAST_1,
+        "batch_size": BATCH,
         "lr": POSITIVE,
         "warmup_steps": NON_NEGATIVE,
         "log_every": AT_LEAST_1,

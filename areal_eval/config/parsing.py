@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -79,6 +80,12 @@ POSITIVE = Bounds(0, low_excluded=True)
 """Durations, rates and noise levels: strictly above zero."""
 OPEN_UNIT = Bounds(0, 1, low_excluded=True, high_excluded=True)
 """Fractions that must leave something out and keep something: strictly between 0 and 1."""
+RANKS = Bounds(1, 1024)
+"""Processes or groups of them on one node: more than any machine has devices or cores for."""
+BATCH = Bounds(1, 65536)
+"""Examples in one forward pass."""
+TOKENS = Bounds(1, 1 << 20)
+"""Token budgets: a million tokens is past every model's positions."""
 
 
 def _check_scalar(tp: Any, value: Any, where: str) -> Any:
@@ -88,6 +95,8 @@ def _check_scalar(tp: Any, value: Any, where: str) -> Any:
         return float(value)
     if tp in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number, got {value!r} (1e400 reads as infinity)")
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
     return value

@@ -8,6 +8,7 @@ with their dotted name.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import ClassVar
 
@@ -47,6 +48,10 @@ class DataConfig:
     """Arithmetic word problem generator settings (SFT), used when a path is None."""
 
 
+RUN_NAME_MAX = 100
+RUN_NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{RUN_NAME_MAX - 1}}}$"
+
+
 def _default_rules() -> list[AlertRule]:
     return [
         AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0),
@@ -76,11 +81,16 @@ class PipelineConfig:
     alerts: AlertsConfig = dataclasses.field(default_factory=lambda: AlertsConfig(rules=_default_rules()))
 
     RANGES: ClassVar[Ranges] = {"poll_interval_s": POSITIVE}
+    PATTERNS: ClassVar[dict] = {"run_name": lambda: RUN_NAME_PATTERN}
 
     def __post_init__(self):
         check_ranges(self, self.RANGES)
-        if not self.run_name or self.run_name in (".", "..") or "/" in self.run_name or "\\" in self.run_name:
-            raise FieldError("run_name", f"{self.run_name!r} must be a plain directory name")
+        if not re.fullmatch(RUN_NAME_PATTERN, self.run_name):
+            raise FieldError(
+                "run_name",
+                f"{self.run_name[:120]!r} must be a plain name: letters, digits, '.', '_' and '-', starting with a "
+                f"letter or digit, at most {RUN_NAME_MAX} characters (it names directories, files and the MLflow run)",
+            )
         self._check_metric_names()
 
     def _check_metric_names(self) -> None:

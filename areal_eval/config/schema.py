@@ -102,6 +102,8 @@ def config_model(cls: type, defaults_json: str | None = None) -> type[BaseModel]
         bounds = _pydantic_bounds(ranges.get(f.name, Bounds()))
         if f.name in patterns:  # e.g. comma-separated names: the form checks them as it checks a range
             bounds["pattern"] = patterns[f.name]()
+        if hints[f.name] in (float, float | None):  # 1e400 reads as infinity
+            bounds["allow_inf_nan"] = False
         tp = typing.Literal[tuple(choices[f.name]())] if f.name in choices else _model_type(hints[f.name])
         if defaults is not None:
             # The default goes in the description, not in the schema: a form fills in every schema

@@ -26,7 +26,7 @@ def test_publish_local_appends_the_manifest_then_posts_the_event(tmp_path, webho
         epoch=1,
         epoch_step=15,
         train_metrics={"loss": 0.4},
-        api_url=webhook.url.removesuffix("/hook"),
+        api_url=webhook.url,
     )
     assert Manifest(tmp_path / "manifest.jsonl").events() == [event]
     assert event.uri == str(directory) and {f.name: f.size for f in event.files} == {
@@ -49,7 +49,7 @@ def test_publish_to_s3_uploads_verifies_and_mirrors_the_manifest(s3_server, s3_b
         40,
         store=f"s3://{s3_bucket}/ckpts",
         s3=S3Config(endpoint_url=s3_server.url),
-        api_url=webhook.url.removesuffix("/hook"),
+        api_url=webhook.url,
     )
     assert event.uri == f"s3://{s3_bucket}/ckpts/run-7/step-40"
     keys = {

@@ -53,11 +53,18 @@ def test_overrides_and_flatten():
     [
         ("train.max_steps=-5", r"train\.max_steps: must be >= 1, got -5"),
         ("train.max_steps=0", r"train\.max_steps: must be >= 1, got 0"),  # 0 never means "all"
-        ("train.nproc=0", r"train\.nproc: must be >= 1"),
-        ("train.batch_size=0", r"train\.batch_size: must be >= 1"),
+        ("train.nproc=0", r"train\.nproc: must be in \[1, 1024\], got 0"),
+        ("train.batch_size=0", r"train\.batch_size: must be in \[1, 65536\]"),
         ("train.epochs=-1", r"train\.epochs: must be >= 1"),
         ("train.save.freq_steps=0", r"train\.save\.freq_steps: must be >= 1"),
-        ("eval.batch_size=0", r"eval\.batch_size: must be >= 1"),
+        ("eval.batch_size=0", r"eval\.batch_size: must be in \[1, 65536\]"),
+        ("eval.nproc=100000", r"eval\.nproc: must be in \[1, 1024\], got 100000"),  # upper bounds
+        ("eval.slots=100000", r"eval\.slots: must be in \[1, 64\]"),
+        ("train.batch_size=1000000000000", r"train\.batch_size: must be in \[1, 65536\]"),
+        ("eval.generation.max_new_tokens=1e12", r"eval\.generation\.max_new_tokens: expected int"),
+        ("poll_interval_s=1e400", r"poll_interval_s: must be a finite number, got inf"),  # only finite numbers
+        ("train.lr=1e400", r"train\.lr: must be a finite number"),
+        ("train.lr=NaN", r"train\.lr: must be a finite number, got nan"),
         ("eval.retries=-1", r"eval\.retries: must be >= 0"),
         ("scheduler.min_interval_steps=-1", r"scheduler\.min_interval_steps: must be >= 0"),
         (
@@ -69,7 +76,8 @@ def test_overrides_and_flatten():
         ("scheduler.probe_escalate_stderrs=-1", r"scheduler\.probe_escalate_stderrs: must be >= 0"),
         ("model.num_heads=3", r"model\.hidden_size: 128 must be divisible by num_heads"),
         ("poll_interval_s=0", r"poll_interval_s: must be > 0, got 0"),
-        ('run_name="../elsewhere"', r"run_name: '\.\./elsewhere' must be a plain directory name"),
+        ('run_name="../elsewhere"', r"run_name: '\.\./elsewhere' must be a plain name"),
+        ("run_name=" + "x" * 300, r"run_name: 'x{120}' must be a plain name: .* at most 100 characters"),
     ],
 )
 def test_numbers_are_range_checked_naming_the_field(override, named):
@@ -102,10 +110,26 @@ def test_probes_need_an_evaluator_that_can_evaluate_a_subset():
         load_pipeline_config(overrides=probing + lm_eval)
 
 
-@pytest.mark.parametrize("url", ["http://user:pass@hooks.example/x", "https://hooks.example/x?token=abc"])
-def test_a_webhook_url_with_credentials_is_refused(url):
-    with pytest.raises(ConfigError, match=r"alerts\.webhook_url: carries credentials.*webhook_url_env"):
-        load_pipeline_config(params={"alerts": {"webhook_url": url}})
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://user:pass@hooks.example/x",
+        "https://hooks.example/x?token=abc",
+        "https://hooks.slack.com/services/T0/B0/TOKEN",  # the token is the path
+        "http://127.0.0.1:8080/hooks/T0/B0/TOKEN",
+        "https://hooks.example/#token",
+    ],
+)
+def test_a_webhook_url_that_may_hold_a_secret_is_refused_in_plain_config_and_in_the_form(url):
+    from pydantic import ValidationError
+
+    from areal_eval.config.schema import PipelineParams
+
+    with pytest.raises(ConfigError, match=r"alerts\.webhook_url: may hold only scheme://host:port.*webhook_url_env"):
+        load_pipeline_config(overrides=[f"alerts.webhook_url={url}"])
+    with pytest.raises(ValidationError, match="webhook_url"):  # a server refuses it at submission: never stored
+        PipelineParams.model_validate({"alerts": {"webhook_url": url}})
+    assert load_pipeline_config(params={"alerts": {"webhook_url": "http://alerts.internal:8080/"}})
 
 
 def test_recorded_config_names_the_webhook_host_only():

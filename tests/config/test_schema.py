@@ -34,6 +34,8 @@ def test_every_field_has_its_docstring_as_description():
         ({"eval": {"nprocs": 2}}, "eval.nprocs"),  # unknown, refused by its dotted path
         ({"alerts": {"rules": [{"name": "x", "kind": "sometimes"}]}}, "alerts.rules.0.kind"),
         ({"eval": {"nproc": 0}}, "eval.nproc"),  # out of its range
+        ({"train": {"lr": float("inf")}}, "train.lr"),  # not finite
+        ({"eval": {"nproc": 100000}}, "eval.nproc"),  # past its upper bound
         ({"train": {"lr": 0.0}}, "train.lr"),
         ({"scheduler": {"probe_fraction": 1.5}}, "scheduler.probe_fraction"),
         ({"scheduler": {"probe_fraction": 1.0}}, "scheduler.probe_fraction"),  # its ends are excluded

@@ -239,7 +239,7 @@ def test_refusing_webhook_is_recorded_and_the_run_goes_on(prefect_server, traine
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}/hook"
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     cfg, original = trained_run
     always = {"name": "seen", "kind": "threshold", "metric": "accuracy", "op": ">", "value": 0.0, "throttle_secs": 3600}
     cfg = dataclasses.replace(
