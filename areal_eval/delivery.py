@@ -117,3 +117,33 @@ class Deliverer:
         with self._lock:
             del self._rows[: len(rows)]
         return True
+
+
+class Notifier:
+    """Sends alerts from threads of its own, so a webhook that hangs delays its own notification,
+    never the loop's next decision, nor another alert (a stop request included)."""
+
+    def __init__(self, send: Callable[[object], None], warn: Callable[[str], None], workers: int = 4):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._send, self._warn = send, warn
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alert-notifier")
+        self._pending: list = []
+
+    def add(self, alert) -> None:
+        context = contextvars.copy_context()  # the flow run's: its task runs belong to the run
+        self._pending.append((alert, self._pool.submit(context.run, self._deliver, alert)))
+
+    def _deliver(self, alert) -> None:
+        try:
+            self._send(alert)
+        except Exception as exc:  # noqa: BLE001 - a side fault: warned about, the run goes on
+            self._warn(f"alert {alert.rule} at step {alert.step} could not be sent: {exc!r}")
+
+    def close(self, timeout_s: float = 60.0) -> int:
+        """Wait up to ``timeout_s`` for the alerts in flight; returns how many were left unsent."""
+        from concurrent.futures import wait
+
+        _, left = wait([future for _, future in self._pending], timeout=timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        return len(left)

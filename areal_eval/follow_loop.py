@@ -26,7 +26,7 @@ from typing import Protocol
 from areal_eval.alerts import Alert, AlertEngine
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_delete
-from areal_eval.delivery import Deliverer
+from areal_eval.delivery import Deliverer, Notifier
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.failures import is_permanent
 from areal_eval.followers import JsonlFollower, ManifestFollower
@@ -66,7 +66,11 @@ class LoopIO(Protocol):
     def log_result(self, result: EvalResult, reason: str) -> None:
         """Record a finished evaluation (metrics at its own step; a probe's as ``eval_probe/*``)."""
 
-    def send_alert(self, alert: Alert) -> None: ...
+    def send_alert(self, alert: Alert) -> None:
+        """Notify (from a notifier thread: it may be slow, it never holds up the loop)."""
+
+    def log_failed_attempt(self, step: int) -> None:
+        """Record the failed attempts of ``step`` so far (the ledger has them) in the tracker."""
 
     def log_training(self, rows: list[dict]) -> None:
         """Ship training-log rows; raising keeps them for the next flush. Called from the
@@ -160,6 +164,7 @@ class FollowLoop:
         self.in_flight: list[_InFlight] = []
         self.deleted: set[int] = set()
         self.delivery: Deliverer | None = None
+        self.notifier: Notifier | None = None
 
     def run(self) -> Ledger:
         _favour_the_decision_thread()
@@ -170,6 +175,7 @@ class FollowLoop:
             lambda result: self.planner.delivered(result.global_step),
             self.cfg.train_log_every_s,
         )
+        self.notifier = Notifier(self.io.send_alert, self.io.warn)
         for problem in self.planner.ledger.problems:
             self.io.warn(problem)
         for entry in self.planner.undelivered():  # results a killed run evaluated but never delivered
@@ -180,6 +186,11 @@ class FollowLoop:
                 training_error = self._follow(decisions)
             self.delivery.add_rows(self.train_log.poll(), flush_now=True)
         finally:  # on every way out, deliver what can be (the rest waits in the ledger and the training log)
+            unsent = self.notifier.close(self.cfg.delivery_timeout_s)
+            if unsent:
+                self.io.warn(
+                    f"{unsent} alert notifications were still being sent when the run ended; they are not retried"
+                )
             results, rows = self.delivery.close(self.cfg.delivery_timeout_s)
             if results or rows:
                 self.io.warn(
@@ -254,7 +265,12 @@ class FollowLoop:
             result = done.handle.result()
         except Exception as exc:  # noqa: BLE001 - recorded, alerted once failed for good, the loop goes on
             cause = f"probe failed: {exc}" if done.probe else str(exc)
-            if not self.planner.attempt_failed(done.event, cause, is_permanent(exc), self.cfg.max_attempts):
+            retried = getattr(exc, "retried", [])
+            failed_for_good = self.planner.attempt_failed(
+                done.event, cause, is_permanent(exc), self.cfg.max_attempts, retried
+            )
+            self._side_effect(self.io.log_failed_attempt, step)
+            if not failed_for_good:
                 self.io.warn(f"checkpoint step {step}: evaluation attempt failed, queued again: {cause}")
                 return
             alerts = self.alerts.check(step, None, self.planner.ledger.latest(step).reason)
@@ -262,17 +278,27 @@ class FollowLoop:
             if done.probe:
                 self._collect_probe(done.event, result)
                 return
+            for note in result.notes:
+                self.io.warn(f"checkpoint step {step}: {note}")
             self.planner.evaluated(
-                done.event, result.metrics, self.cfg.results_logged_by_evaluator, result.probe_metrics
+                done.event,
+                result.metrics,
+                self.cfg.results_logged_by_evaluator,
+                result.probe_metrics,
+                result.notes,
+                result.retried,
             )
             if not self.cfg.results_logged_by_evaluator:
                 self.delivery.add_result(result, done.reason)
             alerts = self.alerts.check(step, result.metrics)
         for alert in alerts:
-            try:
-                self.io.send_alert(alert)
-            except Exception as exc:  # noqa: BLE001 - a side fault: warned about, the run goes on
-                self.io.warn(f"alert {alert.rule} at step {alert.step} could not be sent: {exc!r}")
+            self.notifier.add(alert)
+
+    def _side_effect(self, call: Callable, *args) -> None:
+        try:
+            call(*args)
+        except Exception as exc:  # noqa: BLE001 - a side fault (the tracker down): warned about, the run goes on
+            self.io.warn(f"{getattr(call, '__name__', call)}{args} failed: {exc!r}")
 
     def _collect_probe(self, event: CheckpointEvent, result: EvalResult) -> None:
         """A probe is not a result (no alert judges it): held, it is logged as ``eval_probe/*``;

@@ -301,6 +301,33 @@ class Tracker:
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 
+    def supersede_failure(self, run_id: str) -> None:
+        """A run that failed and then finished: its ``areal.failure`` becomes history
+        (``areal.earlier_failures``, newest last), so the finished run shows no current failure."""
+        tags = self.client.get_run(run_id).data.tags
+        if FAILURE_TAG not in tags:
+            return
+        earlier = [t for t in (tags.get(EARLIER_FAILURES_TAG, ""), tags[FAILURE_TAG]) if t]
+        self.set_tags(run_id, {EARLIER_FAILURES_TAG: "\n".join(earlier)[-5000:]})
+        self.client.delete_tag(run_id, FAILURE_TAG)
+
+
+FAILURE_TAG = "areal.failure"
+"""Why a run that ended FAILED or KILLED ended."""
+EARLIER_FAILURES_TAG = "areal.earlier_failures"
+"""The failures of a run that was resumed and then finished, oldest first, a line each."""
+
+
+def attempt_tags(entry: LedgerEntry) -> dict[str, str]:
+    """A checkpoint's failed evaluation attempts as MLflow tags: how many, and the last cause
+    (kept once a later attempt succeeds)."""
+    if not entry.attempts:
+        return {}
+    return {
+        f"attempts.{entry.step}.failed": str(len(entry.attempts)),
+        f"attempts.{entry.step}.last_cause": entry.attempts[-1][:5000],
+    }
+
 
 def plot_curve(entries: list[LedgerEntry], metric: str, out: str | Path, title: str = "") -> Path:
     """The evaluation curve as a PNG: metric against step, evaluated and skipped checkpoints marked."""

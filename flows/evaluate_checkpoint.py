@@ -33,6 +33,7 @@ from tasks.alerts import send_alert
 from tasks.mlflow_logging import (
     finish_tracking,
     log_evaluation,
+    log_failed_attempt,
     log_published_train_metrics,
     start_tracking_run,
     tracker_for,
@@ -264,7 +265,13 @@ def evaluate_and_record(
     except Exception as exc:
         record_failure(cfg, record, event, str(exc), exc, mlflow_run_id, run)
         raise
-    alerts = record.record(event, result.metrics, probe_metrics=result.probe_metrics)
+    for note in result.notes:
+        get_run_logger().warning("step %d: %s", event.global_step, note)
+    alerts = record.record(
+        event, result.metrics, probe_metrics=result.probe_metrics, notes=result.notes, retried=result.retried
+    )
+    if result.retried:
+        log_failed_attempt(cfg, mlflow_run_id, Ledger(run.ledger), event.global_step)
     update_evaluation_table(cfg, event.run_id, Ledger(run.ledger))
     for alert in alerts:
         send_alert(alert, cfg, mlflow_run_id, run)
@@ -283,7 +290,12 @@ def record_failure(
     """A failed attempt, in the ledger: failed for good (and alerted on) when permanent or the
     last allowed (``eval.max_attempts``), else left scheduled for the sweep to try again."""
     permanent = is_permanent(exc)
-    alerts = record.record(event, None, cause, permanent=permanent, max_attempts=cfg.eval.max_attempts)
+    retried = getattr(exc, "retried", [])
+    alerts = record.record(event, None, cause, permanent=permanent, max_attempts=cfg.eval.max_attempts, retried=retried)
+    try:
+        log_failed_attempt(cfg, mlflow_run_id, Ledger(run.ledger), event.global_step)
+    except Exception as tracker_exc:  # noqa: BLE001 - the ledger has it; MLflow gets it with the run's end
+        get_run_logger().warning("step %d: failed attempt not in MLflow yet: %r", event.global_step, tracker_exc)
     if not alerts and not permanent and Ledger(run.ledger).status(event.global_step) == "scheduled":
         get_run_logger().warning("step %d: transient failure, left for a later attempt: %s", event.global_step, cause)
     for alert in alerts:

@@ -22,7 +22,7 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
-from tasks.mlflow_logging import log_evaluation, tracker_for
+from tasks.mlflow_logging import log_evaluation, log_failed_attempt, tracker_for
 from tasks.reports import update_evaluation_table
 from tasks.scoring import dispatch_evaluation, submit_scoring
 
@@ -71,6 +71,9 @@ class PrefectLoopIO:
 
     def send_alert(self, alert: Alert) -> None:
         send_alert(alert, self.cfg, self.mlflow_run_id, self.run)
+
+    def log_failed_attempt(self, step: int) -> None:
+        log_failed_attempt(self.cfg, self.mlflow_run_id, self.ledger, step)
 
     def log_training(self, rows: list[dict]) -> None:
         tracker_for(self.cfg).log_train_metrics(self.mlflow_run_id, [r for r in rows if "loss" in r])

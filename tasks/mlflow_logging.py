@@ -15,7 +15,15 @@ from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
 from areal_eval.runs.record import RunRecord
-from areal_eval.tracking import BEST_ALIAS, PROBE_PREFIX, Tracker, artifact_location, resolve_tracking_uri
+from areal_eval.tracking import (
+    BEST_ALIAS,
+    FAILURE_TAG,
+    PROBE_PREFIX,
+    Tracker,
+    artifact_location,
+    attempt_tags,
+    resolve_tracking_uri,
+)
 
 
 def tracker_for(cfg: PipelineConfig) -> Tracker:
@@ -72,6 +80,8 @@ def log_evaluation(
     step = result.global_step
     tracker = tracker_for(cfg)
     tags = {f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason}
+    entry = Ledger(recorded_in[0].ledger).latest(step) if recorded_in is not None else None
+    tags |= attempt_tags(entry) if entry is not None else {}  # attempts that failed before this one
     logged = False
     if result.probe_metrics:
         logged = tracker.log_evaluation(run_id, step, result.probe_metrics, tags=tags, prefix=PROBE_PREFIX)
@@ -124,7 +134,21 @@ def finish_tracking(
     tracker = tracker_for(cfg)
     tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
     tracker.log_artifact(run_id, plot)
+    entries = ledger.entries()
     tags = {f"checkpoints.{k}": v for k, v in (ledger.counts() | ledger.probe_counts()).items()}
-    tracker.set_tags(run_id, tags | ({"areal.failure": failure[:5000]} if failure else {}))
+    tags["checkpoints.failed_attempts"] = sum(len(e.attempts) for e in entries)
+    for entry in entries:
+        tags |= attempt_tags(entry)
+    tracker.set_tags(run_id, tags | ({FAILURE_TAG: failure[:5000]} if failure else {}))
+    if status == "FINISHED":
+        tracker.supersede_failure(run_id)
     if status is not None:
         tracker.finish(run_id, status)
+
+
+@task(cache_policy=NO_CACHE, name="log-failed-attempt", task_run_name="log-failed-attempt-{step}")
+def log_failed_attempt(cfg: PipelineConfig, run_id: str, ledger: Ledger, step: int) -> None:
+    """A checkpoint's failed attempts so far, as tags on the MLflow run (count and last cause)."""
+    entry = ledger.latest(step)
+    if entry is not None and entry.attempts:
+        tracker_for(cfg).set_tags(run_id, attempt_tags(entry))

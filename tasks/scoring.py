@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.deployments import run_deployment
 
@@ -20,17 +21,7 @@ from areal_eval.tracking import EVAL_PREFIX, PROBE_PREFIX
 from tasks.mlflow_logging import tracker_for
 
 
-def worth_retrying(task, task_run, state) -> bool:
-    """A killed or hung worker may succeed next time; a corrupt checkpoint or bad data will not."""
-    return not is_permanent(state.result(raise_on_failure=False))
-
-
-@task(
-    cache_policy=NO_CACHE,
-    name="score-checkpoint",
-    task_run_name="score-step-{event.global_step}",
-    retry_condition_fn=worth_retrying,
-)
+@task(cache_policy=NO_CACHE, name="score-checkpoint", task_run_name="score-step-{event.global_step}")
 def score_checkpoint(
     event: CheckpointEvent,
     data_path: Path,
@@ -40,20 +31,37 @@ def score_checkpoint(
     probe: bool = False,
 ) -> EvalResult:
     """Fetch the checkpoint, load it on ``cfg.eval.nproc`` ranks (a free group of ``workers``)
-    and reduce its metrics (``probe``: on the probe subset only); raises on failure."""
-    with workers.lease() if workers is not None else contextlib.nullcontext() as group:
-        return run_evaluation_job(
-            event,
-            data_path,
-            cfg.eval,
-            work_dir,
-            cfg.model.max_length,
-            cfg.storage.s3,
-            cfg.checkpoint_cache,
-            group,
-            probe_fraction=cfg.scheduler.probe_fraction,
-            probe_only=probe,
-        )
+    and reduce its metrics (``probe``: on the probe subset only); raises on failure.
+
+    A transient failure is tried again up to ``eval.retries`` times, after 1, 2, 4, ... s (a
+    permanent one is not: :mod:`areal_eval.failures`). Each failed try's cause travels with the
+    outcome (``retried``), so the ledger and MLflow keep it even when a later try succeeds."""
+    logger = get_run_logger()
+    retried: list[str] = []
+    while True:
+        try:
+            with workers.lease() if workers is not None else contextlib.nullcontext() as group:
+                result = run_evaluation_job(
+                    event,
+                    data_path,
+                    cfg.eval,
+                    work_dir,
+                    cfg.model.max_length,
+                    cfg.storage.s3,
+                    cfg.checkpoint_cache,
+                    group,
+                    probe_fraction=cfg.scheduler.probe_fraction,
+                    probe_only=probe,
+                )
+            return dataclasses.replace(result, retried=retried)
+        except Exception as exc:
+            if is_permanent(exc) or len(retried) >= cfg.eval.retries:
+                exc.retried = retried
+                raise
+            retried.append(str(exc))
+            delay = 2 ** (len(retried) - 1)
+            logger.warning("step %d: try %d failed, retrying in %d s: %s", event.global_step, len(retried), delay, exc)
+            time.sleep(delay)
 
 
 _process_workers: WarmWorkerGroups | None = None
@@ -94,11 +102,10 @@ def submit_scoring(
 
 
 def scoring_task(event: CheckpointEvent, cfg: PipelineConfig, probe: bool):
-    """``score-checkpoint`` with the run's retries; a probe shows as ``probe-step-N`` in the UI."""
-    retries = {"retries": cfg.eval.retries, "retry_delay_seconds": [2**i for i in range(cfg.eval.retries)]}
+    """``score-checkpoint``; a probe shows as ``probe-step-N`` in the UI."""
     if probe:
-        return score_checkpoint.with_options(**retries, task_run_name=f"probe-step-{event.global_step}")
-    return score_checkpoint.with_options(**retries)
+        return score_checkpoint.with_options(task_run_name=f"probe-step-{event.global_step}")
+    return score_checkpoint
 
 
 def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractContextManager:

@@ -29,7 +29,7 @@ class ReversingIO:
         self.most_in_flight = 0
         self.logged: list[EvalResult] = []
         self.rows: list[dict] = []
-        self.alerts, self.warnings, self.announced = [], [], []
+        self.alerts, self.warnings, self.announced, self.failed_attempts = [], [], [], []
         self.fail_steps, self.failing_flushes = set(fail_steps), failing_flushes
         self.fail_once: set = set()  # steps whose evaluation fails the first time only
         self.stop = threading.Event()
@@ -68,6 +68,9 @@ class ReversingIO:
 
     def send_alert(self, alert):
         self.alerts.append(alert)
+
+    def log_failed_attempt(self, step):
+        self.failed_attempts.append(step)
 
     def log_training(self, rows):
         if self.failing_flushes:
@@ -170,6 +173,55 @@ def test_a_transient_failure_is_queued_again_and_every_attempt_stays_on_record(t
     assert first.status == "evaluated" and first.attempts == ["transient: step 50: worker died"]
     assert twice.status == "failed" and twice.reason == "gave up after 2 attempts: step 100: worker died"
     assert [a.step for a in io.alerts] == [100]  # alerted once, when it failed for good
+    assert sorted(io.failed_attempts) == [50, 100, 100]  # each failed attempt went to the tracker
+
+
+class HangingWebhookIO(ReversingIO):
+    """Every notification hangs until the test lets it go."""
+
+    def __init__(self):
+        super().__init__(failing_flushes=0)
+        self.release = threading.Event()
+        self.logged_while_hanging = 0
+
+    def log_result(self, result, reason):
+        super().log_result(result, reason)
+        self.logged_while_hanging += not self.release.is_set()
+
+    def send_alert(self, alert):
+        self.release.wait(60)
+        super().send_alert(alert)
+
+
+def test_a_hanging_webhook_never_holds_up_the_loop(tmp_path):
+    io = HangingWebhookIO()
+    rules = AlertsConfig(rules=[AlertRule(name="seen", kind="threshold", op=">", value=0.0, throttle_secs=0)])
+    backstop = threading.Timer(5.0, io.release.set)  # the loop is done long before; then its notifications go out
+    backstop.start()
+    try:
+        ledger = run_loop(tmp_path, io, slots=1, alerts=rules)
+    finally:
+        io.release.set()
+        backstop.cancel()
+    assert io.logged_while_hanging == 20 == len([e for e in ledger.entries() if e.status == "evaluated"])
+    assert len(io.alerts) == 20  # sent once the webhook answered, before the loop returned
+
+
+class NotedIO(ReversingIO):
+    def submit(self, event, reason):
+        future = Future()
+        note = "3 of 41 prompts were longer than max_prompt_tokens (8 tokens) and kept their end"
+        future.set_result(EvalResult(event.global_step, "/c", {"accuracy": 0.5}, 0.0, notes=[note]))
+        return future
+
+
+def test_what_went_wrong_without_failing_an_evaluation_is_warned_and_in_the_ledger_reason(tmp_path):
+    io = NotedIO(failing_flushes=0)
+    ledger = run_loop(tmp_path, io, slots=1, steps=(0, 10))
+    assert ledger.latest(10).reason.endswith(
+        "; 3 of 41 prompts were longer than max_prompt_tokens (8 tokens) and kept their end"
+    )
+    assert sum("longer than max_prompt_tokens" in w for w in io.warnings) == 2
 
 
 class FlakySideEffectsIO(ReversingIO):

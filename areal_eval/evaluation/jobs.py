@@ -36,6 +36,9 @@ from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_su
 class EvaluationFailed(RuntimeError):
     """The evaluation of a checkpoint failed; the message says why (and where the log is)."""
 
+    retried: list[str] = []
+    """The causes of the tries that failed before this last one (``eval.retries``)."""
+
 
 class CorruptCheckpoint(EvaluationFailed):
     """The checkpoint is missing, fails verification or cannot be read: retrying cannot help."""
@@ -159,6 +162,8 @@ class EvalResult:
     subset part of a full evaluation. Logged as ``eval_probe/*``."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """What went wrong without failing it: texts cut to fit, the first reward that raised."""
+    retried: list[str] = dataclasses.field(default_factory=list)
+    """The causes of the tries that failed before this one succeeded (``eval.retries``)."""
 
     def nonfinite(self) -> list[str]:
         return [k for k, v in self.metrics.items() if not math.isfinite(v)]

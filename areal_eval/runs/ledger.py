@@ -19,6 +19,8 @@ from areal_eval import jsonl
 from areal_eval.scheduling.policy import HistoryEntry
 
 FINAL_STATES = ("evaluated", "skipped", "superseded", "failed")
+RETRIED = "retried: "
+"""The prefix of a failed try that its attempt retried (``LedgerEntry.attempts``)."""
 
 
 @dataclasses.dataclass
@@ -42,8 +44,14 @@ class LedgerEntry:
     """Metrics on the probe subset: a probe's result, or the subset part of a full evaluation (the
     next probe's reference). Logged as ``eval_probe/*``; never a result."""
     attempts: list = dataclasses.field(default_factory=list)
-    """The causes of its failed evaluation attempts so far, oldest first (``transient: ...`` or
-    ``permanent: ...``); kept on every later line for the step, a success included."""
+    """The causes of its failed evaluation tries so far, oldest first: ``retried: ...`` (a try
+    retried within its attempt, ``eval.retries``), then ``transient: ...`` or ``permanent: ...``
+    (how the attempt ended); kept on every later line for the step, a success included."""
+
+    @property
+    def failed_attempts(self) -> int:
+        """Attempts that failed (the tries retried within one are not counted apart)."""
+        return sum(not a.startswith(RETRIED) for a in self.attempts)
 
     @property
     def deliverable(self) -> bool:

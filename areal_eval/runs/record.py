@@ -115,7 +115,7 @@ class RunRecord:
             self._decide_all(planner)
             return [e.step for e in planner.ledger.entries()
                     if e.status == "scheduled" and (e.owner is None or not alive(e.owner))
-                    and (not e.attempts or now() >= e.time + retry_backoff_s(len(e.attempts)))]
+                    and (not e.attempts or now() >= e.time + retry_backoff_s(e.failed_attempts))]
 
     def skipped(self) -> list[int]:
         """Steps the scheduler skipped or superseded (a sweep re-evaluates them only when asked)."""
@@ -123,19 +123,20 @@ class RunRecord:
 
     def record(self, event: CheckpointEvent, metrics: dict | None, error: str | None = None,
                probe_metrics: dict | None = None, permanent: bool = True, max_attempts: int = 1,
-               notes: list[str] = ()) -> list[Alert]:
+               notes: list[str] = (), retried: list[str] = ()) -> list[Alert]:
         """Record a result (logged to the tracker already; ``probe_metrics``: its subset part;
-        ``notes``: what went wrong without failing it) or a
+        ``notes``: what went wrong without failing it; ``retried``: the causes of the tries that
+        failed before, within the attempt) or a
         failed attempt (``permanent`` or not, :meth:`EvaluationPlanner.attempt_failed`); returns
         the alerts it fires, judged against earlier steps and throttled across flow runs. A
         transient failure left for a later attempt fires none."""
         with self._locked() as planner:
             if error is not None:
-                if not planner.attempt_failed(event, error, permanent, max_attempts):
+                if not planner.attempt_failed(event, error, permanent, max_attempts, retried):
                     return []
                 error = planner.ledger.latest(event.global_step).reason
             else:
-                planner.evaluated(event, metrics, delivered=True, probe_metrics=probe_metrics, notes=notes)
+                planner.evaluated(event, metrics, True, probe_metrics, notes, retried)
             state = self._state()
             engine = AlertEngine(self.alerts, time.time, state.get("notified"))
             for entry in planner.ledger.entries():

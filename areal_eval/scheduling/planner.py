@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.followers import ManifestFollower
-from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from areal_eval.runs.ledger import FINAL_STATES, RETRIED, Ledger
 from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
 from areal_eval.scheduling.probes import ProbeJudge, ProbeSettings
 
@@ -227,14 +227,17 @@ class EvaluationPlanner:
         delivered: bool = False,
         probe_metrics: dict | None = None,
         notes: list[str] = (),
+        retried: list[str] = (),
     ) -> None:
         """Record a result, with the reason it was scheduled for and the evaluation's ``notes``
-        (what went wrong without failing it); ``delivered``: already in the tracker;
-        ``probe_metrics``: its subset part, with probes."""
+        (what went wrong without failing it); ``retried``: the causes of the tries that failed
+        before it (kept as attempts); ``delivered``: already in the tracker; ``probe_metrics``:
+        its subset part, with probes."""
         scheduled = self.ledger.latest(event.global_step)
         reason = scheduled.reason if scheduled and scheduled.status == "scheduled" else ""
         reason = "; ".join([reason, *notes]) if reason and notes else reason or "; ".join(notes)
         probe = scheduled.probe if scheduled and scheduled.status == "scheduled" else None
+        attempts = [*(scheduled.attempts if scheduled else []), *(RETRIED + c for c in retried)]
         self._record(
             event.global_step,
             event.uri,
@@ -244,6 +247,7 @@ class EvaluationPlanner:
             delivered,
             probe=probe,
             probe_metrics=probe_metrics,
+            attempts=attempts,
         )
 
     @_locked
@@ -272,15 +276,19 @@ class EvaluationPlanner:
         self._record(event.global_step, event.uri, "failed", error)
 
     @_locked
-    def attempt_failed(self, event: CheckpointEvent, cause: str, permanent: bool, max_attempts: int) -> bool:
+    def attempt_failed(
+        self, event: CheckpointEvent, cause: str, permanent: bool, max_attempts: int, retried: list[str] = ()
+    ) -> bool:
         """Record a failed evaluation attempt (``areal_eval.failures``). A permanent one, or the
         ``max_attempts``-th, makes the checkpoint ``failed`` (returns True); a transient one before
         that leaves it scheduled and unclaimed, queued again, for a later attempt (returns False)."""
         step = event.global_step
         entry = self.ledger.latest(step)
-        attempts = [*(entry.attempts if entry else []), f"{'permanent' if permanent else 'transient'}: {cause}"]
-        if permanent or len(attempts) >= max_attempts:
-            reason = cause if len(attempts) == 1 else f"gave up after {len(attempts)} attempts: {cause}"
+        earlier = [*(entry.attempts if entry else []), *(RETRIED + c for c in retried)]
+        attempts = [*earlier, f"{'permanent' if permanent else 'transient'}: {cause}"]
+        failed = sum(not a.startswith(RETRIED) for a in attempts)
+        if permanent or failed >= max_attempts:
+            reason = cause if failed == 1 else f"gave up after {failed} attempts: {cause}"
             self._record(step, event.uri, "failed", reason, attempts=attempts)
             return True
         reason, probe = (entry.reason, entry.probe) if entry else ("", None)

@@ -183,6 +183,13 @@ def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_
     tracker, runs = mlflow_run(cfg)
     steps = [m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")]
     assert sorted(steps) == sorted(set(steps)) == [e.step for e in ledger.entries() if e.status == "evaluated"]
+    # The attempt that failed before the retry succeeded is on record: the ledger and MLflow.
+    [retried] = [e for e in ledger.entries() if e.attempts]
+    assert retried.status == "evaluated" and retried.failed_attempts == 0  # tried again within its attempt
+    [attempt] = retried.attempts
+    assert attempt.startswith("retried: ") and "code 17" in attempt
+    tags = tracker.client.get_run(runs[0].info.run_id).data.tags
+    assert tags[f"attempts.{retried.step}.failed"] == "1" and "code 17" in tags[f"attempts.{retried.step}.last_cause"]
 
 
 def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect_server, trained_run, tmp_path):
