@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -21,7 +20,6 @@ from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import deployment, flow_run
-from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
 from areal_eval.alerts import AlertEngine
 from areal_eval.checkpoints.manifest import Manifest
@@ -39,6 +37,8 @@ from areal_eval.runs.setup import check_inputs, total_train_steps
 from areal_eval.scheduling.planner import EvaluationPlanner
 from areal_eval.tracking import plot_curve
 from areal_eval.train import training_finished
+from flows.console import stop_cause, stop_line, stop_on_sigterm, tracebacks_to
+from flows.local_server import own_prefect_server
 from tasks.alerts import webhook_url
 from tasks.checkpoints import share_run_record
 from tasks.loop_io import PrefectLoopIO
@@ -133,11 +133,11 @@ def train_and_evaluate(
             summary = summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
             announce_outcome(run.run_id, summary_line(summary, cfg.scheduler.metric))
             return summary
-        announce_outcome(run.run_id, f"{run.run_id} failed: {failure!r}", failed=True)  # before Prefect's traceback
+        announce_outcome(run.run_id, f"{run.run_id} stopped: {stop_cause(failure)}", failed=True)
         if mlflow_run_id is None:  # MLflow could not be reached to start with: nothing to record there
             raise failure
         try:  # best effort: the run's own failure is what gets raised
-            finish_tracking(cfg, mlflow_run_id, ledger, plot, status, repr(failure))
+            finish_tracking(cfg, mlflow_run_id, ledger, plot, status, stop_cause(failure))
             summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
         except Exception as exc:  # noqa: BLE001 - e.g. MLflow down as well
             print(f"could not record the failure in MLflow: {exc!r}", file=sys.stderr)
@@ -180,15 +180,6 @@ PRESETS = {path.stem: path for path in (Path(__file__).resolve().parents[1] / "c
 """Configs shipped with the project, by name (``configs/NAME.yaml``)."""
 
 
-def patient_temporary_server() -> contextlib.AbstractContextManager:
-    """Without a server (no ``PREFECT_API_URL``) the flow starts a temporary one, which on 2 busy
-    cores can take longer than Prefect's 20 s start-up limit (a fresh database is migrated
-    first): wait up to 120 s unless the limit is set."""
-    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ:
-        return contextlib.nullcontext()
-    return temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 120})
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the train-and-evaluate flow (Prefect, MLflow, torchrun).")
     source = parser.add_mutually_exclusive_group()
@@ -207,10 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, RunBusy) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    watch_over_children()  # before Prefect starts its temporary server, so that it is reaped too
+    watch_over_children()  # before the Prefect server starts, so that it is reaped too
     start = time.monotonic()
-    with patient_temporary_server():
-        summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)
+    tracebacks = cfg.run_root / "logs" / "tracebacks.log"
+    stop_on_sigterm()
+    try:
+        with own_prefect_server(Path(cfg.work_dir) / "prefect-server.log") as ui:
+            if ui:
+                print(f"Prefect UI for this run (up while it lasts): {ui}/runs", flush=True)
+            with tracebacks_to(tracebacks):
+                summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)
+    except BaseException as exc:  # noqa: BLE001 - one line, first: the cause and what to run next
+        line, status = stop_line(exc, ["python", "-m", "flows.train_and_evaluate", *(argv or sys.argv[1:])], tracebacks)
+        print(line, file=sys.stderr, flush=True)
+        return status
     minutes = (time.monotonic() - start) / 60
     curve = ", ".join(f"{s}:{v}" for s, v in summary["curve"])
     print(

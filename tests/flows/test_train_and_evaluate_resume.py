@@ -7,6 +7,7 @@ and warm evaluation workers, MLflow on SQLite.
 import contextlib
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -144,7 +145,7 @@ def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_ha
         ranks = [p for p in psutil.Process(flow.pid).children(recursive=True) if p.name() == "train-rank-1"]
         assert len(ranks) == 1
         ranks[0].kill()
-        assert flow.wait(300) != 0
+        assert flow.wait(300) == 1
     finally:
         if flow.poll() is None:
             os.killpg(flow.pid, signal.SIGKILL)
@@ -156,6 +157,57 @@ def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_ha
     tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
     [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
     assert mlflow_run.info.status == "FAILED" and "training failed" in mlflow_run.data.tags["areal.failure"]
+    output = (tmp_path / "rank-flow.log").read_text()  # one line first; the tracebacks are in a file
+    assert "Traceback" not in output
+    assert re.fullmatch(
+        r"stopped: WorkerError: training failed.*; the same command resumes the run: .* \(traceback in .*\)",
+        output.rstrip().splitlines()[-1],
+    )
+    assert "WorkerError" in (run.logs / "tracebacks.log").read_text()
     assert (
         sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")) == published
     )
+
+
+@pytest.mark.parametrize(
+    "sig, cause", [(signal.SIGINT, "interrupted (Ctrl-C)"), (signal.SIGTERM, "terminated by SIGTERM")]
+)
+def test_ctrl_c_or_sigterm_stops_everything_in_one_line_and_the_resumed_run_finishes_without_the_failure(
+    tmp_path, sig, cause
+):
+    """The terminal's Ctrl-C is a SIGINT to the command's whole process group: the command stops
+    training, evaluation and its Prefect server, ends MLflow KILLED and says so in one line; the
+    same command then finishes the run, and the interruption is history, not its failure."""
+    flow, params, config, run, log = start_flow(
+        tmp_path, "ctrlc", 36, {"min_interval_steps": 0, "max_interval_steps": 12}
+    )
+    try:
+        wait_for(lambda: len(Manifest(run.manifest).events()) >= 3, 300, f"three checkpoints (flow log {log.name})")
+        family = psutil.Process(flow.pid).children(recursive=True)
+        assert any("prefect" in " ".join(p.cmdline()) and "server" in p.cmdline() for p in family)
+        os.killpg(flow.pid, sig)
+        assert flow.wait(120) == 128 + sig
+        wait_for(
+            lambda: not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 30, "all gone"
+        )
+    finally:
+        if flow.poll() is None:
+            os.killpg(flow.pid, signal.SIGKILL)
+    output = (tmp_path / "ctrlc-flow.log").read_text()
+    assert "Traceback" not in output
+    resume = f"python -m flows.train_and_evaluate --config {config}"
+    last = output.rstrip().splitlines()[-1]
+    assert last == f"stopped: {cause}; the same command resumes the run: {resume}"
+    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
+    assert mlflow_run.info.status == "KILLED" and mlflow_run.data.tags["areal.failure"] == cause
+    if sig != signal.SIGINT:
+        return
+
+    again = subprocess.run(
+        flow_command(config), cwd=ROOT, env=clean_env(tmp_path / "prefect"), capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    mlflow_run = tracker.client.get_run(mlflow_run.info.run_id)
+    assert mlflow_run.info.status == "FINISHED" and "areal.failure" not in mlflow_run.data.tags
+    assert mlflow_run.data.tags["areal.earlier_failures"] == "interrupted (Ctrl-C)"
