@@ -102,9 +102,16 @@ def loads_skipping_torn(lines: list[tuple[int, bytes]], path: str | Path) -> tup
 
 
 def rows(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed row) for every non-blank line of a whole file, the last one too."""
-    with Path(path).open(encoding="utf-8") as fh:
-        for lineno, text in enumerate(fh, start=1):
+    """(line number, parsed row) for every non-blank line of a whole file, the last one too. A
+    line that is not UTF-8 is a :class:`JsonlError` naming it."""
+    with Path(path).open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise JsonlError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"
+                ) from None
             if text.strip():
                 yield lineno, loads(text, path, lineno)
 

@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, RunBusy) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file that cannot be read, a run directory that cannot be made (work_dir=/proc/1)
+        print(f"error: {exc.filename or 'work_dir ' + repr(cfg.work_dir)}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     watch_over_children()  # before the Prefect server starts, so that it is reaped too
     start = time.monotonic()
     tracebacks = cfg.run_root / "logs" / "tracebacks.log"

@@ -223,7 +223,12 @@ def merge(base: dict, extra: dict) -> dict:
 def read_file(path: str | Path) -> dict:
     """Read a JSON or YAML config file; parse errors name the file."""
     path = Path(path)
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
     try:
         if path.suffix in (".yaml", ".yml"):
             import yaml

@@ -342,3 +342,24 @@ def test_a_checkpoint_of_a_run_another_flow_owns_is_left_to_it(prefect_server, t
         holder.wait()
     assert result["evaluated"] is False and f"in use by pid {holder.pid}" in result["reason"]
     assert not run.ledger.exists()  # nothing decided or evaluated behind the owner's back
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--config", "/no/such/config.yaml"], "error: /no/such/config.yaml: no such config file"),
+        (["--set", "work_dir=/proc/1"], "error: /proc/1/demo: No such file or directory"),
+        (["--set", "run_name=" + "x" * 300], "error: run_name: 'x"),
+        (["--set", "poll_interval_s=1e400"], "error: poll_interval_s: must be a finite number, got inf"),
+        (["--set", "data.valid_path={not_utf8}"], "error: {not_utf8}:2: not UTF-8 text (byte 15: b'\\xe9')"),
+    ],
+)
+def test_bad_input_is_one_line_naming_its_field_or_file_and_line(tmp_path, capsys, argv, line):
+    from flows.train_and_evaluate import main
+
+    not_utf8 = tmp_path / "valid.jsonl"
+    not_utf8.write_bytes(b'{"chosen": "a", "rejected": "b"}\n{"chosen": "caf\xe9", "rejected": "x"}\n')
+    argv = [a.format(not_utf8=not_utf8) for a in argv]
+    assert main([*argv, "--set", f"work_dir={tmp_path}"] if "work_dir" not in argv[-1] else argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(line.format(not_utf8=not_utf8)), err
