@@ -26,6 +26,11 @@ def is_permanent(exc: BaseException) -> bool:
     return isinstance(exc, PERMANENT)
 
 
+def is_bad_checkpoint(exc: BaseException) -> bool:
+    """The checkpoint itself is at fault (missing, corrupt, unreadable): an older one may be good."""
+    return isinstance(exc, (CorruptCheckpoint, CheckpointError))
+
+
 def retry_backoff_s(attempts: int, base_s: float = 60.0, cap_s: float = 3600.0) -> float:
     """How long after its last failed attempt a checkpoint is tried again (doubling per attempt)."""
     return min(cap_s, base_s * 2 ** max(0, attempts - 1))

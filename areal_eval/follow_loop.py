@@ -28,7 +28,7 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_delete
 from areal_eval.delivery import Deliverer, Notifier
 from areal_eval.evaluation.jobs import EvalResult
-from areal_eval.failures import is_permanent
+from areal_eval.failures import is_bad_checkpoint, is_permanent
 from areal_eval.followers import JsonlFollower, ManifestFollower
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.planner import DecisionThread, EvaluationPlanner
@@ -267,7 +267,7 @@ class FollowLoop:
             cause = f"probe failed: {exc}" if done.probe else str(exc)
             retried = getattr(exc, "retried", [])
             failed_for_good = self.planner.attempt_failed(
-                done.event, cause, is_permanent(exc), self.cfg.max_attempts, retried
+                done.event, cause, is_permanent(exc), self.cfg.max_attempts, retried, is_bad_checkpoint(exc)
             )
             self._side_effect(self.io.log_failed_attempt, step)
             if not failed_for_good:

@@ -214,10 +214,31 @@ class EvaluationPlanner:
             self._supersede(old, event)
         return event
 
-    def _supersede(self, old: CheckpointEvent, by: CheckpointEvent) -> None:
+    def _supersede(self, old: CheckpointEvent, by: CheckpointEvent, why: str = "") -> None:
         self._record(
-            old.global_step, old.uri, "superseded", f"evaluation behind training: coalesced to step {by.global_step}"
+            old.global_step,
+            old.uri,
+            "superseded",
+            f"evaluation behind training: coalesced to step {by.global_step}{why}",
         )
+
+    def _fall_back(self, failed: int) -> None:
+        """The checkpoint waiting ones were coalesced to is bad: the newest of them is evaluated
+        instead (the others now coalesce to it, so a bad one falls back again)."""
+        coalesced = f"evaluation behind training: coalesced to step {failed}"
+        waiting = sorted(
+            e.step
+            for e in self.ledger.entries()
+            if e.status == "superseded" and e.reason.split(" (")[0] == coalesced and e.step in self._events
+        )
+        if not waiting:
+            return
+        newest = self._events[waiting[-1]]
+        why = f" (step {failed} failed verification)"
+        self._record(newest.global_step, newest.uri, "scheduled", f"fallback: step {failed} failed verification")
+        self.queue.push(newest, pinned=True)
+        for step in waiting[:-1]:
+            self._supersede(self._events[step], newest, why)
 
     @_locked
     def evaluated(
@@ -277,7 +298,13 @@ class EvaluationPlanner:
 
     @_locked
     def attempt_failed(
-        self, event: CheckpointEvent, cause: str, permanent: bool, max_attempts: int, retried: list[str] = ()
+        self,
+        event: CheckpointEvent,
+        cause: str,
+        permanent: bool,
+        max_attempts: int,
+        retried: list[str] = (),
+        bad_checkpoint: bool = False,
     ) -> bool:
         """Record a failed evaluation attempt (``areal_eval.failures``). A permanent one, or the
         ``max_attempts``-th, makes the checkpoint ``failed`` (returns True); a transient one before
@@ -290,6 +317,8 @@ class EvaluationPlanner:
         if permanent or failed >= max_attempts:
             reason = cause if failed == 1 else f"gave up after {failed} attempts: {cause}"
             self._record(step, event.uri, "failed", reason, attempts=attempts)
+            if bad_checkpoint:
+                self._fall_back(step)
             return True
         reason, probe = (entry.reason, entry.probe) if entry else ("", None)
         self._record(step, event.uri, "scheduled", reason, probe=probe, attempts=attempts)

@@ -219,3 +219,30 @@ def test_a_probe_with_no_full_evaluation_before_it_to_compare_escalates_and_none
     plain.evaluated(plain.next(), FULL, probe_metrics={})
     assert not plain.offer(ev(10)).evaluate
     assert all("probe" not in line for line in (tmp_path / "plain.jsonl").read_text().splitlines())
+
+
+def test_when_the_checkpoint_waiting_ones_coalesced_to_is_corrupt_the_newest_good_one_is_evaluated(tmp_path):
+    planner = EvaluationPlanner(dataclasses.replace(CFG, queue_capacity=8), Ledger(tmp_path / "ledger.jsonl"))
+    planner.offer(ev(0))
+    planner.evaluated(planner.next(), {"accuracy": 0.5, "accuracy_stderr": 0.01})
+    for step in (10, 20, 30, 40):
+        planner.offer(ev(step))
+    newest = planner.next()
+    assert newest.global_step == 40 and planner.ledger.status(30) == "superseded"
+    planner.attempt_failed(newest, "sha256 differs", permanent=True, max_attempts=3, bad_checkpoint=True)
+    assert planner.ledger.status(40) == "failed"
+    fallback = planner.next()
+    assert fallback.global_step == 30 and planner.ledger.latest(30).reason == "fallback: step 40 failed verification"
+    planner.attempt_failed(fallback, "sha256 differs", permanent=True, max_attempts=3, bad_checkpoint=True)
+    assert planner.next().global_step == 20  # bad again: the next newest
+    assert (
+        planner.ledger.status(10) == "superseded" and "step 30 failed verification" in planner.ledger.latest(10).reason
+    )
+    # A data or config error is no checkpoint's fault: nothing falls back.
+    other = EvaluationPlanner(dataclasses.replace(CFG, queue_capacity=8), Ledger(tmp_path / "other.jsonl"))
+    other.offer(ev(0))
+    other.evaluated(other.next(), {"accuracy": 0.5, "accuracy_stderr": 0.01})
+    for step in (10, 20):
+        other.offer(ev(step))
+    other.attempt_failed(other.next(), "DataError: valid.jsonl:3", permanent=True, max_attempts=3)
+    assert other.next() is None and other.ledger.status(10) == "superseded"
