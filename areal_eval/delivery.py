@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from areal_eval.disk import brief
 from areal_eval.evaluation.jobs import EvalResult
 
 
@@ -97,7 +98,7 @@ class Deliverer:
             except Exception as exc:  # noqa: BLE001 - the tracker is down or refusing: retried with backoff
                 self._warn(
                     f"result of step {result.global_step} not delivered yet "
-                    f"({len(self._results)} waiting, retried with backoff): {exc!r}"
+                    f"({len(self._results)} waiting, retried with backoff): {brief(exc)}"
                 )
                 return False
             with self._lock:
@@ -112,7 +113,8 @@ class Deliverer:
         try:
             self._log_training(rows)
         except Exception as exc:  # noqa: BLE001 - kept, retried with backoff
-            self._warn(f"training metrics not delivered yet ({len(rows)} rows kept, retried with backoff): {exc!r}")
+            kept = f"{len(rows)} rows kept, retried with backoff"
+            self._warn(f"training metrics not delivered yet ({kept}): {brief(exc)}")
             return False
         with self._lock:
             del self._rows[: len(rows)]

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from areal_eval.disk import writing
+
 
 class JsonlError(ValueError):
     """A line that is not what it should be; the message starts with ``path:line:``."""
@@ -40,7 +42,7 @@ def append(path: str | Path, row: Any, sort_keys: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = row if isinstance(row, str) else json.dumps(row, sort_keys=sort_keys)
     new = not path.exists()
-    with path.open("ab+") as fh:
+    with writing(path, "a line of it"), path.open("ab+") as fh:
         torn = False
         if fh.seek(0, os.SEEK_END) > 0:
             fh.seek(-1, os.SEEK_END)
@@ -120,11 +122,16 @@ def _write_temporary(path: Path, content: str | bytes) -> Path:
     """``content`` on disk in a new file beside ``path``, named for this writer alone: two threads
     of one process (a flow following its trainer in-process) must not share a temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(content.encode() if isinstance(content, str) else content)
-        fh.flush()
-        os.fsync(fh.fileno())
+    with writing(path, "it"):
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(content.encode() if isinstance(content, str) else content)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            Path(name).unlink(missing_ok=True)  # no half-written file left to fill the disk
+            raise
     return Path(name)
 
 

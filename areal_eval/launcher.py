@@ -6,12 +6,15 @@ and every rank it started: nothing is left behind, whatever state the ranks are 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,13 +111,15 @@ def torchrun_command(module: str, args: list[str], nproc: int, nodes: NodeLayout
     ]
 
 
-def failure_summary(path: Path) -> str:
-    """Which ranks failed and how, from torchrun's log: each rank's own error line and exit
-    code (torchrun's "Failures" report lists every failed rank, not just the first seen)."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return ""
+def failure_summary(path: Path, lines: list[str] | None = None) -> str:
+    """Which ranks failed and how, from torchrun's log (or its ``lines``): each rank's own error
+    line and exit code (torchrun's "Failures" report lists every failed rank, not just the first
+    seen)."""
+    if lines is None:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
     found = [line.split("] ", 1)[-1] for line in lines if "evaluation failed" in line or "Error:" in line]
     rank = None
     for line in lines:
@@ -198,8 +203,38 @@ def lower_priority(nice: int) -> None:
 HEAP_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
 
 
+class OutputTee(threading.Thread):
+    """Copies a job's output to its log file and keeps the last ``keep`` lines in memory, so the
+    job's last error is known even when its log cannot be written (a full disk)."""
+
+    def __init__(self, pipe, log_path: Path, keep: int = 500):
+        super().__init__(name=f"output-of-{log_path.name}", daemon=True)
+        self.pipe, self.log_path = pipe, log_path
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self.write_error: OSError | None = None
+
+    def run(self) -> None:
+        log = None
+        try:
+            log = self.log_path.open("ab", buffering=0)
+        except OSError as exc:
+            self.write_error = exc
+        for raw in iter(self.pipe.readline, b""):
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+            if log is not None and self.write_error is None:
+                try:
+                    log.write(raw)
+                except OSError as exc:  # kept in memory from here on
+                    self.write_error = exc
+        self.pipe.close()
+        if log is not None:
+            with contextlib.suppress(OSError):
+                log.close()
+
+
 class TorchrunJob:
-    """A running torchrun job; its output goes to ``log_path``."""
+    """A running torchrun job; its output goes to ``log_path`` (and its last lines stay in
+    memory: :meth:`tail`)."""
 
     def __init__(
         self,
@@ -223,15 +258,30 @@ class TorchrunJob:
         command = torchrun_command(module, args, nproc, nodes)
         self.dumps_stacks = command[2] == "areal_eval.forked_ranks"
         """Its processes print their Python stacks to the log on :data:`STACKS_SIGNAL`."""
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=full_env,
-                start_new_session=True,
-                preexec_fn=lambda: _start_job(nice),
-            )
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            preexec_fn=lambda: _start_job(nice),
+        )
+        self.output = OutputTee(self.proc.stdout, self.log_path)
+        self.output.start()
+
+    def tail(self, lines: int = 15) -> str:
+        """The job's last output lines; where its log could not be written, from memory, saying so."""
+        self.output.join(timeout=5 if self.proc.poll() is not None else 0)
+        if self.output.write_error is None:
+            return log_tail(self.log_path, lines)
+        kept = "\n".join(list(self.output.lines)[-lines:])
+        return f"(its log could not be written: {self.output.write_error.strerror}; its last output:)\n{kept}"
+
+    def summary(self) -> str:
+        """Which ranks failed and how (:func:`failure_summary`), else the last lines."""
+        self.output.join(timeout=5 if self.proc.poll() is not None else 0)
+        lines = list(self.output.lines) if self.output.write_error is not None else None
+        return failure_summary(self.log_path, lines) or self.tail()
 
     @property
     def pid(self) -> int:
@@ -297,15 +347,13 @@ class TorchrunJob:
         self.dump_stacks()
         self.kill()
         raise WorkerError(
-            f"torchrun job timed out after {timeout_s:.0f}s and was killed; "
-            f"log {self.log_path}:\n{log_tail(self.log_path)}"
+            f"torchrun job timed out after {timeout_s:.0f}s and was killed; log {self.log_path}:\n{self.tail()}"
         ) from None  # the subprocess.TimeoutExpired it may be raised from says nothing more
 
     def raise_for_status(self, what: str) -> None:
         code = self.proc.returncode
         if code:
-            summary = failure_summary(self.log_path) or log_tail(self.log_path)
-            raise WorkerError(f"{what} failed (torchrun exit {code}); log {self.log_path}:\n{summary}")
+            raise WorkerError(f"{what} failed (torchrun exit {code}); log {self.log_path}:\n{self.summary()}")
 
 
 def group_alive(pgid: int) -> bool:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import time
 from pathlib import Path
 
 from areal_eval.config.parsing import flatten
+from areal_eval.disk import writing
 from areal_eval.runs.directory import file_lock
 from areal_eval.runs.ledger import LedgerEntry
 
@@ -91,6 +93,9 @@ links set it: :func:`mlflow_run_url`); the tag says the same to tools that read 
 
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
+        # MLflow logs each database error with its traceback before raising it; callers report
+        # what they retry (a full disk, a locked store) in one line each.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
@@ -362,6 +367,7 @@ def plot_curve(entries: list[LedgerEntry], metric: str, out: str | Path, title: 
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out)
+    with writing(out, "the evaluation curve"):
+        fig.savefig(out)
     plt.close(fig)
     return out

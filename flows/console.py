@@ -14,6 +14,8 @@ from pathlib import Path
 from prefect.exceptions import TerminationSignal
 from prefect.logging.handlers import PrefectConsoleHandler
 
+from areal_eval.disk import brief, is_disk_full
+
 
 class TracebacksToFile(logging.Filter):
     """On the console handler: a record's traceback is appended to ``path`` and the console shows
@@ -26,11 +28,15 @@ class TracebacksToFile(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[0] is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as out:
-                out.write(f"--- {record.name}: {record.getMessage()}\n")
-                out.write("".join(traceback.format_exception(*record.exc_info)))
-            record.msg, record.args = f"{record.getMessage()} (traceback in {self.path})", None
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with self.path.open("a") as out:
+                    out.write(f"--- {record.name}: {record.getMessage()}\n")
+                    out.write("".join(traceback.format_exception(*record.exc_info)))
+                where = f"traceback in {self.path}"
+            except OSError as exc:  # a full disk: the traceback stays in the Prefect UI's logs
+                where = f"traceback not written to {self.path}: {exc.strerror}"
+            record.msg, record.args = f"{record.getMessage()} ({where})", None
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -65,6 +71,8 @@ def stop_cause(exc: BaseException) -> str:
         return "interrupted (Ctrl-C)"
     if isinstance(exc, TerminationSignal):
         return f"terminated by {signal.Signals(exc.signal).name}"
+    if is_disk_full(exc):
+        return f"out of disk space: {brief(exc, 500)}"
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:500]}"
 
 
@@ -73,7 +81,13 @@ def stop_line(exc: BaseException, command: list[str], tracebacks: Path) -> tuple
     again = f"the same command resumes the run: {shlex.join(command)}"
     if isinstance(exc, (KeyboardInterrupt, TerminationSignal)):
         return f"stopped: {stop_cause(exc)}; {again}", 128 + getattr(exc, "signal", signal.SIGINT)
-    tracebacks.parent.mkdir(parents=True, exist_ok=True)
-    with tracebacks.open("a") as out:
-        out.write(f"--- stopped\n{''.join(traceback.format_exception(exc))}")
-    return f"stopped: {stop_cause(exc)}; {again} (traceback in {tracebacks})", 1
+    kept = f" (traceback in {tracebacks})"
+    try:
+        tracebacks.parent.mkdir(parents=True, exist_ok=True)
+        with tracebacks.open("a") as out:
+            out.write(f"--- stopped\n{''.join(traceback.format_exception(exc))}")
+    except OSError:  # a full disk, say: the line still goes out
+        kept = ""
+    if is_disk_full(exc):
+        again = f"free space there, then {again}"
+    return f"stopped: {stop_cause(exc)}; {again}{kept}", 1

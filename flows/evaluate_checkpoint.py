@@ -28,7 +28,6 @@ from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.runs.record import RunRecord
 from areal_eval.runs.setup import judged_config
-from areal_eval.tracking import plot_curve
 from tasks.alerts import send_alert
 from tasks.mlflow_logging import (
     finish_tracking,
@@ -39,7 +38,7 @@ from tasks.mlflow_logging import (
     tracker_for,
 )
 from tasks.orchestration import flow_run_alive, holding_slot, tag_flow_run
-from tasks.reports import announce_outcome, summarize, summary_line, update_evaluation_table
+from tasks.reports import announce_outcome, curve_or_none, summarize, summary_line, update_evaluation_table
 from tasks.scoring import score_now
 
 
@@ -173,7 +172,7 @@ def report_run(
 ) -> dict:
     """The curve, the decision log and the counts in MLflow (the run ended with ``status``, and
     ``failure`` as its reason, or left as it is), and the run's summary artifact."""
-    plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run_id)
+    plot = curve_or_none(ledger, cfg.scheduler.metric, run, run_id)
     finish_tracking(cfg, mlflow_run_id, ledger, plot, status, failure)
     return summarize(cfg, run_id, run, mlflow_run_id, ledger, plot)
 

@@ -26,6 +26,7 @@ from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.config.parsing import ConfigError
 from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, set_fields
+from areal_eval.disk import is_disk_full
 from areal_eval.follow_loop import FollowLoop, LoopConfig
 from areal_eval.launcher import TorchrunJob
 from areal_eval.preference_data import DataError
@@ -35,7 +36,6 @@ from areal_eval.runs.ledger import Ledger
 from areal_eval.runs.record import mark_over, read_state
 from areal_eval.runs.setup import check_inputs, total_train_steps
 from areal_eval.scheduling.planner import EvaluationPlanner
-from areal_eval.tracking import plot_curve
 from areal_eval.train import training_finished
 from flows.console import stop_cause, stop_line, stop_on_sigterm, tracebacks_to
 from flows.local_server import own_prefect_server
@@ -44,7 +44,7 @@ from tasks.checkpoints import share_run_record
 from tasks.loop_io import PrefectLoopIO
 from tasks.mlflow_logging import finish_tracking, start_tracking
 from tasks.orchestration import crash_orphaned_runs, tag_flow_run
-from tasks.reports import announce_outcome, summarize, summary_line
+from tasks.reports import announce_outcome, curve_or_none, summarize, summary_line
 from tasks.scoring import warm_workers
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
@@ -124,24 +124,43 @@ def train_and_evaluate(
             if training is not None and training.poll() is None:
                 training.kill()
         ledger = Ledger(run.ledger)
-        plot = plot_curve(ledger.entries(), cfg.scheduler.metric, run.root / "evaluation_curve.png", run.run_id)
-        status = "FINISHED" if failure is None else "FAILED" if isinstance(failure, Exception) else "KILLED"
+        plot = curve_or_none(ledger, cfg.scheduler.metric, run, run.run_id)
         if failure is None:
-            finish_tracking(cfg, mlflow_run_id, ledger, plot, status)
-            mark_over(run)
-            share_run_record(cfg, run)
-            summary = summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
-            announce_outcome(run.run_id, summary_line(summary, cfg.scheduler.metric))
-            return summary
+            try:
+                finish_tracking(cfg, mlflow_run_id, ledger, plot, "FINISHED")
+                mark_over(run)
+                share_run_record(cfg, run)
+                summary = summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
+            except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the run ends failed, as below
+                failure = exc
+            else:
+                announce_outcome(run.run_id, summary_line(summary, cfg.scheduler.metric))
+                return summary
         announce_outcome(run.run_id, f"{run.run_id} stopped: {stop_cause(failure)}", failed=True)
-        if mlflow_run_id is None:  # MLflow could not be reached to start with: nothing to record there
-            raise failure
-        try:  # best effort: the run's own failure is what gets raised
-            finish_tracking(cfg, mlflow_run_id, ledger, plot, status, stop_cause(failure))
-            summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
-        except Exception as exc:  # noqa: BLE001 - e.g. MLflow down as well
-            print(f"could not record the failure in MLflow: {exc!r}", file=sys.stderr)
+        if mlflow_run_id is not None:  # None: MLflow could not be reached to start with
+            end_tracking_failed(cfg, run, mlflow_run_id, ledger, plot, failure)
         raise failure
+
+
+def end_tracking_failed(
+    cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path | None, failure: BaseException
+) -> None:
+    """End the MLflow run FAILED or KILLED with the cause, or say loudly that it could not be
+    ended and what the next command does about it (the run's own failure is what gets raised)."""
+    status = "FAILED" if isinstance(failure, Exception) else "KILLED"
+    try:
+        finish_tracking(cfg, mlflow_run_id, ledger, plot, status, stop_cause(failure))
+        summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
+    except Exception as exc:  # noqa: BLE001 - e.g. MLflow down as well, or its store on the full disk
+        where = "its store is on the full disk" if is_disk_full(exc) else f"{stop_cause(exc)}"
+        print(
+            f"error: the MLflow run {mlflow_run_id} could not be marked {status} ({where}): it shows RUNNING "
+            "until the same command runs again"
+            + (" with space freed" if is_disk_full(exc) or is_disk_full(failure) else "")
+            + ", which resumes the run and ends it",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, training: TorchrunJob | None) -> Ledger:

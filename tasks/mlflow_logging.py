@@ -124,7 +124,7 @@ def finish_tracking(
     cfg: PipelineConfig,
     run_id: str,
     ledger: Ledger,
-    plot: Path,
+    plot: Path | None,
     status: str | None = "FINISHED",
     failure: str | None = None,
 ) -> None:
@@ -133,7 +133,8 @@ def finish_tracking(
     a run that already ended."""
     tracker = tracker_for(cfg)
     tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
-    tracker.log_artifact(run_id, plot)
+    if plot is not None:
+        tracker.log_artifact(run_id, plot)
     entries = ledger.entries()
     tags = {f"checkpoints.{k}": v for k, v in (ledger.counts() | ledger.probe_counts()).items()}
     tags["checkpoints.failed_attempts"] = sum(len(e.attempts) for e in entries)

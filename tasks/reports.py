@@ -14,7 +14,7 @@ from prefect.events import emit_event
 from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import mlflow_run_url, resolve_tracking_uri
+from areal_eval.tracking import mlflow_run_url, plot_curve, resolve_tracking_uri
 from tasks.mlflow_logging import tracker_for
 
 COUNTED = ("evaluated", "skipped", "superseded", "failed", "scheduled")
@@ -39,7 +39,19 @@ def update_evaluation_table(cfg: PipelineConfig, run_id: str, ledger: Ledger) ->
     )
 
 
-def summarize(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path) -> dict:
+def curve_or_none(ledger: Ledger, metric: str, run: RunDir, run_id: str) -> Path | None:
+    """The evaluation curve's plot, or None (warned about) where it cannot be written: a run's
+    end must not depend on disk space it does not need."""
+    try:
+        return plot_curve(ledger.entries(), metric, run.root / "evaluation_curve.png", run_id)
+    except OSError as exc:
+        get_run_logger().warning("the evaluation curve was not plotted: %s", exc)
+        return None
+
+
+def summarize(
+    cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path | None
+) -> dict:
     """The run's summary: returned, and shown as the run's ``summary-<run>`` artifact."""
     counts = ledger.counts()
     evaluated = [e for e in ledger.entries() if e.status == "evaluated"]
@@ -61,14 +73,14 @@ def summarize(cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str,
         + [f"| {k} (probes) | {n} |" for k, n in ledger.probe_counts().items()]
     )
     curve_table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
-    image = base64.b64encode(plot.read_bytes()).decode()
+    image = f"![evaluation curve](data:image/png;base64,{base64.b64encode(plot.read_bytes()).decode()})" if plot else ""
     create_markdown_artifact(
         key=artifact_key("summary", run_id),
         description=f"Summary of {run_id}",
         markdown=(
             f"# {run_id}\n\nMLflow run: [{mlflow_run_id}]({url}) (tracking URI `{tracking_uri}`)\n\n"
             f"| checkpoints | {summary['checkpoints']} |\n|---|---|\n{counts_table}\n\n"
-            f"![evaluation curve](data:image/png;base64,{image})\n\n"
+            f"{image}\n\n"
             f"| step | {cfg.scheduler.metric} |\n|---|---|\n{curve_table}\n"
         ),
     )

@@ -78,3 +78,17 @@ def test_jobs_get_the_heap_settings_unless_the_caller_set_them(tmp_path, monkeyp
     log = tmp_path / "job.log"
     assert job.wait(120) == 0, log.read_text()
     assert f"heap {HEAP_SETTINGS['MALLOC_MMAP_THRESHOLD_']} 12345" in log.read_text()
+
+
+@pytest.mark.integration
+def test_a_jobs_last_error_is_known_when_its_log_cannot_be_written():
+    """/dev/full refuses every write with ENOSPC, as a full disk does: the job's output is kept
+    in memory, and its failure names the error and says the log was not written."""
+    from areal_eval.launcher import TorchrunJob, WorkerError
+
+    crash = "raise RuntimeError('the checkpoint write failed')"
+    job = TorchrunJob("timeit", ["-n", "1", "-r", "1", crash], 1, "/dev/full")
+    assert job.wait(120) != 0
+    with pytest.raises(WorkerError, match=r"(?s)training failed.*RuntimeError: the checkpoint write failed"):
+        job.raise_for_status("training")
+    assert job.tail().startswith("(its log could not be written: No space left on device; its last output:)")

@@ -8,6 +8,7 @@ renamed into place only when complete, so readers never see a partial one.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import queue
 import shutil
@@ -20,6 +21,7 @@ import torch
 
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name, describe_files
 from areal_eval.checkpoints.store import LocalStore
+from areal_eval.disk import FULL, DiskFull
 
 
 def save_clean_tokenizer(tokenizer, directory: Path) -> None:
@@ -34,6 +36,22 @@ def save_clean_tokenizer(tokenizer, directory: Path) -> None:
     if hasattr(tokenizer, "truncation_side"):
         tokenizer.init_kwargs["truncation_side"] = tokenizer.truncation_side
     tokenizer.save_pretrained(str(directory))
+
+
+def named_if_disk_full(exc: BaseException, directory: Path, what: str) -> BaseException:
+    """``exc`` as :class:`DiskFull` where the disk of ``directory`` has no room left: torch and
+    safetensors report a full disk as an opaque stream error ("unexpected pos", "iostream error")."""
+    if isinstance(exc, DiskFull):
+        return exc
+    try:
+        full = shutil.disk_usage(directory).free < 1 << 20
+    except OSError:
+        full = False
+    if full or (isinstance(exc, OSError) and exc.errno in FULL):
+        error = DiskFull(directory, f"{what} ({exc})", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        error.__cause__ = exc
+        return error
+    return exc
 
 
 def cpu_copy(state):
@@ -145,7 +163,7 @@ class CheckpointWriter:
             try:
                 self._write(request)
             except BaseException as exc:  # noqa: BLE001 - surfaced by save()/close()
-                self._error = exc
+                self._error = named_if_disk_full(exc, self.out_dir, f"checkpoint step {request.global_step}")
 
     def _write(self, req: SaveRequest) -> None:
         final_dir = self.out_dir / checkpoint_name(req.global_step)

@@ -255,7 +255,7 @@ def run_evaluation_job(
             code, log_path = job.wait(cfg.job_timeout_s), job.log_path
         result = json.loads(out.read_text()) if out.exists() else {}
         if code or "error" in result or "metrics" not in result:
-            summary = failure_summary(log_path)
+            summary = job.summary() if job is not None else failure_summary(log_path)
             reason = result.get("error") or (
                 "workers exited abnormally" if "metrics" in result else "worker wrote no result"
             )

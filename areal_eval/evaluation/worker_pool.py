@@ -21,7 +21,7 @@ from pathlib import Path
 
 from areal_eval import jsonl
 from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json
-from areal_eval.launcher import TorchrunJob, WorkerError, log_tail
+from areal_eval.launcher import TorchrunJob, WorkerError
 
 STOP = "stop"
 """Name of the job file that ends the ranks; it sorts after the time-stamped jobs before it."""
@@ -84,7 +84,7 @@ class WarmEvalWorkers:
                 job.kill()
                 raise WorkerError(
                     f"warm evaluation workers timed out after {timeout_s:.0f}s and were killed; "
-                    f"log {job.log_path}:\n{log_tail(job.log_path)}"
+                    f"log {job.log_path}:\n{job.tail()}"
                 )
             time.sleep(self.poll_s)
         if "error" in json.loads(result_path.read_text()):
@@ -98,11 +98,13 @@ class WarmEvalWorkers:
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self.job is not None and self.job.poll() is None:
-            self._post(f"{STOP}.json", None)
             try:
+                self._post(f"{STOP}.json", None)
                 self.job.wait(timeout_s)
             except WorkerError:
                 pass  # wait() killed it
+            except OSError:  # the stop job cannot be written (a full disk): stopped the hard way
+                self.job.kill()
         self.job = None
 
     def __enter__(self) -> WarmEvalWorkers:

@@ -211,3 +211,45 @@ def test_ctrl_c_or_sigterm_stops_everything_in_one_line_and_the_resumed_run_fini
     mlflow_run = tracker.client.get_run(mlflow_run.info.run_id)
     assert mlflow_run.info.status == "FINISHED" and "areal.failure" not in mlflow_run.data.tags
     assert mlflow_run.data.tags["areal.earlier_failures"] == "interrupted (Ctrl-C)"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MB tmpfs: checkpoints fill it within the run."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_ends_the_mlflow_run_failed_naming_the_path_and_what_was_being_written(tmp_path, small_disk):
+    """The run directory on a disk that fills up, MLflow's store elsewhere: the run ends FAILED
+    with the cause, and the stop line names the path and what was being written."""
+    params = {
+        **TINY,
+        "run_name": "full",
+        "work_dir": str(small_disk),
+        "tracking": {"tracking_uri": sqlite_mlflow_uri(tmp_path)},
+        "train": {**TINY["train"], "max_steps": 2000, "epochs": 400, "save": {"freq_steps": 2}},
+    }
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(params))
+    done = subprocess.run(
+        flow_command(config), cwd=ROOT, env=clean_env(tmp_path / "prefect"), capture_output=True, text=True, timeout=600
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    last = output.rstrip().splitlines()[-1]
+    written = rf"stopped: out of disk space: .*no space left on the disk of {small_disk}/full/\S+ while writing "
+    assert re.match(written, last), last
+    assert "free space there, then the same command resumes the run" in last
+    assert "Traceback" not in output
+    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
+    assert mlflow_run.info.status == "FAILED"
+    assert mlflow_run.data.tags["areal.failure"].startswith("out of disk space: ")
