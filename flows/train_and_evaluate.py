@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -231,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             with tracebacks_to(tracebacks):
                 summary = train_and_evaluate(config_path=args.config, overrides=args.overrides)
     except BaseException as exc:  # noqa: BLE001 - one line, first: the cause and what to run next
-        line, status = stop_line(exc, ["python", "-m", "flows.train_and_evaluate", *(argv or sys.argv[1:])], tracebacks)
+        typed = shlex.split(os.environ.get("AREAL_EVAL_COMMAND", "python -m flows.train_and_evaluate"))
+        line, status = stop_line(exc, [*typed, *(argv if argv is not None else sys.argv[1:])], tracebacks)
         print(line, file=sys.stderr, flush=True)
         return status
     minutes = (time.monotonic() - start) / 60

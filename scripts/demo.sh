@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m flows.train_and_evaluate "$@"
+# A stop prints the command that resumes the run: this one.
+AREAL_EVAL_COMMAND="bash scripts/demo.sh" exec .venv/bin/python -m flows.train_and_evaluate "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,7 +28,7 @@ from areal_eval.config.parsing import (
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
-from areal_eval.evaluation.preflight import preflight_key, run_preflight
+from areal_eval.evaluation.preflight import preflight_cache, preflight_key, run_preflight
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
 from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json, write_spec
 from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary, stay_offline
@@ -176,7 +177,7 @@ def check_before_launch(event: CheckpointEvent, spec: EvalJobSpec, work_dir: Pat
     file and line. An ``s3://`` checkpoint is checked by its workers."""
     if "://" in event.uri or not Path(event.uri).is_dir():
         return
-    passed = work_dir / "preflight" / f"{preflight_key(event, Path(spec.data), to_json(spec))}.ok"
+    passed = preflight_cache() / f"{preflight_key(event, Path(spec.data), to_json(spec))}.ok"
     if passed.exists():
         return
     spec_file = write_spec(work_dir / f"{stem}.preflight.json", spec)
@@ -186,8 +187,9 @@ def check_before_launch(event: CheckpointEvent, spec: EvalJobSpec, work_dir: Pat
         raise failure(
             f"checkpoint step {event.global_step} ({event.uri}): refused before any worker started: {refusal}"
         )
-    passed.parent.mkdir(exist_ok=True)
-    passed.touch()
+    with contextlib.suppress(OSError):  # a cache that cannot be written costs the next check, nothing else
+        passed.parent.mkdir(parents=True, exist_ok=True)
+        passed.touch()
 
 
 def run_evaluation_job(

@@ -5,13 +5,14 @@
 A row that tokenizes to nothing to score, or a setting the tokenizer cannot honour, is refused
 here, naming file and line, instead of inside a torchrun job. It runs in a process of its own,
 so the flow's process never imports torch or transformers; once the data, the settings and the
-tokenizer are known good, later checkpoints with the same tokenizer skip it.
+tokenizer are known good, later checkpoints with the same tokenizer skip it (:func:`preflight_cache`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,12 @@ WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".index.json")
 
 REFUSED_EXIT = 3
 """Exit status of a refusal (its reason on stderr): anything else is the check's own failure."""
+
+
+def preflight_cache() -> Path:
+    """Where checks that passed are remembered (``$XDG_CACHE_HOME/areal-eval/preflight``): keyed
+    by everything they depend on, so every run, flow run and work directory of the user shares them."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "areal-eval" / "preflight"
 
 
 def preflight_key(event: CheckpointEvent, data: Path, spec_json: dict) -> str:
