@@ -22,6 +22,9 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, sha256_file
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".index.json")
 """Checkpoint files that change with every step and never hold the tokenizer."""
 
+TOKENIZING_SETTINGS = ("evaluator", "max_length", "generation", "lm_loss", "lm_eval")
+"""The job spec's fields the check reads (batch sizes, timeouts and probes change nothing)."""
+
 REFUSED_EXIT = 3
 """Exit status of a refusal (its reason on stderr): anything else is the check's own failure."""
 
@@ -33,11 +36,10 @@ def preflight_cache() -> Path:
 
 
 def preflight_key(event: CheckpointEvent, data: Path, spec_json: dict) -> str:
-    """What the check depends on: the data, the evaluator settings and the checkpoint's
-    non-weight files (tokenizer and config)."""
-    settings = {
-        k: v for k, v in spec_json.items() if k not in ("checkpoint", "out", "files", "launched_at", "cache_dir")
-    }
+    """What the check depends on: the data, the settings that say how it is read and tokenized,
+    and the checkpoint's non-weight files (tokenizer and config): the same for every checkpoint
+    of a run."""
+    settings = {k: spec_json.get(k) for k in TOKENIZING_SETTINGS}
     tokenizer = sorted((f.name, f.sha256) for f in event.files if not f.name.endswith(WEIGHTS))
     blob = json.dumps([sha256_file(data), settings, tokenizer], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -45,7 +47,10 @@ def preflight_key(event: CheckpointEvent, data: Path, spec_json: dict) -> str:
 
 def run_preflight(spec_file: Path, env: dict, timeout_s: float) -> str | None:
     """None if the data passes; the refusal's one line (``DataError: file:line: ...``) if not.
-    A check that cannot run (a crash, a timeout) passes: the workers meet the same rows anyway."""
+    A check that cannot run (a crash, a timeout) passes: the workers meet the same rows anyway.
+    In a process that has imported transformers already (a notebook, a test), it runs here."""
+    if "transformers" in sys.modules:
+        return refusal(spec_file)
     try:
         done = subprocess.run(
             [sys.executable, "-m", "areal_eval.evaluation.preflight", str(spec_file)],
@@ -61,17 +66,25 @@ def run_preflight(spec_file: Path, env: dict, timeout_s: float) -> str | None:
     return None
 
 
-def main(argv: list[str]) -> int:
+def refusal(spec_file: Path) -> str | None:
+    """The check itself: None, or why the job's data or settings are refused."""
     from areal_eval.config.parsing import ConfigError
     from areal_eval.evaluation.evaluators import check_evaluation_data
     from areal_eval.job_spec import EvalJobSpec, read_spec
     from areal_eval.preference_data import DataError
 
-    spec = read_spec(EvalJobSpec, argv[0])
+    spec = read_spec(EvalJobSpec, spec_file)
     try:
         check_evaluation_data(spec.evaluator, Path(spec.data), spec, tokenizer_dir=Path(spec.checkpoint))
     except (DataError, ConfigError) as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    refused = refusal(Path(argv[0]))
+    if refused:
+        print(refused, file=sys.stderr)
         return REFUSED_EXIT
     return 0
 

@@ -1,0 +1,32 @@
+"""The pre-flight check in a process of its own, as a flow process (no transformers) runs it."""
+
+import json
+import sys
+
+import pytest
+
+from areal_eval.evaluation.generation import GenerationConfig
+from areal_eval.evaluation.preflight import run_preflight
+from areal_eval.job_spec import EvalJobSpec, write_spec
+from areal_eval.launcher import stay_offline
+
+pytestmark = pytest.mark.integration
+
+
+def test_in_a_process_of_its_own_a_bad_setting_is_refused_in_one_line_and_good_data_passes(
+    causal_checkpoint, tmp_path, monkeypatch
+):
+    checkpoint, prompts = causal_checkpoint
+    monkeypatch.delitem(sys.modules, "transformers")  # as in a flow's process: the check starts one of its own
+    spec = dict(
+        checkpoint=str(checkpoint), data=str(prompts), out=str(tmp_path / "o.json"), files=[], evaluator="generation"
+    )
+    env = stay_offline(dict(__import__("os").environ))
+    templated = write_spec(tmp_path / "t.json", EvalJobSpec(**spec, generation=GenerationConfig(chat_template=True)))
+    refused = run_preflight(templated, env, timeout_s=120)
+    assert refused == "ConfigError: eval.generation.chat_template: the checkpoint's tokenizer has no chat template"
+    assert run_preflight(write_spec(tmp_path / "ok.json", EvalJobSpec(**spec)), env, timeout_s=120) is None
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "Q: 1 + 1", "answer": "2"}) + "\n" + json.dumps({"prompt": "Q"}) + "\n")
+    refused = run_preflight(write_spec(tmp_path / "bad.json", EvalJobSpec(**{**spec, "data": str(bad)})), env, 120)
+    assert refused.startswith(f"DataError: {bad}:2: no 'answer'")
