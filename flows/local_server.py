@@ -47,7 +47,12 @@ def own_prefect_server(log_path: Path) -> Iterator[str | None]:
     port = _free_port()
     ui = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **IDLE_SERVICES_OFF, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {
+        **os.environ,
+        **IDLE_SERVICES_OFF,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": f"{ui}/api",  # the UI calls this API (its default is port 4200's)
+    }
     with log_path.open("ab") as log:
         prefect = str(Path(sys.executable).with_name("prefect"))
         server = subprocess.Popen(

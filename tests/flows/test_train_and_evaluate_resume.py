@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -45,6 +46,11 @@ def flow_run_states(prefect_home: Path, name: str) -> list[str]:
     """The states of the flow runs called ``name`` in that temporary server's database."""
     with contextlib.closing(sqlite3.connect(prefect_home / "prefect.db")) as db:
         return sorted(state for (state,) in db.execute("SELECT state_type FROM flow_run WHERE name = ?", (name,)))
+
+
+def log_text(log) -> str:
+    log.flush()
+    return Path(log.name).read_text()
 
 
 def wait_for(condition, timeout_s: float, what: str):
@@ -189,6 +195,10 @@ def test_ctrl_c_or_sigterm_stops_everything_in_one_line_and_ends_mlflow_killed(t
         wait_for(lambda: len(Manifest(run.manifest).events()) >= 3, 300, f"three checkpoints (flow log {log.name})")
         family = psutil.Process(flow.pid).children(recursive=True)
         assert any("prefect" in " ".join(p.cmdline()) and "server" in p.cmdline() for p in family)
+        # The UI it prints calls that server's API (not the default port 4200's).
+        ui = re.search(r"Prefect UI for this run \(up while it lasts\): (http://\S+)/runs", log_text(log)).group(1)
+        settings = json.loads(urllib.request.urlopen(f"{ui}/ui-settings", timeout=10).read())
+        assert settings["api_url"] == f"{ui}/api"
         os.killpg(flow.pid, sig)
         assert flow.wait(120) == 128 + sig
         wait_for(
