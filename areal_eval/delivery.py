@@ -122,8 +122,9 @@ class Deliverer:
 
 
 class Notifier:
-    """Sends alerts from threads of its own, so a webhook that hangs delays its own notification,
-    never the loop's next decision, nor another alert (a stop request included)."""
+    """Sends alerts (and other one-off side effects: a failed attempt's record) from threads of
+    its own, so a webhook or a tracker that hangs delays only its own call, never the loop's next
+    decision, nor another alert (a stop request included)."""
 
     def __init__(self, send: Callable[[object], None], warn: Callable[[str], None], workers: int = 4):
         from concurrent.futures import ThreadPoolExecutor
@@ -133,19 +134,23 @@ class Notifier:
         self._pending: list = []
 
     def add(self, alert) -> None:
-        context = contextvars.copy_context()  # the flow run's: its task runs belong to the run
-        self._pending.append((alert, self._pool.submit(context.run, self._deliver, alert)))
+        self.call(f"alert {alert.rule} at step {alert.step} could not be sent", self._send, alert)
 
-    def _deliver(self, alert) -> None:
+    def call(self, failure: str, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on a notifier thread; if it raises, warn ``failure: <error>``."""
+        context = contextvars.copy_context()  # the flow run's: its task runs belong to the run
+        self._pending.append(self._pool.submit(context.run, self._run, failure, fn, *args))
+
+    def _run(self, failure: str, fn: Callable, *args) -> None:
         try:
-            self._send(alert)
+            fn(*args)
         except Exception as exc:  # noqa: BLE001 - a side fault: warned about, the run goes on
-            self._warn(f"alert {alert.rule} at step {alert.step} could not be sent: {exc!r}")
+            self._warn(f"{failure}: {brief(exc)}")
 
     def close(self, timeout_s: float = 60.0) -> int:
-        """Wait up to ``timeout_s`` for the alerts in flight; returns how many were left unsent."""
+        """Wait up to ``timeout_s`` for the calls in flight; returns how many were left unfinished."""
         from concurrent.futures import wait
 
-        _, left = wait([future for _, future in self._pending], timeout=timeout_s)
+        _, left = wait(self._pending, timeout=timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
         return len(left)

@@ -189,7 +189,7 @@ class FollowLoop:
             unsent = self.notifier.close(self.cfg.delivery_timeout_s)
             if unsent:
                 self.io.warn(
-                    f"{unsent} alert notifications were still being sent when the run ended; they are not retried"
+                    f"{unsent} alert notifications or attempt records were in flight when the run ended: not retried"
                 )
             results, rows = self.delivery.close(self.cfg.delivery_timeout_s)
             if results or rows:
@@ -269,7 +269,9 @@ class FollowLoop:
             failed_for_good = self.planner.attempt_failed(
                 done.event, cause, is_permanent(exc), self.cfg.max_attempts, retried, is_bad_checkpoint(exc)
             )
-            self._side_effect(self.io.log_failed_attempt, step)
+            self.notifier.call(
+                f"failed attempt of step {step} not recorded in the tracker", self.io.log_failed_attempt, step
+            )
             if not failed_for_good:
                 self.io.warn(f"checkpoint step {step}: evaluation attempt failed, queued again: {cause}")
                 return
@@ -293,12 +295,6 @@ class FollowLoop:
             alerts = self.alerts.check(step, result.metrics)
         for alert in alerts:
             self.notifier.add(alert)
-
-    def _side_effect(self, call: Callable, *args) -> None:
-        try:
-            call(*args)
-        except Exception as exc:  # noqa: BLE001 - a side fault (the tracker down): warned about, the run goes on
-            self.io.warn(f"{getattr(call, '__name__', call)}{args} failed: {exc!r}")
 
     def _collect_probe(self, event: CheckpointEvent, result: EvalResult) -> None:
         """A probe is not a result (no alert judges it): held, it is logged as ``eval_probe/*``;
