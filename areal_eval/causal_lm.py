@@ -12,9 +12,10 @@ from areal_eval.checkpoints import loading
 from areal_eval.checkpoints.manifest import CheckpointError
 
 
-def load_model(path: str | Path, allow_pickle: bool = False):
-    """A causal LM from a local directory. A checkpoint whose config names a sequence classifier
-    (a reward model) is refused: it has no language-modelling head to generate or score with."""
+def load_model(path: str | Path, allow_pickle: bool = False, dtype: str = "float32", device=None):
+    """A causal LM from a local directory, in ``dtype`` (an ``eval.dtype`` value) on ``device``.
+    A checkpoint whose config names a sequence classifier (a reward model) is refused: it has
+    no language-modelling head to generate or score with."""
     from transformers import AutoModelForCausalLM
 
     heads = [
@@ -26,7 +27,7 @@ def load_model(path: str | Path, allow_pickle: bool = False):
             "generation and lm_loss need a model AutoModelForCausalLM loads (use eval.evaluator: reward_model "
             "for reward models)"
         )
-    return loading.load_pretrained(AutoModelForCausalLM, path, allow_pickle)
+    return loading.load_pretrained(AutoModelForCausalLM, path, allow_pickle, dtype, device)
 
 
 def load_tokenizer(path: str | Path):
@@ -40,15 +41,15 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_shared(path: str | Path, allow_pickle: bool = False, models: dict | None = None):
-    """(model, tokenizer) of the checkpoint on this rank's device, in eval mode; loaded once per
-    job when evaluators share ``models``."""
+def load_shared(path: str | Path, allow_pickle: bool = False, models: dict | None = None, dtype: str = "auto"):
+    """(model, tokenizer) of the checkpoint on this rank's device in ``dtype``, in eval mode;
+    loaded once per job when evaluators share ``models``."""
     from areal_eval import distributed
 
-    key = (str(path), allow_pickle)
+    key = (str(path), allow_pickle, dtype)
     if models is not None and key in models:
         return models[key]
-    model = load_model(path, allow_pickle).to(distributed.device()).eval()
+    model = load_model(path, allow_pickle, dtype, distributed.device()).eval()
     loaded = (model, load_tokenizer(path))
     if models is not None:
         models[key] = loaded

@@ -32,6 +32,8 @@ class EvaluatorSettings:
 
     max_length: int = 64
     """Tokens per example (reward model)."""
+    dtype: str = "auto"
+    """The dtype models are loaded and run in (``eval.dtype``)."""
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     """Settings of the ``generation`` evaluator."""
     lm_loss: LMLossConfig = dataclasses.field(default_factory=LMLossConfig)

@@ -66,11 +66,12 @@ def build_model(cfg, tokenizer):
     return AutoModelForSequenceClassification.from_config(config)
 
 
-def load_model(path: str | Path, allow_pickle: bool = False):
-    """Load a reward model from a local directory (see :func:`checkpoints.loading.load_pretrained`)."""
+def load_model(path: str | Path, allow_pickle: bool = False, dtype: str = "float32", device=None):
+    """Load a reward model from a local directory, in ``dtype`` on ``device`` (see
+    :func:`checkpoints.loading.load_pretrained`)."""
     from transformers import AutoModelForSequenceClassification
 
-    return loading.load_pretrained(AutoModelForSequenceClassification, path, allow_pickle, num_labels=1)
+    return loading.load_pretrained(AutoModelForSequenceClassification, path, allow_pickle, dtype, device, num_labels=1)
 
 
 def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, source: str | Path | None = None) -> list[dict]:
@@ -126,11 +127,13 @@ def pair_scores_trimmed(model, batch: dict[str, torch.Tensor], chunks: int = 2) 
     mask = batch["attention_mask"]
     lengths = mask.sum(dim=1)
     order = torch.argsort(lengths)
-    scores = torch.empty(mask.shape[0], dtype=torch.float32, device=mask.device)
+    device = model.device
+    # Scores leave the model's dtype (bf16 say) for float64 at once: sums and margins stay exact.
+    scores = torch.empty(mask.shape[0], dtype=torch.float64)
     for part in torch.chunk(order, chunks):
         width = int(lengths[part].max())
-        out = model(input_ids=batch["input_ids"][part, :width], attention_mask=mask[part, :width]).logits.squeeze(-1)
-        scores[part] = out.float()
+        ids, part_mask = batch["input_ids"][part, :width].to(device), mask[part, :width].to(device)
+        scores[part] = model(input_ids=ids, attention_mask=part_mask).logits.squeeze(-1).double().cpu()
     return scores[0::2], scores[1::2]
 
 

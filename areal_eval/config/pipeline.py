@@ -134,7 +134,11 @@ class PipelineConfig:
         """What configures the evaluators, as their jobs receive it."""
         e = self.eval
         return EvaluatorSettings(
-            max_length=self.model.max_length, generation=e.generation, lm_loss=e.lm_loss, lm_eval=e.lm_eval
+            max_length=self.model.max_length,
+            dtype=e.dtype,
+            generation=e.generation,
+            lm_loss=e.lm_loss,
+            lm_eval=e.lm_eval,
         )
 
     @property

@@ -40,6 +40,9 @@ class BaseEvaluator:
     shared_models: dict | None = None
     """Models already loaded in this job, by checkpoint: evaluators run together share one."""
 
+    dtype: str = "auto"
+    """The dtype to load and run the model in (``eval.dtype``; set by :func:`make_evaluator`)."""
+
     supports_subsets = False
     """Its ``batches`` read :meth:`items`, so :meth:`select` works: probes need it."""
     _selected: list[int] | None = None
@@ -134,11 +137,10 @@ class RewardModelEvaluator(BaseEvaluator):
             reward_model.tokenize_pairs(reward_model.load_tokenizer(tokenizer_dir), pairs, settings.max_length, path)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
-        from areal_eval import reward_model
+        from areal_eval import distributed, reward_model
 
         self.tokenizer = reward_model.load_tokenizer(checkpoint_dir)
-        self.model = reward_model.load_model(checkpoint_dir, allow_pickle=allow_pickle)
-        self.model.eval()
+        self.model = reward_model.load_model(checkpoint_dir, allow_pickle, self.dtype, distributed.device()).eval()
         self.pairs = reward_model.tokenize_pairs(self.tokenizer, read_pairs(data_path), self.max_length, data_path)
 
     def num_samples(self) -> int:
@@ -346,6 +348,8 @@ def make_evaluator(spec: str, settings=None) -> BaseEvaluator:
 
         settings = EvaluatorSettings()
     parts = [evaluator_class(n).from_settings(settings) for n in evaluator_names(spec)]
+    for part in parts:
+        part.dtype = getattr(settings, "dtype", "auto")
     return parts[0] if len(parts) == 1 else CombinedEvaluator(parts)
 
 

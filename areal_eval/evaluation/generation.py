@@ -253,7 +253,7 @@ class GenerationEvaluator(BaseEvaluator):
                 encode_prompt(tok, p["prompt"], cfg.chat_template, f"{path}:{p['line']}")
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
-        self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models)
+        self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models, self.dtype)
         self.prompts = read_prompts(data_path, self.cfg.prompt_field, self.cfg.answer_field)
         self.data_path = data_path
         self.max_prompt_tokens = prompt_budget(self.cfg, getattr(self.model.config, "max_position_embeddings", None))

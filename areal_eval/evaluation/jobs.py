@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
+from areal_eval.checkpoints.loading import DTYPES
 from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.config.parsing import (
@@ -92,6 +93,10 @@ class EvalConfig:
     """Ranks per model-parallel group; the data-parallel head broadcasts batches to it."""
     batch_size: int = 32
     """Examples per batch (pairs, texts, or generated answers)."""
+    dtype: str = "auto"
+    """The dtype every evaluator loads and runs the model in: ``auto`` (the checkpoint's own, its
+    ``config.json`` ``dtype``), ``float32``, ``bfloat16`` or ``float16``. Sums and metrics are
+    taken in float64 whatever it is. One the device cannot run is refused before the model loads."""
     evaluator: str = "reward_model"
     """``reward_model``, ``generation``, ``lm_loss``, or ``module:Class``; several, comma-separated,
     run in one job on one loaded model, and their metrics are named ``evaluator/metric``."""
@@ -130,6 +135,7 @@ class EvalConfig:
     evaluations are bounded by the ``gpu_slot`` concurrency limit as well."""
 
     PATTERNS: ClassVar[dict] = {"evaluator": lambda: evaluator_spec_pattern()}
+    CHOICES: ClassVar[dict] = {"dtype": lambda: list(DTYPES)}
     RANGES: ClassVar[Ranges] = {
         "nproc": RANKS,
         "slots": Bounds(1, 64),
@@ -144,6 +150,8 @@ class EvalConfig:
 
     def __post_init__(self):
         check_ranges(self, self.RANGES)
+        if self.dtype not in DTYPES:
+            raise FieldError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
 
@@ -226,6 +234,7 @@ def run_evaluation_job(
         evaluator=cfg.evaluator,
         batch_size=cfg.batch_size,
         max_length=max_length,
+        dtype=cfg.dtype,
         generation=cfg.generation,
         lm_loss=cfg.lm_loss,
         lm_eval=cfg.lm_eval,

@@ -154,7 +154,7 @@ class LMEvalEvaluator(BaseEvaluator):
         return None  # the tasks decide
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
-        self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models)
+        self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models, self.dtype)
 
     def num_samples(self) -> int:
         return 1

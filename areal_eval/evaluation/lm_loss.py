@@ -60,7 +60,7 @@ class LMLossEvaluator(BaseEvaluator):
                 encode_row(tok, row, settings.lm_loss.max_length, path)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
-        self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models)
+        self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models, self.dtype)
         rows = read_texts(data_path, self.cfg.completion_field)
         self.rows = [encode_row(self.tokenizer, row, self.cfg.max_length, data_path) for row in rows]
 
