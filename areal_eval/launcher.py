@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from areal_eval.devices import Placement
+
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_VERBOSITY": "error",
@@ -174,9 +176,12 @@ def _prctl():
         return None
 
 
-def _start_job(nice: int) -> None:
-    """In the child, before exec: die with the flow, then lower the priority if asked."""
+def _start_job(nice: int, cpus: set[int] | None = None) -> None:
+    """In the child, before exec: die with the flow, pin its CPU cores and lower its priority
+    if asked."""
     die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if nice:
         lower_priority(nice)
 
@@ -245,11 +250,14 @@ class TorchrunJob:
         env: dict | None = None,
         nice: int = 0,
         nodes: NodeLayout = NodeLayout(),
+        placement: Placement | None = None,
     ):
+        """``placement``: the devices its ranks run on (``CUDA_VISIBLE_DEVICES``, CPU affinity)."""
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**os.environ, **(placement.env() if placement else {}), **(env or {})}
+        cpus = placement.cpus if placement else None
         full_env.setdefault("OMP_NUM_THREADS", "1")
         for key, value in HEAP_SETTINGS.items():
             full_env.setdefault(key, value)
@@ -264,7 +272,7 @@ class TorchrunJob:
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
-            preexec_fn=lambda: _start_job(nice),
+            preexec_fn=lambda: _start_job(nice, cpus),
         )
         self.output = OutputTee(self.proc.stdout, self.log_path)
         self.output.start()

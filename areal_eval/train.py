@@ -26,6 +26,7 @@ from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
 from areal_eval.checkpoints.store import StorageConfig, open_store
 from areal_eval.config.parsing import AT_LEAST_1, BATCH, NON_NEGATIVE, POSITIVE, RANKS, FieldError, Ranges, check_ranges
+from areal_eval.devices import Devices, check_setting
 from areal_eval.job_spec import read_spec
 from areal_eval.launcher import TorchrunJob, die_with_parent
 from areal_eval.objectives import ModelConfig, objective
@@ -59,6 +60,9 @@ class SaveConfig:
 class TrainConfig:
     nproc: int = 2
     """Training ranks (torchrun --nproc-per-node)."""
+    devices: Devices = "auto"
+    """Devices training runs on: visible GPU indices (one per rank), or CPU core ids on a machine
+    without GPUs. ``auto``: the first ``nproc`` GPUs; on CPU, not pinned."""
     epochs: int = 3
     """Passes over the training data."""
     max_steps: int | None = None
@@ -99,6 +103,7 @@ class TrainConfig:
 
     def __post_init__(self):
         check_ranges(self, self.RANGES)
+        check_setting(self.devices, "devices")
 
 
 @dataclasses.dataclass

@@ -28,6 +28,7 @@ from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.config.parsing import ConfigError
 from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, set_fields
+from areal_eval.devices import plan_here
 from areal_eval.disk import is_disk_full
 from areal_eval.follow_loop import FollowLoop, LoopConfig
 from areal_eval.launcher import TorchrunJob
@@ -181,7 +182,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
         external_timeout_s=cfg.train.external_timeout_s if cfg.train.external else None,
         refined=bool(read_state(run).get("refined")) and training is None and not cfg.train.external,
     )
-    with warm_workers(cfg, run.evals) as workers:
+    with warm_workers(cfg, run.evals, training_here=training is not None) as workers:
         io = PrefectLoopIO(cfg, run, mlflow_run_id, planner.ledger, total_train_steps(run, cfg), workers)
         ledger = FollowLoop(
             planner,
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # bad input is reported once, first, in one line, before Prefect or training starts
         cfg = load_pipeline_config(args.config, None, args.overrides)
         check_inputs(cfg)
+        plan_here(cfg)  # a device this machine lacks is named now
         webhook_url(cfg.alerts)
         _taken_by_main = RunLock(RunDir(cfg.run_root)).acquire()  # handed to the flow
     except (ConfigError, DataError, RunBusy) as exc:

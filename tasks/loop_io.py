@@ -16,6 +16,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.devices import SlotDevices
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.evaluation.worker_pool import WarmWorkerGroups
 from areal_eval.runs.directory import RunDir
@@ -48,7 +49,7 @@ class PrefectLoopIO:
         mlflow_run_id: str,
         ledger: Ledger,
         total_steps: int | None,
-        workers: WarmWorkerGroups | None = None,
+        workers: WarmWorkerGroups | SlotDevices | None = None,
     ):
         self.cfg, self.run, self.mlflow_run_id, self.ledger = cfg, run, mlflow_run_id, ledger
         self.total_steps, self.workers = total_steps, workers

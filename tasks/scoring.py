@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +15,9 @@ from prefect.deployments import run_deployment
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.devices import DevicePlan, SlotDevices, plan_here
 from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, run_evaluation_job
-from areal_eval.evaluation.worker_pool import WarmWorkerGroups
+from areal_eval.evaluation.worker_pool import WarmEvalWorkers, WarmWorkerGroups
 from areal_eval.failures import is_permanent
 from areal_eval.tracking import EVAL_PREFIX, PROBE_PREFIX
 from tasks.mlflow_logging import tracker_for
@@ -27,7 +29,7 @@ def score_checkpoint(
     data_path: Path,
     cfg: PipelineConfig,
     work_dir: Path,
-    workers: WarmWorkerGroups | None = None,
+    workers: WarmWorkerGroups | SlotDevices | None = None,
     probe: bool = False,
 ) -> EvalResult:
     """Fetch the checkpoint, load it on ``cfg.eval.nproc`` ranks (a free group of ``workers``)
@@ -40,7 +42,9 @@ def score_checkpoint(
     retried: list[str] = []
     while True:
         try:
-            with workers.lease() if workers is not None else contextlib.nullcontext() as group:
+            with (workers or slot_devices(cfg)).lease() as slot:
+                group = slot if isinstance(slot, WarmEvalWorkers) else None
+                placement = None if group is not None else slot
                 result = run_evaluation_job(
                     event,
                     data_path,
@@ -52,6 +56,7 @@ def score_checkpoint(
                     group,
                     probe_fraction=cfg.scheduler.probe_fraction,
                     probe_only=probe,
+                    placement=placement,
                 )
             return dataclasses.replace(result, retried=retried)
         except Exception as exc:
@@ -64,6 +69,25 @@ def score_checkpoint(
             time.sleep(delay)
 
 
+@functools.cache
+def _slot_devices(key: str, plan: DevicePlan) -> SlotDevices:
+    return SlotDevices(plan.eval_slots)
+
+
+def slot_devices(cfg: PipelineConfig, training_here: bool = False) -> SlotDevices:
+    """This process's lease of the evaluation slots' devices (fresh torchrun jobs), one per
+    device setting: shared by every evaluation the process runs at once."""
+    plan = plan_here(cfg, training_here)
+    return _slot_devices(repr(plan), plan)
+
+
+def worker_groups(cfg: PipelineConfig, work_dir: Path, training_here: bool = False) -> WarmWorkerGroups:
+    """``eval.slots`` warm groups of ``eval.nproc`` ranks, each on its slot's devices."""
+    e = cfg.eval
+    placements = plan_here(cfg, training_here).eval_slots
+    return WarmWorkerGroups(e.slots, e.nproc, work_dir, e.nice, e.collective_timeout_s, placements=placements)
+
+
 _process_workers: WarmWorkerGroups | None = None
 """Warm worker groups every evaluation of this process runs on (the evaluation service's)."""
 
@@ -73,9 +97,7 @@ def serve_warm_workers(cfg: PipelineConfig, work_dir: Path) -> Iterator[WarmWork
     """Warm worker groups (``eval.slots`` of ``eval.nproc`` ranks) for every ``evaluate`` call
     this process makes while inside: a long-lived service pays worker start-up once."""
     global _process_workers
-    with WarmWorkerGroups(
-        cfg.eval.slots, cfg.eval.nproc, work_dir, cfg.eval.nice, cfg.eval.collective_timeout_s
-    ) as groups:
+    with worker_groups(cfg, work_dir) as groups:
         _process_workers = groups
         try:
             yield groups
@@ -95,7 +117,7 @@ def submit_scoring(
     data_path: Path,
     cfg: PipelineConfig,
     work_dir: Path,
-    workers: WarmWorkerGroups | None = None,
+    workers: WarmWorkerGroups | SlotDevices | None = None,
     probe: bool = False,
 ):
     return scoring_task(event, cfg, probe).submit(event, data_path, cfg, work_dir, workers, probe)
@@ -108,11 +130,15 @@ def scoring_task(event: CheckpointEvent, cfg: PipelineConfig, probe: bool):
     return score_checkpoint
 
 
-def warm_workers(cfg: PipelineConfig, work_dir: Path) -> contextlib.AbstractContextManager:
-    """Evaluation ranks kept for a whole flow run (``eval.warm_workers``), a group per slot, or nothing."""
-    if cfg.eval.warm_workers and not cfg.eval.deployment:
-        return WarmWorkerGroups(cfg.eval.slots, cfg.eval.nproc, work_dir, cfg.eval.nice, cfg.eval.collective_timeout_s)
-    return contextlib.nullcontext()
+def warm_workers(cfg: PipelineConfig, work_dir: Path, training_here: bool) -> contextlib.AbstractContextManager:
+    """What a flow run's evaluations run on: ranks kept for the whole run (``eval.warm_workers``),
+    a group per slot; else each slot's devices for fresh jobs; nothing when a pool evaluates.
+    ``training_here``: this flow runs training, whose devices evaluation leaves alone."""
+    if cfg.eval.deployment:
+        return contextlib.nullcontext()
+    if cfg.eval.warm_workers:
+        return worker_groups(cfg, work_dir, training_here)
+    return SlotDevices(plan_here(cfg, training_here).eval_slots)
 
 
 @task(cache_policy=NO_CACHE, name="dispatch-evaluation", task_run_name="dispatch-step-{event.global_step}")

@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.devices import plan_here
 from areal_eval.launcher import TorchrunJob
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.setup import prepare_run
@@ -22,8 +23,14 @@ def prepare_run_dir(cfg: PipelineConfig) -> RunDir:
 
 @task(cache_policy=NO_CACHE, name="start-training")
 def start_training(cfg: PipelineConfig, run: RunDir) -> TorchrunJob:
-    """Launch DDP training on ``cfg.train.nproc`` ranks; returns at once."""
-    return TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
+    """Launch DDP training on ``cfg.train.nproc`` ranks, on ``train.devices``; returns at once."""
+    return TorchrunJob(
+        "areal_eval.train",
+        ["--config", str(run.train_config)],
+        cfg.train.nproc,
+        run.logs / "train.log",
+        placement=plan_here(cfg).train,
+    )
 
 
 @task(cache_policy=NO_CACHE, name="wait-for-training")

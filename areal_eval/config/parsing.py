@@ -116,7 +116,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
                 return _convert(arg, value, where)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: invalid value {value!r}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        each = "; or ".join(e.removeprefix(f"{where}: ") for e in errors)
+        raise ConfigError(f"{where}: invalid value {value!r} ({each})")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:

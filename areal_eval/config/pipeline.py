@@ -24,6 +24,7 @@ from areal_eval.config.parsing import (
     parse_overrides,
     read_file,
 )
+from areal_eval.devices import check_disjoint
 from areal_eval.evaluation.evaluators import make_evaluator, produced_metrics
 from areal_eval.evaluation.jobs import EvalConfig
 from areal_eval.job_spec import EvaluatorSettings
@@ -85,6 +86,7 @@ class PipelineConfig:
 
     def __post_init__(self):
         check_ranges(self, self.RANGES)
+        check_disjoint(self.train.devices, self.eval.devices, self.eval.share_devices)
         if not re.fullmatch(RUN_NAME_PATTERN, self.run_name):
             raise FieldError(
                 "run_name",

@@ -26,6 +26,7 @@ from areal_eval.config.parsing import (
     Ranges,
     check_ranges,
 )
+from areal_eval.devices import Devices, Placement, check_setting
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
@@ -129,6 +130,15 @@ class EvalConfig:
     warm_workers: bool = True
     """Keep the evaluation ranks alive between evaluations of a flow run (one torchrun job
     serves them all), saving interpreter and library start-up each time. Single node only."""
+    devices: Devices = "auto"
+    """Devices evaluation runs on, split among the slots: visible GPU indices (one per rank,
+    ``slots`` x ``nproc`` of them), or CPU core ids on a machine without GPUs. ``auto``: the GPUs
+    training does not take; on CPU, not pinned. Each slot's worker group sees only its own
+    (``CUDA_VISIBLE_DEVICES``; CPU affinity on cores)."""
+    share_devices: bool = False
+    """Let evaluation run on training's devices (a one-GPU machine). It costs training speed
+    and memory: evaluation's forward passes take turns with training's on the same device, and
+    its model and activations sit beside training's."""
     slots: int = 1
     """Evaluations in flight at once: the flow keeps a group of ``nproc`` ranks for each, and
     waiting checkpoints are coalesced only when every slot is busy. On a server, dispatched
@@ -150,6 +160,7 @@ class EvalConfig:
 
     def __post_init__(self):
         check_ranges(self, self.RANGES)
+        check_setting(self.devices, "devices")
         if self.dtype not in DTYPES:
             raise FieldError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.nproc % self.mp_size:
@@ -211,10 +222,12 @@ def run_evaluation_job(
     workers: WarmEvalWorkers | None = None,
     probe_fraction: float | None = None,
     probe_only: bool = False,
+    placement: Placement | None = None,
 ) -> EvalResult:
     """Evaluate ``event``'s checkpoint on ``cfg.nproc`` torchrun ranks: the ``workers`` kept warm
     between evaluations, or a fresh torchrun job. With ``probe_fraction`` (probes on) the probe
-    subset is evaluated apart too, or alone (``probe_only``: a probe).
+    subset is evaluated apart too, or alone (``probe_only``: a probe). A fresh job runs on
+    ``placement``'s devices (the warm ``workers`` on their own).
 
     An ``s3://`` checkpoint is downloaded once per node into ``cache_dir`` (default
     ``work_dir/checkpoint-cache``) with the ``s3`` client settings.
@@ -262,6 +275,7 @@ def run_evaluation_job(
                 work_dir / f"{stem}.log",
                 nice=cfg.nice,
                 nodes=nodes,
+                placement=placement,
             )
             code, log_path = job.wait(cfg.job_timeout_s), job.log_path
         result = json.loads(out.read_text()) if out.exists() else {}

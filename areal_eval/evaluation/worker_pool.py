@@ -16,10 +16,11 @@ import json
 import queue
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from areal_eval import jsonl
+from areal_eval.devices import Placement
 from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json
 from areal_eval.launcher import TorchrunJob, WorkerError
 
@@ -37,8 +38,11 @@ class WarmEvalWorkers:
         nice: int = 0,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
         poll_s: float = 0.01,
+        placement: Placement | None = None,
     ):
         self.nproc, self.nice, self.poll_s = nproc, nice, poll_s
+        self.placement = placement
+        """The devices its ranks run on (None: not pinned)."""
         self.collective_timeout_s = collective_timeout_s
         self.work_dir = Path(work_dir)
         self.inbox = self.work_dir / "inbox"
@@ -65,6 +69,7 @@ class WarmEvalWorkers:
                 self.nproc,
                 self.work_dir / f"warm-workers-{self.started_jobs}.log",
                 nice=self.nice,
+                placement=self.placement,
             )
         return self.job
 
@@ -116,8 +121,9 @@ class WarmEvalWorkers:
 
 class WarmWorkerGroups:
     """One warm worker group per evaluation slot (``eval.slots``): an evaluation leases a free
-    group for its duration, so N evaluations run at once on N groups of ranks. Group 0 works in
-    ``work_dir`` itself, group i in ``work_dir/slot-i``."""
+    group for its duration, so N evaluations run at once on N groups of ranks, each on the
+    devices of its slot (``placements``). Group 0 works in ``work_dir`` itself, group i in
+    ``work_dir/slot-i``."""
 
     def __init__(
         self,
@@ -126,10 +132,14 @@ class WarmWorkerGroups:
         work_dir: str | Path,
         nice: int = 0,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        placements: Sequence[Placement | None] = (),
     ):
         work_dir = Path(work_dir)
+        placements = list(placements) or [None] * slots
         self.groups = [
-            WarmEvalWorkers(nproc, work_dir / f"slot-{i}" if i else work_dir, nice, collective_timeout_s)
+            WarmEvalWorkers(
+                nproc, work_dir / f"slot-{i}" if i else work_dir, nice, collective_timeout_s, placement=placements[i]
+            )
             for i in range(slots)
         ]
         self._free: queue.Queue[WarmEvalWorkers] = queue.Queue()
