@@ -93,13 +93,15 @@ FORK_RANKS_ENV = "AREAL_EVAL_FORK_RANKS"
 """``0``: plain torchrun, each rank a fresh interpreter (the way out if forking ever misbehaves)."""
 
 
-def torchrun_command(module: str, args: list[str], nproc: int, nodes: NodeLayout = NodeLayout()) -> list[str]:
+def torchrun_command(
+    module: str, args: list[str], nproc: int, nodes: NodeLayout = NodeLayout(), python: str | None = None
+) -> list[str]:
     """torchrun's command line, run by :mod:`areal_eval.forked_ranks` (ranks forked from an agent
     that imported torch and transformers once, instead of each importing them again) unless
-    :data:`FORK_RANKS_ENV` is ``0``."""
+    :data:`FORK_RANKS_ENV` is ``0``; by ``python`` (default: this interpreter)."""
     forked = os.environ.get(FORK_RANKS_ENV, "1") != "0"
     return [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "areal_eval.forked_ranks" if forked else "torch.distributed.run",
         *nodes.torchrun_args(),
@@ -251,8 +253,10 @@ class TorchrunJob:
         nice: int = 0,
         nodes: NodeLayout = NodeLayout(),
         placement: Placement | None = None,
+        python: str | None = None,
     ):
-        """``placement``: the devices its ranks run on (``CUDA_VISIBLE_DEVICES``, CPU affinity)."""
+        """``placement``: the devices its ranks run on (``CUDA_VISIBLE_DEVICES``, CPU affinity);
+        ``python``: the interpreter of an environment of their own (default: this one)."""
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
@@ -263,7 +267,7 @@ class TorchrunJob:
             full_env.setdefault(key, value)
         stay_offline(full_env)
         _prctl()  # resolved here, before the fork
-        command = torchrun_command(module, args, nproc, nodes)
+        command = torchrun_command(module, args, nproc, nodes, python)
         self.dumps_stacks = command[2] == "areal_eval.forked_ranks"
         """Its processes print their Python stacks to the log on :data:`STACKS_SIGNAL`."""
         self.proc = subprocess.Popen(

