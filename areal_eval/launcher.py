@@ -18,8 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
-
 from areal_eval.devices import Placement
 
 OFFLINE_ENV = {
@@ -334,6 +332,8 @@ class TorchrunJob:
         if not self.dumps_stacks or self.proc.poll() is not None:
             return
         try:
+            import psutil  # the flow's side only: the workers need nothing beyond torch and transformers
+
             agent = psutil.Process(self.proc.pid)
             processes = [agent, *agent.children(recursive=True)]
         except psutil.Error:
@@ -376,6 +376,8 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     # A zombie leader still counts as a group; look for a live member.
+    import psutil
+
     for proc in psutil.process_iter(["status"]):
         try:
             if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
