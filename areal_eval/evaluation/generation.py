@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 from areal_eval import causal_lm
 from areal_eval.config.parsing import NON_NEGATIVE, TOKENS, Bounds, ConfigError, FieldError, Ranges, check_ranges
+from areal_eval.evaluation.decoders import DECODERS, Completion
 from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr, truncation_warning
 from areal_eval.evaluation.rewards import load_reward
 from areal_eval.preference_data import DataError
 from areal_eval.prompt_data import read_prompts
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 @dataclasses.dataclass
@@ -120,114 +121,6 @@ def majority_reward(keys: list[str], rewards: list[float]) -> float:
     best = max(counts.values())
     winner = next(k for k in keys if k and counts[k] == best)
     return rewards[keys.index(winner)]
-
-
-class SeededSampler:
-    """A logits processor that draws each row's next token from that row's own generator (with
-    temperature and top-p) and leaves only it possible, so greedy search takes it. Rows whose
-    seed is None stay greedy."""
-
-    def __init__(self, seeds: list[int | None], temperature: float, top_p: float):
-        import torch
-
-        self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-        self.temperature, self.top_p = temperature, top_p
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p  # always keeps the top token
-            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-        rows = zip(probs, self.generators, strict=True)
-        chosen = torch.stack(
-            [p.argmax(-1, keepdim=True) if g is None else torch.multinomial(p, 1, generator=g) for p, g in rows]
-        )
-        forced = torch.full_like(scores, float("-inf"))
-        return forced.scatter(-1, chosen.to(scores.device), 0.0)
-
-
-@dataclasses.dataclass
-class Completion:
-    token_ids: list[int]
-    text: str
-    truncated: bool
-
-
-class TransformersDecoder:
-    """Batched ``model.generate``: left-padded prompts, KV cache, greedy or seeded sampling."""
-
-    def __init__(self, model, tokenizer, cfg: GenerationConfig):
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
-
-    def complete(self, prompt_ids: list[list[int]], seeds: list[int | None]) -> list[Completion]:
-        """One answer per prompt row: greedy where its seed is None, else sampled from that seed."""
-        import torch
-        from transformers import GenerationConfig as HFGenerationConfig
-        from transformers import LogitsProcessorList
-
-        from areal_eval import distributed
-
-        tok, cfg = self.tokenizer, self.cfg
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(prompt_ids):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        device = distributed.device()
-        eos = tok.eos_token_id
-        settings = HFGenerationConfig(
-            max_new_tokens=cfg.max_new_tokens,
-            do_sample=False,
-            num_beams=1,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=eos,
-            stop_strings=cfg.stop or None,
-        )
-        processors = LogitsProcessorList()
-        if any(s is not None for s in seeds):
-            processors.append(SeededSampler(seeds, cfg.temperature, cfg.top_p))
-        out = self.model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            generation_config=settings,
-            logits_processor=processors,
-            tokenizer=tok if cfg.stop else None,
-        )
-        return [completion_from(tok, cfg, row[width:].tolist()) for row in out.cpu()]
-
-
-def completion_from(tok, cfg: GenerationConfig, generated: list[int]) -> Completion:
-    """An answer from the tokens a decoder generated, by the same rules on every backend: it ends
-    at the end-of-sequence token or a stop string, and one that ended neither way is truncated."""
-    ended = tok.eos_token_id in generated
-    if ended:
-        generated = generated[: generated.index(tok.eos_token_id)]
-    while generated and generated[-1] == tok.pad_token_id:  # rows that stopped early are padded
-        generated = generated[:-1]
-        ended = True
-    text = tok.decode(generated, skip_special_tokens=True)
-    cuts = [text.index(s) for s in cfg.stop if s in text]
-    if cuts:
-        text, ended = text[: min(cuts)], True
-    return Completion(generated, text, truncated=not ended)
-
-
-def _vllm_decoder(checkpoint_dir, model, tokenizer, cfg, dtype):
-    from areal_eval.evaluation.vllm_decoder import VLLMDecoder
-
-    return VLLMDecoder(checkpoint_dir, tokenizer, cfg, dtype)
-
-
-DECODERS = {
-    "transformers": lambda checkpoint_dir, model, tokenizer, cfg, dtype: TransformersDecoder(model, tokenizer, cfg),
-    "vllm": _vllm_decoder,
-}
-"""Generation backends, by ``eval.generation.backend``: ``vllm`` needs vLLM in the workers'
-interpreter (``eval.python``)."""
 
 
 COUNTS = ("reward_errors", "truncated_prompts", "n_prompts", "n_answers")

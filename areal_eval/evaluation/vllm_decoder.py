@@ -3,7 +3,7 @@
 Runs where vLLM is installed, usually an environment of its own (``bash scripts/setup.sh
 --vllm`` makes ``.venv-vllm``; point ``eval.python`` at its interpreter). The engine decodes the
 same prompt tokens the transformers backend would, greedy or sampled with each answer's own
-seed, and answers are cut and counted by the same rules (:func:`generation.completion_from`).
+seed, and answers are cut and counted by the same rules (:func:`decoders.completion_from`).
 In warm workers the engine stays up: the next checkpoint of the same model is loaded into it in
 place (``reload_weights``, and its prefix cache dropped); another model starts a new engine.
 """
@@ -37,7 +37,7 @@ def vllm_available() -> bool:
 
 
 class VLLMDecoder:
-    """``complete`` as :class:`generation.TransformersDecoder`'s, on a vLLM engine."""
+    """``complete`` as :class:`decoders.TransformersDecoder`'s, on a vLLM engine."""
 
     def __init__(self, checkpoint_dir: Path, tokenizer, cfg, dtype: str = "auto"):
         if not vllm_available():
@@ -86,7 +86,7 @@ class VLLMDecoder:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from areal_eval.evaluation.generation import completion_from
+        from areal_eval.evaluation.decoders import completion_from
 
         cfg = self.cfg
         params = [
