@@ -70,15 +70,14 @@ def score_checkpoint(
 
 
 @functools.cache
-def _slot_devices(key: str, plan: DevicePlan) -> SlotDevices:
+def _slot_devices(plan: DevicePlan) -> SlotDevices:
     return SlotDevices(plan.eval_slots)
 
 
 def slot_devices(cfg: PipelineConfig, training_here: bool = False) -> SlotDevices:
     """This process's lease of the evaluation slots' devices (fresh torchrun jobs), one per
     device setting: shared by every evaluation the process runs at once."""
-    plan = plan_here(cfg, training_here)
-    return _slot_devices(repr(plan), plan)
+    return _slot_devices(plan_here(cfg, training_here))
 
 
 def worker_groups(cfg: PipelineConfig, work_dir: Path, training_here: bool = False) -> WarmWorkerGroups:
