@@ -135,6 +135,8 @@ def plan_devices(
     every visible GPU: pin such a pool's worker to its GPUs with ``CUDA_VISIBLE_DEVICES``. On CPU
     cores ranks may share cores, and ``auto`` pins nothing."""
     check_disjoint(train, evaluation, share)
+    if not training_here:  # training's devices are another process's (or machine's) to check
+        train = "auto" if visible.kind == "cpu" else []
     for setting, field in ((train, "train.devices"), (evaluation, "eval.devices")):
         unknown = [] if setting == "auto" else [d for d in setting if d not in visible.devices]
         if unknown:
@@ -142,13 +144,13 @@ def plan_devices(
     if visible.kind == "cpu":
         return _plan_cores(train, evaluation, slots)
     train_list = list(visible.devices[:train_nproc]) if train == "auto" else list(train)
-    if len(train_list) < train_nproc:
+    if training_here and len(train_list) < train_nproc:
         raise FieldError(
             "train.devices", f"{train_nproc} training ranks need {train_nproc} GPUs ({visible.describe()})"
         )
     need = slots * eval_nproc
     if evaluation == "auto":
-        rest = [d for d in visible.devices if d not in train_list or not training_here]
+        rest = [d for d in visible.devices if d not in train_list]
         pool = list(visible.devices) if share and len(rest) < need else rest
     else:
         pool = list(evaluation)
@@ -162,7 +164,7 @@ def plan_devices(
         )
     groups = [[pool[j % len(pool)] for j in range(i * eval_nproc, (i + 1) * eval_nproc)] for i in range(slots)]
     return DevicePlan(
-        Placement("cuda", tuple(train_list), visible.physical),
+        Placement("cuda", tuple(train_list), visible.physical) if training_here else None,
         tuple(Placement("cuda", tuple(g), visible.physical) for g in groups),
     )
 

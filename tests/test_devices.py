@@ -51,6 +51,10 @@ def test_an_overlap_is_refused_naming_both_fields_and_a_missing_device_naming_it
 def test_where_no_training_runs_evaluation_takes_every_visible_gpu():
     plan = plan_devices("auto", "auto", 4, 2, 2, False, EIGHT_GPUS, training_here=False)
     assert [gpus(p) for p in plan.eval_slots] == ["0,1", "2,3"]
+    # An evaluation pool's worker pinned to 2 GPUs, for a run that trains on 8 elsewhere.
+    pool = Visible("cuda", (0, 1), ("4", "5"))
+    plan = plan_devices([0, 1, 2, 3, 4, 5, 6, 7], "auto", 8, 1, 2, False, pool, training_here=False)
+    assert plan.train is None and [gpus(p) for p in plan.eval_slots] == ["4", "5"]
 
 
 def test_on_cpu_auto_pins_nothing_and_listed_cores_are_split_among_the_slots():
