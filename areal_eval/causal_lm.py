@@ -10,6 +10,8 @@ from pathlib import Path
 
 from areal_eval.checkpoints import loading
 from areal_eval.checkpoints.manifest import CheckpointError
+from areal_eval.config.parsing import ConfigError
+from areal_eval.preference_data import DataError
 
 
 def load_model(path: str | Path, allow_pickle: bool = False, dtype: str = "float32", device=None):
@@ -54,6 +56,30 @@ def load_shared(path: str | Path, allow_pickle: bool = False, models: dict | Non
     if models is not None:
         models[key] = loaded
     return loaded
+
+
+def encode_prompt(tok, prompt: str, chat_template: bool, where: str, setting: str) -> list[int]:
+    """A prompt's token ids, whole: as a user turn in the tokenizer's chat template (ending where
+    the assistant's answer starts) with ``chat_template``, else as plain text. ``setting`` names
+    the field that asked for the template, for the error when the tokenizer has none."""
+    if chat_template:
+        if not tok.chat_template:
+            raise ConfigError(f"{setting}: the tokenizer has no chat template")
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    ids = tok(prompt, add_special_tokens=not chat_template)["input_ids"]
+    if not ids:
+        raise DataError(f"{where}: the prompt has no tokens for this tokenizer")
+    return ids
+
+
+def encode_answer(tok, answer: str, chat_template: bool) -> list[int]:
+    """An answer's token ids: in a chat template it is the assistant's turn, which starts on a
+    fresh line, so the space that joins a plain prompt and answer is dropped."""
+    if chat_template:
+        return tok(answer.lstrip(), add_special_tokens=False)["input_ids"]
+    return tok(answer)["input_ids"]
 
 
 def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512):

@@ -118,8 +118,9 @@ def run(work: Path, device) -> dict:
     rows = SFTObjective.read(train_rows)
     SFTObjective.train_tokenizer(rows, work / "sft" / "tokenizer", 512)
     sft_tok = SFTObjective.load_tokenizer(work / "sft" / "tokenizer")
-    lm = SFTObjective.build_model(ModelConfig(objective="sft", hidden_size=256, num_layers=4, num_heads=4), sft_tok)
-    examples = SFTObjective.encode(sft_tok, rows, 64)
+    lm_cfg = ModelConfig(objective="sft", hidden_size=256, num_layers=4, num_heads=4, max_length=64)
+    lm = SFTObjective.build_model(lm_cfg, sft_tok)
+    examples = SFTObjective.encode(sft_tok, rows, lm_cfg)
     batches = [SFTObjective.collate(rng.sample(examples, 32), sft_tok) for _ in range(20)]
     out["sft_train_loss"] = round(train(lm, batches, device, 100, SFTObjective.loss), 4)
     lm_dir = work / "sft" / "checkpoint"

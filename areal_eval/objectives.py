@@ -38,6 +38,10 @@ class ModelConfig:
     """Token limit per sequence; longer texts are truncated from the left (keep the answer)."""
     vocab_size: int = 512
     """Vocabulary size of a locally trained tokenizer."""
+    chat_template: bool = False
+    """SFT only: train on each prompt as a user turn in the tokenizer's chat template and its
+    answer as the assistant's turn (an instruct model's own format). Evaluate with the
+    evaluators' ``chat_template`` set the same way."""
 
     CHOICES: ClassVar[dict] = {"objective": lambda: list(OBJECTIVES)}
     RANGES: ClassVar[Ranges] = {
@@ -54,6 +58,8 @@ class ModelConfig:
             raise FieldError("hidden_size", f"{self.hidden_size} must be divisible by num_heads ({self.num_heads})")
         if self.objective not in OBJECTIVES:
             raise FieldError("objective", f"{self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+        if self.chat_template and self.objective != "sft":
+            raise FieldError("chat_template", "applies to objective: sft only (a reward model scores whole texts)")
 
 
 class RewardModelObjective:
@@ -73,8 +79,8 @@ class RewardModelObjective:
         return reward_model.train_tokenizer(SyntheticPreferences.corpus(rows), out_dir, vocab_size)
 
     @staticmethod
-    def encode(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
-        return reward_model.tokenize_pairs(tokenizer, rows, max_length)
+    def encode(tokenizer, rows: list[dict], cfg: ModelConfig) -> list[dict]:
+        return reward_model.tokenize_pairs(tokenizer, rows, cfg.max_length)
 
     @staticmethod
     def collate(items: list[dict], tokenizer) -> dict[str, torch.Tensor]:
@@ -109,12 +115,15 @@ class SFTObjective:
         return causal_lm.train_tokenizer(SyntheticMathProblems.corpus(rows), out_dir, vocab_size)
 
     @staticmethod
-    def encode(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
+    def encode(tokenizer, rows: list[dict], cfg: ModelConfig) -> list[dict]:
         # Prompt and answer are tokenized apart, as the generation and lm_loss evaluators do.
-        items = []
+        items, chat, max_length = [], cfg.chat_template, cfg.max_length
         for row in rows:
-            answer = tokenizer(row["answer"])["input_ids"][: max_length - 2] + [tokenizer.eos_token_id]
-            prompt = tokenizer(row["prompt"])["input_ids"][-(max_length - len(answer)) :]
+            where = f"line {row['line']} of the training data"
+            answer = causal_lm.encode_answer(tokenizer, row["answer"], chat)[: max_length - 2]
+            answer.append(tokenizer.eos_token_id)  # in a chat template, the end of the assistant's turn
+            whole = causal_lm.encode_prompt(tokenizer, row["prompt"], chat, where, "model.chat_template")
+            prompt = whole[-(max_length - len(answer)) :]
             items.append({"ids": prompt + answer, "context": len(prompt)})
         return items
 

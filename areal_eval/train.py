@@ -237,7 +237,7 @@ def train(spec: TrainJobSpec) -> None:
         model = task.build_model(spec.model, tokenizer)
     model.to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    examples = task.encode(tokenizer, task.read(run.train_data), spec.model.max_length)
+    examples = task.encode(tokenizer, task.read(run.train_data), spec.model)
     epoch_steps = steps_per_epoch(len(examples), world, cfg.batch_size)
     if epoch_steps == 0:
         raise ValueError(

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# The demo: set up, then run train-and-evaluate on its embedded defaults.
+# The demo: set up, then run train-and-evaluate on its embedded defaults or a preset.
+# A preset or override that needs more than the base environment gets it from the set-up:
+# --preset smollm2 its converted model, eval.python=.venv-vllm/... the vLLM environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+extras=()
+for arg in "$@"; do
+  case "$arg" in
+    smollm2) extras+=(--smollm2) ;;
+    *.venv-vllm/*) extras+=(--vllm) ;;
+  esac
+done
+bash scripts/setup.sh "${extras[@]}"
 # A stop prints the command that resumes the run: this one.
 AREAL_EVAL_COMMAND="bash scripts/demo.sh" exec .venv/bin/python -m flows.train_and_evaluate "$@"

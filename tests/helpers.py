@@ -184,8 +184,9 @@ def train_causal_lm(work: Path, steps: int = 150, valid_problems: int = 41) -> t
     SFTObjective.train_tokenizer(rows, work / "tokenizer", 512)
     tokenizer = SFTObjective.load_tokenizer(work / "tokenizer")
     torch.manual_seed(0)
-    model = SFTObjective.build_model(ModelConfig(objective="sft", hidden_size=64, num_layers=2, num_heads=2), tokenizer)
-    examples = SFTObjective.encode(tokenizer, rows, 64)
+    model_cfg = ModelConfig(objective="sft", hidden_size=64, num_layers=2, num_heads=2, max_length=64)
+    model = SFTObjective.build_model(model_cfg, tokenizer)
+    examples = SFTObjective.encode(tokenizer, rows, model_cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     rng = random.Random(0)
     for _ in range(steps):

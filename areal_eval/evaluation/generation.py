@@ -19,7 +19,7 @@ import traceback
 from collections import Counter
 from math import comb
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from areal_eval import causal_lm
 from areal_eval.config.parsing import NON_NEGATIVE, TOKENS, Bounds, ConfigError, FieldError, Ranges, check_ranges
@@ -29,8 +29,7 @@ from areal_eval.evaluation.rewards import load_reward
 from areal_eval.preference_data import DataError
 from areal_eval.prompt_data import read_prompts
 
-if TYPE_CHECKING:
-    pass
+CHAT_SETTING = "eval.generation.chat_template"
 
 
 @dataclasses.dataclass
@@ -160,7 +159,7 @@ class GenerationEvaluator(BaseEvaluator):
         if tokenizer_dir is not None:
             tok = causal_lm.load_tokenizer(tokenizer_dir)
             for p in prompts:
-                encode_prompt(tok, p["prompt"], cfg.chat_template, f"{path}:{p['line']}")
+                causal_lm.encode_prompt(tok, p["prompt"], cfg.chat_template, f"{path}:{p['line']}", CHAT_SETTING)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         if self.cfg.backend == "vllm":  # the engine loads the weights: no second copy beside it
@@ -177,7 +176,10 @@ class GenerationEvaluator(BaseEvaluator):
         self.data_path = data_path
         self.max_prompt_tokens = prompt_budget(self.cfg, positions)
         chat = self.cfg.chat_template
-        whole = [encode_prompt(self.tokenizer, p["prompt"], chat, f"{data_path}:{p['line']}") for p in self.prompts]
+        whole = [
+            causal_lm.encode_prompt(self.tokenizer, p["prompt"], chat, f"{data_path}:{p['line']}", CHAT_SETTING)
+            for p in self.prompts
+        ]
         self.prompt_ids = [ids[-self.max_prompt_tokens :] for ids in whole]
         self.truncated = [len(ids) > self.max_prompt_tokens for ids in whole]
         self.decoder = DECODERS[self.cfg.backend](checkpoint_dir, self.model, self.tokenizer, self.cfg, self.dtype)
@@ -275,20 +277,6 @@ class GenerationEvaluator(BaseEvaluator):
         return truncation_warning(
             sums.get("truncated_prompts", 0), sums.get("n_prompts", 0), "prompts", budget, "their end"
         )
-
-
-def encode_prompt(tok, prompt: str, chat_template: bool, where: str) -> list[int]:
-    """A prompt's token ids (in the tokenizer's chat template, with ``chat_template``), whole."""
-    if chat_template:
-        if not tok.chat_template:
-            raise ConfigError("eval.generation.chat_template: the checkpoint's tokenizer has no chat template")
-        prompt = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-    ids = tok(prompt, add_special_tokens=not chat_template)["input_ids"]
-    if not ids:
-        raise DataError(f"{where}: the prompt has no tokens for this tokenizer")
-    return ids
 
 
 def prompt_budget(cfg: GenerationConfig, positions: int | None) -> int:

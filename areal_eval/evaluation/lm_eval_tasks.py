@@ -35,6 +35,8 @@ class LMEvalConfig:
     """Requests per forward pass."""
     seed: int = 1234
     """Seed of the harness's few-shot sampling (and its other seeds)."""
+    chat_template: bool = False
+    """Put each request in the tokenizer's chat template (the harness's ``apply_chat_template``)."""
 
     RANGES: ClassVar[Ranges] = {"num_fewshot": NON_NEGATIVE, "limit": AT_LEAST_1, "batch_size": BATCH}
 
@@ -125,6 +127,7 @@ def run_tasks(model, tokenizer, cfg: LMEvalConfig, shard: int = 0, shards: int =
         limit=cfg.limit,
         task_manager=task_manager(cfg.include_path, tuple(cfg.tasks)),
         log_samples=False,
+        apply_chat_template=cfg.chat_template,
         random_seed=cfg.seed,
         numpy_random_seed=cfg.seed,
         torch_random_seed=cfg.seed,

@@ -31,6 +31,11 @@ class LMLossConfig:
     """Tokens per row: the prompt keeps its end, the completion its start (rows cut are counted
     in ``truncated_texts`` and warned about; bits per byte then counts the kept tokens' bytes)."""
 
+    chat_template: bool = False
+    """Score each completion as the assistant's turn after its prompt as a user turn, in the
+    tokenizer's chat template (as ``model.chat_template`` trains); rows without a prompt stay
+    plain text."""
+
     RANGES: ClassVar[Ranges] = {"max_length": Bounds(2, TOKENS.high)}
 
     def __post_init__(self):
@@ -57,12 +62,12 @@ class LMLossEvaluator(BaseEvaluator):
         if tokenizer_dir is not None:
             tok = causal_lm.load_tokenizer(tokenizer_dir)
             for row in rows:
-                encode_row(tok, row, settings.lm_loss.max_length, path)
+                encode_row(tok, row, settings.lm_loss, path)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         self.model, self.tokenizer = causal_lm.load_shared(checkpoint_dir, allow_pickle, self.shared_models, self.dtype)
         rows = read_texts(data_path, self.cfg.completion_field)
-        self.rows = [encode_row(self.tokenizer, row, self.cfg.max_length, data_path) for row in rows]
+        self.rows = [encode_row(self.tokenizer, row, self.cfg, data_path) for row in rows]
 
     def num_samples(self) -> int:
         return len(self.rows)
@@ -132,17 +137,19 @@ class LMLossEvaluator(BaseEvaluator):
         )
 
 
-def encode_row(tok, row: dict, max_length: int, data_path: Path) -> dict:
+def encode_row(tok, row: dict, cfg: LMLossConfig, data_path: Path) -> dict:
     """A row's token ids, how many of them are context (not scored), the UTF-8 bytes of the
-    text they score, and whether it was cut to ``max_length``. A row with nothing to score is a
-    :class:`DataError` naming its line."""
-    where = f"{data_path}:{row['line']}"
+    text they score, and whether it was cut to ``cfg.max_length``. A row with nothing to score
+    is a :class:`DataError` naming its line."""
+    where, max_length, completion_text = f"{data_path}:{row['line']}", cfg.max_length, row["completion"]
     if row["prompt"]:
-        prompt = tok(row["prompt"])["input_ids"]
+        chat = cfg.chat_template
+        prompt = causal_lm.encode_prompt(tok, row["prompt"], chat, where, "eval.lm_loss.chat_template")
+        completion_text = completion_text.lstrip() if chat else completion_text  # as encode_answer
     else:  # a whole text: its first token is predicted from BOS, or EOS (lm-evaluation-harness)
         start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         prompt = [] if start is None else [start]
-    whole = tok(row["completion"], add_special_tokens=False)["input_ids"]
+    whole = tok(completion_text, add_special_tokens=False)["input_ids"]
     completion = whole[: max_length - 1]
     prompt = prompt[max(0, len(prompt) + len(completion) - max_length) :]
     if not completion or not prompt:
@@ -151,7 +158,7 @@ def encode_row(tok, row: dict, max_length: int, data_path: Path) -> dict:
             "(an empty prompt, and the tokenizer has neither a BOS nor an EOS token)"
         )
     truncated = len(completion) < len(whole)
-    text = tok.decode(completion, skip_special_tokens=True) if truncated else row["completion"]
+    text = tok.decode(completion, skip_special_tokens=True) if truncated else completion_text
     return {
         "ids": prompt + completion,
         "context": len(prompt),

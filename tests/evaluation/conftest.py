@@ -6,7 +6,7 @@ import pytest
 
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 
-TASK_DATA = Path(__file__).resolve().parents[1] / "data" / "lm_eval" / "arith_mc.jsonl"
+TASK_DATA = Path(__file__).resolve().parents[2] / "configs" / "lm_eval" / "arith_mc.jsonl"
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,13 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from areal_eval import causal_lm
+from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.preference_data import DataError
 from tests.helpers import causal_metrics
@@ -93,3 +95,22 @@ def test_generation_and_lm_loss_share_one_job_and_name_their_metrics(causal_chec
     assert both["lm_loss/loss"] == pytest.approx(alone["loss"], rel=1e-9)
     assert both["generation/accuracy"] == causal_metrics(checkpoint, prompts)["accuracy"]
     assert {k.split("/")[0] for k in both} == {"generation", "lm_loss"}
+
+
+def test_with_the_chat_template_the_completion_is_the_assistants_turn_as_sft_trains_it(causal_checkpoint):
+    from areal_eval.causal_lm import encode_answer, encode_prompt, load_tokenizer
+    from areal_eval.evaluation.lm_loss import encode_row
+
+    tok = load_tokenizer(causal_checkpoint[0])
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    row = {"prompt": "Q: 2 and 3?\nA:", "completion": " 2 + 3 = 5 #### 5", "line": 7}
+    encoded = encode_row(tok, row, LMLossConfig(chat_template=True), Path("d.jsonl"))
+    prompt = encode_prompt(tok, row["prompt"], True, "d.jsonl:7", "eval.lm_loss.chat_template")
+    assert encoded["ids"] == prompt + encode_answer(tok, row["completion"], True)
+    assert encoded["context"] == len(prompt) and tok.decode(prompt) == "Q: 2 and 3?\nA:|>"
+    assert encoded["bytes"] == len("2 + 3 = 5 #### 5")
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="eval.lm_loss.chat_template: the tokenizer has no chat template"):
+        encode_row(tok, row, LMLossConfig(chat_template=True), Path("d.jsonl"))
