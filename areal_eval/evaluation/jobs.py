@@ -28,6 +28,7 @@ from areal_eval.config.parsing import (
 )
 from areal_eval.devices import Devices, Placement, check_setting
 from areal_eval.evaluation.generation import GenerationConfig
+from areal_eval.evaluation.interpreter import check_interpreter
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.preflight import preflight_cache, preflight_key, run_preflight
@@ -168,6 +169,8 @@ class EvalConfig:
             raise FieldError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.python is not None and not os.access(self.python, os.X_OK):
             raise FieldError("python", f"{self.python!r} is not an executable Python interpreter")
+        if self.python is not None:
+            check_interpreter(self.python, self.evaluator, self.generation)
         if self.generation.backend == "vllm" and self.mp_size != 1:
             raise FieldError("mp_size", "the vllm backend runs one engine per rank (mp_size 1)")
         if self.nproc % self.mp_size:
