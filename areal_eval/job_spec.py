@@ -75,6 +75,10 @@ class EvalJobSpec(EvaluatorSettings):
     report the subset's metrics as ``probe_metrics`` too. None: the whole set at once."""
     probe_only: bool = False
     """A probe: the subset only (``metrics`` empty)."""
+    items: bool = True
+    """Write every item's results beside the result file (``eval.items``)."""
+    item_text_chars: int | None = 2000
+    """Texts in per-item files are cut to this many characters (``eval.item_text_chars``)."""
 
 
 def to_json(spec) -> dict:

@@ -95,16 +95,44 @@ def sqlite_mlflow_uri(directory: Path) -> str:
     return f"sqlite:///{db}"
 
 
-def single_process_metrics(event, data, batch_size=7):
+def single_process_metrics(event, data, batch_size=7, items=False):
     """The reward model's metrics on ``event``'s checkpoint in this process, on one rank: the
-    reference every distributed evaluation must equal."""
+    reference every distributed evaluation must equal (with ``items``: and its per-item rows)."""
     from areal_eval import distributed
     from areal_eval.evaluation.evaluators import RewardModelEvaluator
     from areal_eval.evaluation.worker import compute_metrics
 
     evaluator = RewardModelEvaluator(max_length=64)
     evaluator.load(Path(event.uri), data)
-    return compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+    if items:
+        evaluator.keep_items()
+    metrics = compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+    return (metrics, sorted_items(evaluator)) if items else metrics
+
+
+def sorted_items(evaluator) -> dict[str, list[dict]]:
+    """An in-process evaluator's per-item rows in item order, as the worker writes them."""
+    return {
+        name: sorted(rows, key=lambda r: (r["item"], r.get("sample", 0)))
+        for name, rows in evaluator.item_tables().items()
+    }
+
+
+def assert_same_items(files: dict[str, str], reference: dict[str, list[dict]]) -> None:
+    """The per-item files of a distributed evaluation hold the reference's rows: every item
+    once, in item order, each value equal (floats to 1e-6)."""
+    import pytest
+
+    from areal_eval.evaluation.items import read_items
+
+    assert set(files) == set(reference)
+    for name, path in files.items():
+        rows = read_items(path)
+        assert [(r["item"], r.get("sample", 0)) for r in rows] == [
+            (r["item"], r.get("sample", 0)) for r in reference[name]
+        ], name
+        for row, expected in zip(rows, reference[name], strict=True):
+            assert row == pytest.approx(expected, abs=1e-6), (name, row["item"])
 
 
 def start_mlflow_server(db: Path, artifacts: Path, port: int | None = None):
@@ -200,8 +228,9 @@ def train_causal_lm(work: Path, steps: int = 150, valid_problems: int = 41) -> t
     return checkpoint, valid_path
 
 
-def causal_metrics(checkpoint, data, evaluator="generation", batch_size=7, **settings):
-    """Metrics of the causal-LM ``evaluator`` on ``checkpoint`` in this process, on one rank."""
+def causal_metrics(checkpoint, data, evaluator="generation", batch_size=7, items=False, **settings):
+    """Metrics of the causal-LM ``evaluator`` on ``checkpoint`` in this process, on one rank
+    (with ``items``: and its per-item rows)."""
     from areal_eval import distributed
     from areal_eval.evaluation.evaluators import make_evaluator
     from areal_eval.evaluation.worker import compute_metrics
@@ -209,7 +238,10 @@ def causal_metrics(checkpoint, data, evaluator="generation", batch_size=7, **set
 
     evaluator = make_evaluator(evaluator, EvaluatorSettings(**settings))
     evaluator.load(Path(checkpoint), Path(data))
-    return compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+    if items:
+        evaluator.keep_items()
+    metrics = compute_metrics(evaluator, distributed.ParallelLayout(1, 0, 1), batch_size)
+    return (metrics, sorted_items(evaluator)) if items else metrics
 
 
 def harness_reference(checkpoint, cfg) -> dict:

@@ -103,6 +103,23 @@ class BaseEvaluator:
         fit): the job logs each once and reports them with its result."""
         return []
 
+    item_rows: list[dict] | None = None
+    """This rank's per-item results in this job, where the worker asked for them (a list; None:
+    not kept): one dict per item (or per answer), ``item`` its index in load order first."""
+
+    def keep_items(self) -> None:
+        """Keep per-item results from now on (the worker calls it before the first batch)."""
+        self.item_rows = []
+
+    def keep_item(self, item: int, **values) -> None:
+        """Record one item's results (from :meth:`batch_sums`), where they are kept."""
+        if self.item_rows is not None:
+            self.item_rows.append({"item": item, **values})
+
+    def item_tables(self) -> dict[str, list[dict]]:
+        """This rank's per-item rows by evaluator name ({} where none were kept)."""
+        return {self.name: self.item_rows} if self.item_rows else {}
+
     first_error: str | None = None
     """The first error this rank scored past (a reward function that raised), with its item:
     its traceback is in the job's log, and the result and the ledger name it."""
@@ -147,6 +164,8 @@ class RewardModelEvaluator(BaseEvaluator):
         return len(self.pairs)
 
     def batches(self, shard, shards, batch_size):
+        import torch
+
         from areal_eval import reward_model
         from areal_eval.distributed import shard_range
 
@@ -157,8 +176,9 @@ class RewardModelEvaluator(BaseEvaluator):
             indices, key=lambda i: max(len(self.pairs[i]["chosen_ids"]), len(self.pairs[i]["rejected_ids"]))
         )
         for start in range(0, len(ordered), batch_size):
-            items = [self.pairs[i] for i in ordered[start : start + batch_size]]
-            yield reward_model.collate_pairs(items, self.tokenizer.pad_token_id)
+            chunk = ordered[start : start + batch_size]
+            batch = reward_model.collate_pairs([self.pairs[i] for i in chunk], self.tokenizer.pad_token_id)
+            yield {**batch, "pair_index": torch.tensor(chunk, dtype=torch.long)}
 
     def batch_sums(self, batch):
         import torch
@@ -173,6 +193,14 @@ class RewardModelEvaluator(BaseEvaluator):
         rejected = torch.where(identical, chosen, rejected)
         losses = reward_model.bradley_terry_loss(chosen, rejected, reduction="none")
         correct = torch.where(identical, 0.5, (chosen > rejected).double())
+        if self.item_rows is not None and "pair_index" in batch:
+            for row, item in enumerate(batch["pair_index"].tolist()):
+                self.keep_item(
+                    item,
+                    correct=float(correct[row]),
+                    margin=float(chosen[row] - rejected[row]),
+                    loss=float(losses[row]),
+                )
         return {
             "n_pairs": float(chosen.numel()),
             "correct": float(correct.sum()),
@@ -284,6 +312,13 @@ class CombinedEvaluator(BaseEvaluator):
 
     def num_samples(self):
         return sum(p.num_samples() for p in self.parts)
+
+    def keep_items(self):
+        for part in self.parts:
+            part.keep_items()
+
+    def item_tables(self):
+        return {name: rows for part in self.parts for name, rows in part.item_tables().items()}
 
     def batches(self, shard, shards, batch_size):
         import torch

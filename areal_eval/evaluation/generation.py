@@ -224,6 +224,18 @@ class GenerationEvaluator(BaseEvaluator):
         for p, i in enumerate(indices):
             mine = completions[p * per_prompt : (p + 1) * per_prompt]
             rewards = [self._reward(i, c, sums) for c in mine]
+            for sample, (c, reward, seed) in enumerate(zip(mine, rewards, self.answer_seeds(i), strict=True)):
+                self.keep_item(
+                    i,
+                    prompt=self.prompts[i]["prompt"],
+                    reference=self.prompts[i]["answer"],
+                    sample=sample,
+                    greedy=seed is None,
+                    reward=reward,
+                    length=len(c.token_ids),
+                    truncated=bool(c.truncated),
+                    answer=c.text,
+                )
             samples, sample_rewards = mine[per_prompt - n :], rewards[per_prompt - n :]
             values = {
                 "accuracy": rewards[0],

@@ -143,6 +143,13 @@ class EvalConfig:
     python: str | None = None
     """The evaluation workers' Python interpreter, for an environment of their own (with vLLM:
     ``.venv-vllm/bin/python``, made by ``bash scripts/setup.sh --vllm``); None: the flow's own."""
+    items: bool = True
+    """Keep every item's scores (and generated answers) of each evaluation, as parquet files
+    beside its result (``<run>/evals/<checkpoint>.items/<evaluator>.parquet``): what
+    ``areal-eval compare`` and the paired statistics read, and the answers a user reads."""
+    item_text_chars: int | None = 2000
+    """The size policy of per-item files: prompts, references and answers are cut to this many
+    characters (scores are kept whole); None keeps texts whole, 0 keeps none."""
     slots: int = 1
     """Evaluations in flight at once: the flow keeps a group of ``nproc`` ranks for each, and
     waiting checkpoints are coalesced only when every slot is busy. On a server, dispatched
@@ -160,6 +167,7 @@ class EvalConfig:
         "retries": NON_NEGATIVE,
         "max_attempts": AT_LEAST_1,
         "nice": Bounds(0, 19),
+        "item_text_chars": NON_NEGATIVE,
     }
 
     def __post_init__(self):
@@ -194,6 +202,8 @@ class EvalResult:
     """What went wrong without failing it: texts cut to fit, the first reward that raised."""
     retried: list[str] = dataclasses.field(default_factory=list)
     """The causes of the tries that failed before this one succeeded (``eval.retries``)."""
+    items: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Per-item result files (parquet) by evaluator, where the evaluators keep items."""
 
     def nonfinite(self) -> list[str]:
         return [k for k, v in self.metrics.items() if not math.isfinite(v)]
@@ -268,6 +278,8 @@ def run_evaluation_job(
         launched_at=time.time(),
         probe_fraction=probe_fraction,
         probe_only=probe_only,
+        items=cfg.items,
+        item_text_chars=cfg.item_text_chars,
     )
     check_before_launch(event, spec, work_dir, stem)
     # On a multi-node pool (infra/k8s) the other nodes run ``evaluation.worker --follow`` and get the job from rank 0.
@@ -315,4 +327,5 @@ def run_evaluation_job(
         result.get("started_at", 0.0),
         result.get("probe_metrics", {}),
         result.get("notes", []),
+        items=result.get("items", {}),
     )

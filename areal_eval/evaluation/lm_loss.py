@@ -101,6 +101,8 @@ class LMLossEvaluator(BaseEvaluator):
         logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         nll = (-logprobs * scored[:, 1:]).sum(dim=1)
         tokens = scored[:, 1:].sum(dim=1).double()
+        for row, item in enumerate(batch["row_index"].tolist()):
+            self.keep_item(item, nll=float(nll[row]), tokens=int(tokens[row]))
         return {
             "n_texts": float(len(rows)),
             "truncated_texts": float(sum(r["truncated"] for r in rows)),

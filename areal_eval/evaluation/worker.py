@@ -34,6 +34,7 @@ from areal_eval.evaluation.evaluators import (
     probe_items,
     probe_rest,
 )
+from areal_eval.evaluation.items import gather_items, items_dir, write_items
 from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
 from areal_eval.launcher import die_with_parent
 
@@ -205,6 +206,8 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
     distributed.barrier()  # nobody loads before the node's copy is verified
     evaluator = make_evaluator(spec.evaluator, spec)
     evaluator.load(store.local_path(spec.checkpoint, files, cache_dir), Path(spec.data), allow_pickle=spec.allow_pickle)
+    if spec.items:
+        evaluator.keep_items()
     loop_start = time.time()
     if spec.probe_fraction is None:
         sums = compute_sums(evaluator, layout, spec.batch_size, mp_group)
@@ -215,7 +218,9 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
         probe_metrics = evaluator.metrics(subset)
     metrics = check_metric_names(metrics, spec.evaluator)
     notes = evaluation_notes(evaluator, sums)
+    tables = gather_items(evaluator, layout)
     if layout.rank == 0:
+        item_files = write_items(tables, items_dir(spec.out), spec.item_text_chars)
         for note in notes:
             print(f"warning: {note}", file=sys.stderr, flush=True)
         jsonl.write_json(
@@ -231,6 +236,7 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
                 "seconds": time.time() - started_at,
                 "eval_loop_seconds": time.time() - loop_start,
                 "notes": notes,
+                "items": item_files,
             },
         )
 

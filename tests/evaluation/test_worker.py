@@ -9,10 +9,17 @@ import pytest
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest, describe_files
 from areal_eval.evaluation.evaluators import BaseEvaluator, make_evaluator
 from areal_eval.evaluation.generation import GenerationConfig
+from areal_eval.evaluation.items import read_items
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-from tests.helpers import causal_metrics, harness_reference, live_processes, single_process_metrics
+from tests.helpers import (
+    assert_same_items,
+    causal_metrics,
+    harness_reference,
+    live_processes,
+    single_process_metrics,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -44,9 +51,12 @@ def warm_ranks(tmp_path_factory):
 def test_distributed_equals_single_process(final_checkpoint, warm_ranks, tmp_path, world, mp):
     run, event = final_checkpoint
     assert sum(1 for _ in run.valid_data.open()) % 2 == 1  # an odd number of pairs
-    reference = single_process_metrics(event, run.valid_data)
+    reference, items = single_process_metrics(event, run.valid_data, items=True)
     cfg = EvalConfig(nproc=world, mp_size=mp, batch_size=16)
     result = run_evaluation_job(event, run.valid_data, cfg, tmp_path, workers=warm_ranks(world))
+    assert_same_items(result.items, items)
+    correct = [r["correct"] for r in read_items(result.items["reward_model"])]
+    assert sum(correct) / 101 == pytest.approx(result.metrics["accuracy"], abs=1e-9)
     assert result.metrics["n_pairs"] == reference["n_pairs"] == 101  # each pair exactly once
     assert (
         set(result.metrics)
@@ -75,6 +85,8 @@ def test_with_probes_the_whole_set_is_the_subset_and_the_rest_exactly(final_chec
     for key, value in reference.items():
         assert full.metrics[key] == pytest.approx(value, abs=1e-6), key
     assert probe.metrics == {} and full.probe_metrics["n_pairs"] == probe.probe_metrics["n_pairs"] == 30
+    assert [r["item"] for r in read_items(full.items["reward_model"])] == list(range(101))
+    assert [r["item"] for r in read_items(probe.items["reward_model"])] == probe_items(101, 0.3)
     subset = RewardModelEvaluator(max_length=64)
     subset.load(Path(event.uri), run.valid_data)
     subset.select(lambda n: probe_items(n, 0.3))
@@ -321,7 +333,7 @@ def test_generation_and_lm_loss_distributed_equal_single_process(causal_checkpoi
     checkpoint, prompts = causal_checkpoint
     event = CheckpointEvent("causal", str(checkpoint), 0, 0, 150, 0.0, {}, describe_files(checkpoint))
     settings = {"generation": CAUSAL.generation, "lm_loss": CAUSAL.lm_loss}
-    reference = causal_metrics(checkpoint, prompts, CAUSAL.evaluator, batch_size=3, **settings)
+    reference, items = causal_metrics(checkpoint, prompts, CAUSAL.evaluator, batch_size=3, items=True, **settings)
     cfg = dataclasses.replace(CAUSAL, nproc=world, mp_size=mp)
     result = run_evaluation_job(event, prompts, cfg, tmp_path, workers=warm_ranks(world))
     assert result.metrics["generation/n_prompts"] == 41 and result.metrics["lm_loss/n_texts"] == 41
@@ -329,6 +341,16 @@ def test_generation_and_lm_loss_distributed_equal_single_process(causal_checkpoi
     for key, value in reference.items():
         assert result.metrics[key] == pytest.approx(value, abs=1e-6), key
     assert 0 < reference["generation/pass_at_4"] < 1
+    # Every answer of every prompt once, in order, the same texts and scores at every layout,
+    # and the metrics are their means.
+    assert_same_items(result.items, items)
+    answers, losses = read_items(result.items["generation"]), read_items(result.items["lm_loss"])
+    assert len(answers) == 41 * 5 and {r["sample"] for r in answers} == set(range(5))
+    greedy = [r["reward"] for r in answers if r["greedy"]]
+    assert sum(greedy) / 41 == pytest.approx(result.metrics["generation/accuracy"], abs=1e-9)
+    total = sum(r["nll"] for r in losses) / sum(r["tokens"] for r in losses)
+    assert total == pytest.approx(result.metrics["lm_loss/loss"], rel=1e-9)
+    assert all(r["prompt"] and r["reference"] for r in answers)
 
 
 @pytest.mark.parametrize("world", [1, 2])
