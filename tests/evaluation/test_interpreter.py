@@ -24,7 +24,7 @@ def bare_python(tmp_path_factory):
 def test_each_evaluator_names_the_modules_its_workers_import():
     vllm = GenerationConfig(backend="vllm", reward="exact_match")
     assert set(required_modules("generation,lm_eval", vllm)) == {
-        "areal_eval", "torch", "transformers", "vllm", "lm_eval"
+        "areal_eval", "torch", "transformers", "vllm", "lm_eval", "accelerate"
     }  # fmt: skip
     assert "math_verify" in required_modules("generation", GenerationConfig())
     assert set(required_modules("reward_model", GenerationConfig())) == {"areal_eval", "torch", "transformers"}
@@ -36,7 +36,7 @@ def test_this_interpreter_finds_what_it_has_and_names_what_it_lacks():
 
 def test_an_environment_without_the_packages_is_refused_naming_eval_python_and_each_module(bare_python):
     # areal_eval is found from the directory the workers start in, as they find it.
-    expected = r"cannot import lm_eval \(for eval.evaluator: lm_eval\); torch \(for eval.python\); transformers"
+    expected = r"cannot import accelerate \(for eval.evaluator: lm_eval\); lm_eval \(for eval.evaluator: lm_eval\); "
     with pytest.raises(FieldError, match=expected):
         check_interpreter(bare_python, "lm_eval", GenerationConfig())
     with pytest.raises(

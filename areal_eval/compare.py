@@ -1,0 +1,89 @@
+"""``areal-eval compare RUN STEP_A STEP_B``: two evaluations of one run, paired on their items.
+
+For each evaluator whose per-item file both steps have, each score it keeps is compared on the
+items both scored: the two means, their difference with its paired standard error and 95%
+interval, the unpaired error beside it, and McNemar's exact p-value for 0/1 scores. The samples
+of one prompt are clustered (their errors are computed over prompts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from areal_eval.checkpoints.manifest import checkpoint_name
+from areal_eval.evaluation.items import items_dir, read_items
+from areal_eval.paired import PairedDifference, paired_difference
+
+SCORES = {
+    "reward_model": (("accuracy", "correct", None), ("margin", "margin", None), ("loss", "loss", None)),
+    "generation": (("accuracy", "reward", True), ("mean_reward", "reward", False), ("length", "length", None)),
+    "lm_loss": (("nll", "nll", None),),
+}
+"""Per evaluator: (name, column, greedy rows only / sampled rows only / every row)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    evaluator: str
+    score: str
+    result: PairedDifference
+
+
+def step_items(run_dir: Path, step: int) -> Path:
+    directory = items_dir(run_dir / "evals" / f"{checkpoint_name(step)}.json")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"step {step}: no per-item results in {directory} (not evaluated, or eval.items off)")
+    return directory
+
+
+def score_map(rows: list[dict], column: str, greedy: bool | None) -> tuple[dict, dict | None]:
+    """{key: score} of the rows kept, and each key's cluster where a prompt has several rows."""
+    if greedy is not None and "greedy" in rows[0]:
+        rows = [r for r in rows if r["greedy"] == greedy]
+    keys = [(r["item"], r.get("sample", 0)) for r in rows]
+    scores = {k: float(r[column]) for k, r in zip(keys, rows, strict=True)}
+    several = len({k[0] for k in keys}) < len(keys)
+    return scores, ({k: k[0] for k in keys} if several else None)
+
+
+def compare_steps(run_dir: str | Path, step_a: int, step_b: int) -> list[Comparison]:
+    run_dir = Path(run_dir)
+    dir_a, dir_b = step_items(run_dir, step_a), step_items(run_dir, step_b)
+    out = []
+    for path_a in sorted(dir_a.glob("*.parquet")):
+        path_b = dir_b / path_a.name
+        if not path_b.exists():
+            continue
+        evaluator = path_a.stem
+        rows_a, rows_b = read_items(path_a), read_items(path_b)
+        if not rows_a or not rows_b:
+            continue
+        for score, column, greedy in SCORES.get(evaluator, ()):
+            a, clusters = score_map(rows_a, column, greedy)
+            b, _ = score_map(rows_b, column, greedy)
+            if not a or not b:
+                continue  # greedy answers only: no sampled rows
+            what = f"steps {step_a} and {step_b} ({evaluator} {score})"
+            out.append(Comparison(evaluator, score, paired_difference(a, b, clusters, what=what)))
+    if not out:
+        raise ValueError(f"steps {step_a} and {step_b} of {run_dir}: no evaluator kept items at both")
+    return out
+
+
+def format_table(run_dir, step_a: int, step_b: int, comparisons: list[Comparison]) -> str:
+    head = (
+        f"{'evaluator':<14}{'score':<13}{'items':>6}{f'step {step_a}':>12}{f'step {step_b}':>12}"
+        f"{'diff':>10}{'paired se':>11}{'95% interval':>22}{'unpaired se':>13}{'McNemar p':>11}"
+    )
+    lines = [f"{run_dir}: step {step_a} -> step {step_b}, paired on common items", head]
+    for c in comparisons:
+        r = c.result
+        p = f"{r.mcnemar_p:.3g}" if r.mcnemar_p is not None else "-"
+        items = f"{r.n}" + (f"/{r.clusters}" if r.clusters else "")
+        interval = f"[{r.ci_low:+.4f}, {r.ci_high:+.4f}]"
+        lines.append(
+            f"{c.evaluator:<14}{c.score:<13}{items:>6}{r.mean_a:>12.4f}{r.mean_b:>12.4f}{r.difference:>+10.4f}"
+            f"{r.stderr:>11.4f}{interval:>22}{r.unpaired_stderr:>13.4f}{p:>11}"
+        )
+    return "\n".join(lines)

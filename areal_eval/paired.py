@@ -1,0 +1,119 @@
+"""Paired statistics of two evaluations on the same items.
+
+Two results on the same items at neighbouring checkpoints move together: an item the model
+finds hard at one step it mostly finds hard at the next. The difference of their means then has
+a much smaller standard error than the two stated errors combined, and a paired test sees a
+change those errors hide (Miller 2024, "Adding Error Bars to Evals", arXiv 2411.00640).
+
+- :func:`paired_difference`: the difference of the means on the common items, its paired
+  standard error (clustered where items share a cluster, such as the samples of one prompt),
+  a normal confidence interval, and the unpaired error for comparison.
+- :func:`mcnemar_exact`: McNemar's exact test for 0/1 scores.
+
+Pure Python: the scheduler, the alerts and ``areal-eval compare`` import it in any process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable, Mapping
+from statistics import NormalDist
+
+
+class NoCommonItems(ValueError):
+    """Two evaluations share no item: nothing to pair."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedDifference:
+    """``b - a`` on the items both evaluations scored."""
+
+    n: int
+    """Common items."""
+    mean_a: float
+    mean_b: float
+    difference: float
+    stderr: float
+    """Paired standard error of ``difference`` (clustered with ``clusters``)."""
+    ci_low: float
+    ci_high: float
+    unpaired_stderr: float
+    """What the two means' own errors give, combined as if independent."""
+    clusters: int | None = None
+    """Clusters the error was computed over (None: every item its own)."""
+    mcnemar_p: float | None = None
+    """McNemar's exact two-sided p-value, where every common score is 0 or 1."""
+
+    @property
+    def z(self) -> float:
+        """The difference in paired standard errors (inf for a change without spread)."""
+        if self.stderr > 0:
+            return self.difference / self.stderr
+        return 0.0 if self.difference == 0 else math.copysign(math.inf, self.difference)
+
+
+def paired_difference(
+    a: Mapping[Hashable, float],
+    b: Mapping[Hashable, float],
+    clusters: Mapping[Hashable, Hashable] | None = None,
+    confidence: float = 0.95,
+    what: str = "the two evaluations",
+) -> PairedDifference:
+    """The paired difference ``b - a`` over the keys both score (items, or (item, sample))."""
+    keys = [k for k in a if k in b]
+    n = len(keys)
+    if n == 0:
+        raise NoCommonItems(f"{what} share no items: nothing to pair")
+    xs, ys = [float(a[k]) for k in keys], [float(b[k]) for k in keys]
+    ds = [y - x for x, y in zip(xs, ys, strict=True)]
+    mean_a, mean_b = math.fsum(xs) / n, math.fsum(ys) / n
+    mean_d = math.fsum(ds) / n
+    groups = None
+    if clusters is None:
+        stderr = _stderr(ds, mean_d)
+    else:
+        by_cluster: dict[Hashable, float] = {}
+        for k, d in zip(keys, ds, strict=True):
+            by_cluster[clusters[k]] = by_cluster.get(clusters[k], 0.0) + (d - mean_d)
+        groups = len(by_cluster)
+        # Cluster-robust (CR1): the spread of cluster sums, with the small-sample factor G / (G - 1).
+        spread = math.fsum(s * s for s in by_cluster.values())
+        stderr = math.sqrt(groups / (groups - 1) * spread) / n if groups > 1 else 0.0
+    unpaired = math.hypot(_stderr(xs, mean_a), _stderr(ys, mean_b))
+    half = NormalDist().inv_cdf(0.5 + confidence / 2) * stderr
+    binary = all(v in (0.0, 1.0) for v in xs + ys)
+    return PairedDifference(
+        n=n,
+        mean_a=mean_a,
+        mean_b=mean_b,
+        difference=mean_d,
+        stderr=stderr,
+        ci_low=mean_d - half,
+        ci_high=mean_d + half,
+        unpaired_stderr=unpaired,
+        clusters=groups,
+        mcnemar_p=mcnemar_exact(xs, ys) if binary else None,
+    )
+
+
+def _stderr(values: list[float], mean: float) -> float:
+    n = len(values)
+    if n < 2:
+        return 0.0
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def mcnemar_exact(a: list[float], b: list[float]) -> float:
+    """McNemar's exact two-sided p-value for paired 0/1 scores: of the discordant items, how
+    unlikely a split at least this uneven is when either direction is equally likely."""
+    up = sum(1 for x, y in zip(a, b, strict=True) if x == 0 and y == 1)
+    down = sum(1 for x, y in zip(a, b, strict=True) if x == 1 and y == 0)
+    n, k = up + down, min(up, down)
+    if n == 0:
+        return 1.0
+    # P(X <= k) for X ~ Binomial(n, 1/2), summed in log space (n may be large).
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in range(k + 1)]
+    top = max(logs)
+    tail = math.exp(top + math.log(math.fsum(math.exp(v - top) for v in logs)) - n * math.log(2))
+    return min(1.0, 2 * tail)

@@ -1,0 +1,70 @@
+"""Paired statistics against independent computations (numpy, scipy) on odd inputs."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from areal_eval.paired import NoCommonItems, mcnemar_exact, paired_difference
+
+
+def correlated(n: int, seed: int, lift: float = 0.0):
+    """Item difficulties shared by two evaluations: scores that move together."""
+    rng = random.Random(seed)
+    hard = [rng.random() for _ in range(n)]
+    a = {i: float(rng.random() > h) for i, h in enumerate(hard)}
+    b = {i: float(rng.random() > h - lift) for i, h in enumerate(hard)}
+    return a, b
+
+
+def test_the_paired_error_and_interval_are_the_sample_error_of_the_differences():
+    a, b = correlated(57, 0, lift=0.1)
+    got = paired_difference(a, b)
+    d = np.array([b[i] - a[i] for i in range(57)])
+    assert got.n == 57 and got.difference == pytest.approx(d.mean(), abs=1e-12)
+    assert got.stderr == pytest.approx(d.std(ddof=1) / math.sqrt(57), rel=1e-12)
+    low, high = stats.norm.interval(0.95, loc=d.mean(), scale=got.stderr)
+    assert (got.ci_low, got.ci_high) == pytest.approx((low, high), rel=1e-9)
+    xs, ys = np.array(list(a.values())), np.array(list(b.values()))
+    unpaired = math.hypot(xs.std(ddof=1) / math.sqrt(57), ys.std(ddof=1) / math.sqrt(57))
+    assert got.unpaired_stderr == pytest.approx(unpaired, rel=1e-12)
+    assert got.stderr < got.unpaired_stderr  # shared difficulty: pairing sees more
+
+
+def test_mcnemar_is_the_exact_binomial_test_of_the_discordant_items():
+    for up, down in [(0, 0), (1, 0), (9, 1), (30, 12), (7, 7), (400, 350)]:
+        a = [0.0] * up + [1.0] * down + [1.0] * 5
+        b = [1.0] * up + [0.0] * down + [1.0] * 5
+        expected = 1.0 if up + down == 0 else stats.binomtest(up, up + down, 0.5).pvalue
+        assert mcnemar_exact(a, b) == pytest.approx(expected, rel=1e-9), (up, down)
+    assert paired_difference({0: 0.5}, {0: 1.0}).mcnemar_p is None  # a tie is not a 0/1 score
+
+
+def test_clustered_errors_group_the_samples_of_a_prompt_and_singletons_change_nothing():
+    rng = random.Random(3)
+    a, b, clusters = {}, {}, {}
+    for prompt in range(23):
+        shift = rng.gauss(0, 1)  # the prompt's samples move together
+        for sample in range(rng.randint(1, 4)):  # uneven cluster sizes
+            key = (prompt, sample)
+            a[key], b[key], clusters[key] = rng.gauss(0, 1), shift + rng.gauss(0, 0.3), prompt
+    got = paired_difference(a, b, clusters)
+    d = {k: b[k] - a[k] for k in a}
+    mean = np.mean(list(d.values()))
+    sums = np.array([sum(v - mean for k, v in d.items() if k[0] == g) for g in range(23)])
+    expected = math.sqrt(23 / 22 * (sums**2).sum()) / len(d)
+    assert got.clusters == 23 and got.stderr == pytest.approx(expected, rel=1e-12)
+    assert got.stderr > paired_difference(a, b).stderr  # ignoring the clusters understates it
+    singletons = paired_difference(a, b, {k: k for k in a})
+    assert singletons.stderr == pytest.approx(paired_difference(a, b).stderr, rel=1e-12)
+
+
+def test_only_common_items_are_paired_and_none_in_common_is_refused_by_name():
+    got = paired_difference({1: 1.0, 2: 0.0, 3: 1.0}, {2: 1.0, 3: 1.0, 4: 0.0})
+    assert got.n == 2 and got.difference == 0.5
+    with pytest.raises(NoCommonItems, match="steps 4 and 8 share no items"):
+        paired_difference({1: 1.0}, {2: 1.0}, what="steps 4 and 8")
+    same = paired_difference({1: 1.0, 2: 0.0}, {1: 1.0, 2: 0.0})
+    assert same.stderr == 0 and same.z == 0 and same.mcnemar_p == 1.0
