@@ -284,13 +284,21 @@ class Tracker:
         at_step = {name: self.eval_history(run_id, name, prefix).get(step) for name in names}
         return {name: value for name, value in at_step.items() if value is not None}
 
-    def scheduler_history(self, run_id: str, metric: str, stderr_metric: str | None):
-        """Past evaluations as the scheduler's history: triggered runs share state through MLflow."""
-        from areal_eval.scheduling.policy import HistoryEntry
+    def log_items(self, run_id: str, step: int, files: dict[str, str]) -> None:
+        """A result's per-item files as artifacts (``items/step_<step>/``); generation's answers
+        also as a table a user reads in the UI (``items/generation_step_<step>.json``: prompt,
+        reference, answer and reward per answer). Files no longer there are passed over."""
+        from areal_eval.evaluation.items import read_items
 
-        values = {m.step: m for m in self.client.get_metric_history(run_id, EVAL_PREFIX + metric)}
-        stderrs = self.eval_history(run_id, stderr_metric) if stderr_metric else {}
-        return [HistoryEntry(s, m.timestamp / 1000, m.value, stderrs.get(s)) for s, m in sorted(values.items())]
+        for name, path in sorted(files.items()):
+            if not Path(path).exists():
+                continue
+            self.client.log_artifact(run_id, path, f"items/step_{step:08d}")
+            if name == "generation":
+                rows = read_items(path)
+                columns = ("item", "sample", "greedy", "prompt", "reference", "answer", "reward", "length", "truncated")
+                table = {c: [r.get(c) for r in rows] for c in columns}
+                self.client.log_table(run_id, table, f"items/generation_step_{step:08d}.json")
 
     def set_tags(self, run_id: str, tags: dict) -> None:
         from mlflow.entities import RunTag

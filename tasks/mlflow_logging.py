@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from areal_eval.alerts import recorded_config
 from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
@@ -83,6 +84,9 @@ def log_evaluation(
     entry = Ledger(recorded_in[0].ledger).latest(step) if recorded_in is not None else None
     tags |= attempt_tags(entry) if entry is not None else {}  # attempts that failed before this one
     logged = False
+    items = result.items or (stored_items(recorded_in[0].evals, step) if recorded_in is not None else {})
+    if items and result.metrics:  # before the metrics: a retry after a refusal logs both again
+        tracker.log_items(run_id, step, items)
     if result.probe_metrics:
         logged = tracker.log_evaluation(run_id, step, result.probe_metrics, tags=tags, prefix=PROBE_PREFIX)
     if result.metrics:

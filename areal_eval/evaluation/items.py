@@ -21,6 +21,15 @@ def items_dir(result_path: str | Path) -> Path:
     return result_path.with_name(result_path.stem + ".items")
 
 
+def stored_items(evals_dir: str | Path, step: int) -> dict[str, str]:
+    """The per-item files an evaluation of ``step`` left in a run's ``evals`` directory, by
+    evaluator (a result read back from the ledger after a restart carries no paths)."""
+    from areal_eval.checkpoints.manifest import checkpoint_name
+
+    directory = items_dir(Path(evals_dir) / f"{checkpoint_name(step)}.json")
+    return {path.stem: str(path) for path in sorted(directory.glob("*.parquet"))}
+
+
 def file_name(evaluator: str) -> str:
     return re.sub(r"[^\w.-]", "_", evaluator) + ".parquet"
 

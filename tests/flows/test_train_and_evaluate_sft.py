@@ -1,6 +1,11 @@
 """The causal-LM demo's preset (sft-math) through the train-and-evaluate flow and through
 evaluate-checkpoint, against the Prefect test API, MLflow on SQLite and torchrun workers."""
 
+import json
+from pathlib import Path
+
+import pytest
+
 from areal_eval.config.pipeline import load_pipeline_config
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
@@ -38,6 +43,19 @@ def test_the_sft_math_preset_is_judged_alike_in_the_flow_and_by_evaluate_checkpo
         history = tracker.client.get_metric_history(mlflow.info.run_id, f"eval/{metric}")
         assert sorted(m.step for m in history) == evaluated, metric  # each evaluated step once
     assert mlflow.info.status == "FINISHED"
+    # Every evaluated step's answers are in MLflow: its per-item files and a table to read.
+    run_id = mlflow.info.run_id
+    for step in evaluated:
+        stored = {a.path for a in tracker.client.list_artifacts(run_id, f"items/step_{step:08d}")}
+        assert stored == {f"items/step_{step:08d}/generation.parquet", f"items/step_{step:08d}/lm_loss.parquet"}
+    last = evaluated[-1]
+    local = tracker.client.download_artifacts(run_id, f"items/generation_step_{last:08d}.json", str(tmp_path / "dl"))
+    table = json.loads(Path(local).read_text())  # MLflow's table form: columns, then rows
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert len(rows) == 21 * 5 and {"prompt", "reference", "answer", "reward"} <= set(table["columns"])
+    greedy = [r["reward"] for r in rows if r["greedy"]]
+    accuracy = tracker.eval_history(run_id, "generation/accuracy")[last]
+    assert sum(greedy) / len(greedy) == pytest.approx(accuracy, abs=1e-9)
 
     copy = copy_trained_run(run, tmp_path / "copy" / "sft-math", run_id="sft-math-copy")
     result = evaluate_checkpoint(15, str(copy.manifest), params={"tracking": small["tracking"]})
