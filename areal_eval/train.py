@@ -273,7 +273,7 @@ def train(spec: TrainJobSpec) -> None:
             store=store,
             resume_dir=run.resume_states,
         )
-    log = run.train_log.open("a") if rank == 0 else None
+    log = TrainLog(run.train_log) if rank == 0 else None
 
     def resume_state(next_epoch: int, next_epoch_step: int, global_step: int) -> dict:
         return {
@@ -318,16 +318,8 @@ def train(spec: TrainJobSpec) -> None:
             if log and global_step % cfg.log_every == 0:
                 elapsed = time.monotonic() - started
                 log.write(
-                    json.dumps(
-                        {
-                            "step": global_step,
-                            **metrics,
-                            "samples_per_s": global_step * cfg.batch_size * world / elapsed,
-                        }
-                    )
-                    + "\n"
+                    {"step": global_step, **metrics, "samples_per_s": global_step * cfg.batch_size * world / elapsed}
                 )
-                log.flush()
             if stats[1].item() > 0:
                 stop_reason = stop.requested() or "stop requested"
                 break
@@ -350,20 +342,41 @@ def train(spec: TrainJobSpec) -> None:
         )
         writer.close()
         log.write(
-            json.dumps(
-                {
-                    "step": global_step,
-                    "done": True,
-                    "stopped": stop_reason,
-                    "blocked_s": writer.blocked_seconds,
-                    "train_s": time.monotonic() - started,
-                }
-            )
-            + "\n"
+            {
+                "step": global_step,
+                "done": True,
+                "stopped": stop_reason,
+                "blocked_s": writer.blocked_seconds,
+                "train_s": time.monotonic() - started,
+            }
         )
         log.close()
     del ddp  # before the group goes: see distributed.shutdown
     distributed.shutdown()
+
+
+class TrainLog:
+    """Rank 0's training log: one JSON row a line, flushed as written. A full disk is named (the
+    file and what was written), not an anonymous ENOSPC."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = path.open("a")
+
+    def write(self, row: dict) -> None:
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as exc:
+            from areal_eval.checkpoints.saving import named_if_disk_full
+
+            named = named_if_disk_full(exc, self.path, f"the training log (step {row.get('step')})")
+            if named is exc:
+                raise
+            raise named from exc
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def main(argv: list[str] | None = None) -> int:

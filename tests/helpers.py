@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
 
 import psutil
 import torch
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str):
+    """A real tmpfs of ``size`` (``8m``) at ``mount``: a disk that fills up (skips where it
+    cannot be mounted)."""
+    import pytest
+
+    mount.mkdir(parents=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def free_port() -> int:

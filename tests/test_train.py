@@ -173,3 +173,21 @@ def test_a_training_job_that_fails_after_its_done_row_still_fails(tmp_path):
     job = TorchrunJob("tests.hang_after_done", [str(log), "--exit", "3"], 1, tmp_path / "train.log")
     with pytest.raises(WorkerError, match="training failed"):
         wait_for_exit(job, log, timeout_s=600)
+
+
+def test_a_full_disk_under_the_training_log_names_the_file_and_the_step(tmp_path):
+    import contextlib
+
+    from areal_eval.disk import DiskFull
+    from areal_eval.train import TrainLog
+    from tests.helpers import tmpfs
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        log = TrainLog(disk / "train_log.jsonl")
+        (disk / "filler").write_bytes(b"x" * ((64 << 10) - 4096))
+        named = rf"no space left on the disk of {disk}/train_log.jsonl while writing the training log \(step 7\)"
+        with pytest.raises(DiskFull, match=named):
+            for _ in range(100):
+                log.write({"step": 7, "loss": 0.5, "text": "y" * 4096})
+        with contextlib.suppress(OSError):  # the unwritten buffer fails again
+            log.close()

@@ -24,7 +24,7 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import TINY
-from tests.helpers import sqlite_mlflow_uri
+from tests.helpers import sqlite_mlflow_uri, tmpfs
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,15 +220,8 @@ def test_ctrl_c_or_sigterm_stops_everything_in_one_line_and_ends_mlflow_killed(t
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 8 MB tmpfs: checkpoints fill it within the run."""
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with tmpfs(tmp_path / "small-disk", "8m") as mount:
+        yield mount
 
 
 def test_a_full_disk_ends_the_mlflow_run_failed_naming_the_path_and_what_was_being_written(tmp_path, small_disk):
