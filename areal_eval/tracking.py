@@ -294,11 +294,13 @@ class Tracker:
             if not Path(path).exists():
                 continue
             self.client.log_artifact(run_id, path, f"items/step_{step:08d}")
-            if name == "generation":
+            table_file = f"items/generation_step_{step:08d}.json"
+            logged = {a.path for a in self.client.list_artifacts(run_id, "items")}
+            if name == "generation" and table_file not in logged:  # log_table appends to a table already there
                 rows = read_items(path)
-                columns = ("item", "sample", "greedy", "prompt", "reference", "answer", "reward", "length", "truncated")
+                columns = ("item", "prompt", "answer", "reward", "reference", "greedy", "sample", "length", "truncated")
                 table = {c: [r.get(c) for r in rows] for c in columns}
-                self.client.log_table(run_id, table, f"items/generation_step_{step:08d}.json")
+                self.client.log_table(run_id, table, table_file)
 
     def set_tags(self, run_id: str, tags: dict) -> None:
         from mlflow.entities import RunTag

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from areal_eval.config.pipeline import load_pipeline_config
+from areal_eval.evaluation.items import stored_items
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from tests.helpers import copy_trained_run, mlflow_run, sqlite_mlflow_uri
@@ -49,6 +50,7 @@ def test_the_sft_math_preset_is_judged_alike_in_the_flow_and_by_evaluate_checkpo
         stored = {a.path for a in tracker.client.list_artifacts(run_id, f"items/step_{step:08d}")}
         assert stored == {f"items/step_{step:08d}/generation.parquet", f"items/step_{step:08d}/lm_loss.parquet"}
     last = evaluated[-1]
+    tracker.log_items(run_id, last, stored_items(run.evals, last))  # a retried delivery: the table stays whole
     local = tracker.client.download_artifacts(run_id, f"items/generation_step_{last:08d}.json", str(tmp_path / "dl"))
     table = json.loads(Path(local).read_text())  # MLflow's table form: columns, then rows
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
