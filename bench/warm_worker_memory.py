@@ -20,7 +20,8 @@ from pathlib import Path
 from common import emit, prepared_run
 
 
-def trained_run(work: Path, objective: str):
+def trained_run(work: Path, objective: str, valid: int | None = None):
+    """A small run trained 12 steps (checkpoints at 0, 4, 8, 12); ``valid``: validation items."""
     from areal_eval.launcher import TorchrunJob
 
     sections = {
@@ -29,13 +30,13 @@ def trained_run(work: Path, objective: str):
         "eval": {"batch_size": 16},
     }
     if objective == "sft":
-        sections["data"] = {"math": {"train_problems": 256, "valid_problems": 41}}
+        sections["data"] = {"math": {"train_problems": 256, "valid_problems": valid or 41}}
         sections["eval"] |= {"evaluator": "generation,lm_loss", "generation": {"max_new_tokens": 16}}
         sections["eval"]["lm_loss"] = {"completion_field": "answer"}
         sections["scheduler"] = {"metric": "generation/accuracy"}
         sections["alerts"] = {"rules": []}
     else:
-        sections["data"] = {"synthetic": {"train_pairs": 256, "valid_pairs": 101}}
+        sections["data"] = {"synthetic": {"train_pairs": 256, "valid_pairs": valid or 101}}
     cfg, run = prepared_run(f"memory-{objective}", work, **sections)
     job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
     job.wait(600)
