@@ -16,6 +16,11 @@ from collections.abc import Callable
 from typing import ClassVar, Literal
 
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, FieldError, Ranges, check_ranges
+from areal_eval.paired import NoCommonItems, paired_difference
+
+ItemScores = Callable[[int, str], "tuple[dict, dict | None] | None"]
+"""(step, metric) -> the per-item scores whose mean the metric at that step is, and their
+clusters (None: that step kept no items for it)."""
 
 
 @dataclasses.dataclass
@@ -39,9 +44,10 @@ class AlertRule:
     """Ignore checkpoints before this step (e.g. the untrained baseline)."""
     stderrs: float | None = None
     """Noise-aware (threshold, regression): a breach fires when the result lies this many
-    standard errors past the line (a regression: past the best before it, their errors combined;
-    a threshold: past ``value``). A result without a standard error counts as past. None: the
-    noise is not looked at."""
+    standard errors past the line (a regression: past its baseline; where both kept their
+    items, in the paired standard error of the difference on their common items, else their
+    two errors combined; a threshold: past ``value``). A result without a standard error counts
+    as past. None: the noise is not looked at."""
     baseline_results: int | None = None
     """Regression: compare with the mean of this many most recent results before the step
     (their errors averaged too) instead of the best. The best of several noisy results sits
@@ -167,12 +173,18 @@ class AlertEngine:
     """
 
     def __init__(
-        self, cfg: AlertsConfig, clock: Callable[[], float] = time.monotonic, notified: dict[str, float] | None = None
+        self,
+        cfg: AlertsConfig,
+        clock: Callable[[], float] = time.monotonic,
+        notified: dict[str, float] | None = None,
+        items: ItemScores | None = None,
     ):
         self.cfg = cfg
         self._clock = clock
         self._results: dict[str, list[tuple[int, float]]] = {}
         self.notified: dict[str, float] = dict(notified or {})
+        self._items = items
+        self._item_cache: dict[tuple[int, str], tuple[dict, dict | None] | None] = {}
 
     def remember(self, step: int, metrics: dict) -> None:
         """Know a result without judging it (history from before this process)."""
@@ -235,29 +247,62 @@ class AlertEngine:
             baseline = self._baseline(rule, step)
             if baseline is None:
                 return None
-            level, level_stderr, what = baseline
-            drop = (level - value) if rule.higher_is_better else (value - level)
+            level, level_stderr, what, steps = baseline
+            paired = self._paired_drop(rule, step, steps)
+            if paired is not None:  # the same items at both: the error of their differences
+                drop, error, n = paired
+                how = f" (paired on {n} items)"
+            else:
+                drop = (level - value) if rule.higher_is_better else (value - level)
+                error = math.hypot(stderr or 0.0, level_stderr or 0.0) if stderr or level_stderr else None
+                how = ""
             if drop <= rule.tolerance:
                 return None
-            combined = math.hypot(stderr or 0.0, level_stderr or 0.0) if stderr or level_stderr else None
             message = f"{rule.metric}={value:.4g} at step {step} is {drop:.4g} worse than {what} {level:.4g} before it"
-            return message, _ratio(drop, combined)
+            return message + how, _ratio(drop, error)
         return None
 
-    def _baseline(self, rule: AlertRule, step: int) -> tuple[float, float | None, str] | None:
-        """What a regression at ``step`` is measured from: (level, its standard error, its name)."""
+    def _item_scores(self, step: int, metric: str) -> tuple[dict, dict | None] | None:
+        key = (step, metric)
+        if key not in self._item_cache:
+            if len(self._item_cache) >= 64:  # a streak looks back a few steps; a run may have thousands
+                self._item_cache.pop(next(iter(self._item_cache)))
+            self._item_cache[key] = self._items(step, metric) if self._items else None
+        return self._item_cache[key]
+
+    def _paired_drop(self, rule: AlertRule, step: int, steps: list[int]) -> tuple[float, float, int] | None:
+        """(drop, its paired standard error, common items) of ``step`` against the baseline
+        ``steps`` (their items' mean), where every one of them kept its items; else None."""
+        current = self._item_scores(step, rule.metric)
+        bases = [self._item_scores(s, rule.metric) for s in steps]
+        if current is None or not bases or any(b is None for b in bases):
+            return None
+        common = [k for k in current[0] if all(k in b[0] for b in bases)]
+        baseline = {k: sum(b[0][k] for b in bases) / len(bases) for k in common}
+        try:
+            paired = paired_difference(baseline, current[0], current[1])
+        except NoCommonItems:
+            return None
+        drop = -paired.difference if rule.higher_is_better else paired.difference
+        return drop, paired.stderr, paired.n
+
+    def _baseline(self, rule: AlertRule, step: int) -> tuple[float, float | None, str, list[int]] | None:
+        """What a regression at ``step`` is measured from: (level, its standard error, its name,
+        the steps it is of)."""
         stderr_key = rule.stderr_metric.format(metric=rule.metric)
         if rule.baseline_results is None:
             best = self.best_before(rule.metric, step, rule.higher_is_better)
             if best is None:
                 return None
-            return best, self._value_at(stderr_key, self._best_step(rule, step)), "the best"
+            best_step = self._best_step(rule, step)
+            return best, self._value_at(stderr_key, best_step), "the best", [best_step]
         recent = [(s, v) for s, v in self._results.get(rule.metric, ()) if s < step][-rule.baseline_results :]
         if not recent:
             return None
         errors = [self._value_at(stderr_key, s) for s, _ in recent]
         level_stderr = math.sqrt(sum(e * e for e in errors)) / len(recent) if all(errors) else None
-        return sum(v for _, v in recent) / len(recent), level_stderr, f"the mean of the {len(recent)} results"
+        what = f"the mean of the {len(recent)} results"
+        return sum(v for _, v in recent) / len(recent), level_stderr, what, [s for s, _ in recent]
 
     def _best_step(self, rule: AlertRule, step: int) -> int | None:
         earlier = [(v, s) for s, v in self._results.get(rule.metric, ()) if s < step]

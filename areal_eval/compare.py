@@ -12,15 +12,11 @@ import dataclasses
 from pathlib import Path
 
 from areal_eval.checkpoints.manifest import checkpoint_name
-from areal_eval.evaluation.items import items_dir, read_items
+from areal_eval.evaluation.items import SCORE_COLUMNS, items_dir, read_items, scores_of
 from areal_eval.paired import PairedDifference, paired_difference
 
-SCORES = {
-    "reward_model": (("accuracy", "correct", None), ("margin", "margin", None), ("loss", "loss", None)),
-    "generation": (("accuracy", "reward", True), ("mean_reward", "reward", False), ("length", "length", None)),
-    "lm_loss": (("nll", "nll", None),),
-}
-"""Per evaluator: (name, column, greedy rows only / sampled rows only / every row)."""
+EXTRA = {"lm_loss": {"nll": ("nll", None)}}
+"""Per-item scores worth comparing that no metric is the mean of (lm_loss's is a ratio of sums)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,16 +33,6 @@ def step_items(run_dir: Path, step: int) -> Path:
     return directory
 
 
-def score_map(rows: list[dict], column: str, greedy: bool | None) -> tuple[dict, dict | None]:
-    """{key: score} of the rows kept, and each key's cluster where a prompt has several rows."""
-    if greedy is not None and "greedy" in rows[0]:
-        rows = [r for r in rows if r["greedy"] == greedy]
-    keys = [(r["item"], r.get("sample", 0)) for r in rows]
-    scores = {k: float(r[column]) for k, r in zip(keys, rows, strict=True)}
-    several = len({k[0] for k in keys}) < len(keys)
-    return scores, ({k: k[0] for k in keys} if several else None)
-
-
 def compare_steps(run_dir: str | Path, step_a: int, step_b: int) -> list[Comparison]:
     run_dir = Path(run_dir)
     dir_a, dir_b = step_items(run_dir, step_a), step_items(run_dir, step_b)
@@ -59,9 +45,9 @@ def compare_steps(run_dir: str | Path, step_a: int, step_b: int) -> list[Compari
         rows_a, rows_b = read_items(path_a), read_items(path_b)
         if not rows_a or not rows_b:
             continue
-        for score, column, greedy in SCORES.get(evaluator, ()):
-            a, clusters = score_map(rows_a, column, greedy)
-            b, _ = score_map(rows_b, column, greedy)
+        for score, (column, greedy) in {**SCORE_COLUMNS.get(evaluator, {}), **EXTRA.get(evaluator, {})}.items():
+            a, clusters = scores_of(rows_a, column, greedy)
+            b, _ = scores_of(rows_b, column, greedy)
             if not a or not b:
                 continue  # greedy answers only: no sampled rows
             what = f"steps {step_a} and {step_b} ({evaluator} {score})"

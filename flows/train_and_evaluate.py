@@ -30,6 +30,7 @@ from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
 from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.devices import plan_here
 from areal_eval.disk import is_disk_full
+from areal_eval.evaluation.items import run_item_scores
 from areal_eval.follow_loop import FollowLoop, LoopConfig
 from areal_eval.launcher import TorchrunJob
 from areal_eval.preference_data import DataError
@@ -188,7 +189,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
             planner,
             Manifest(run.manifest),
             run.train_log,
-            AlertEngine(cfg.alerts),
+            AlertEngine(cfg.alerts, items=run_item_scores(run.evals)),
             io,
             loop_cfg,
             training,

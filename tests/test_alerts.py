@@ -119,3 +119,56 @@ def test_baseline_results_must_be_positive():
         AlertRule("reg", "regression", baseline_results=0)
     with pytest.raises(ValueError, match="baseline_results: is for regression rules, not threshold"):
         AlertRule("low", "threshold", baseline_results=3)
+
+
+def _item_steps():
+    """400 items scored 0/1 at three steps: step 2 is step 1 with 8 items gained and 8 lost
+    (no change), step 3 is step 1 with 22 items lost (a regression the two errors hide)."""
+    import random
+
+    from areal_eval.evaluation.evaluators import mean_and_stderr
+
+    rng = random.Random(0)
+    base = [float(rng.random() < 0.7) for _ in range(400)]
+    right, wrong = [j for j, v in enumerate(base) if v], [j for j, v in enumerate(base) if not v]
+    noisy, worse = list(base), list(base)
+    for j in right[:8]:
+        noisy[j] = 0.0
+    for j in wrong[:8]:
+        noisy[j] = 1.0
+    for j in right[8:30]:
+        worse[j] = 0.0
+    steps = {1: base, 2: noisy, 3: worse}
+    metrics = {}
+    for step, scores in steps.items():
+        mean, stderr = mean_and_stderr(sum(scores), sum(scores), len(scores))
+        metrics[step] = {"accuracy": mean, "accuracy_stderr": stderr}
+    return steps, metrics
+
+
+def test_a_regression_on_the_same_items_is_judged_by_the_paired_error_of_their_differences():
+    steps, metrics = _item_steps()
+    rule = AlertRule("reg", "regression", metric="accuracy", stderrs=3.0)
+
+    def items(step, metric):
+        return ({j: v for j, v in enumerate(steps[step])}, None) if metric == "accuracy" else None
+
+    unpaired, paired = engine(rule), AlertEngine(AlertsConfig(rules=[rule]), clock=Clock(), items=items)
+    for e in (unpaired, paired):
+        assert e.check(1, metrics[1]) == [] and e.check(2, metrics[2]) == []  # no change: silent
+    drop = metrics[1]["accuracy"] - metrics[3]["accuracy"]
+    combined = (metrics[1]["accuracy_stderr"] ** 2 + metrics[3]["accuracy_stderr"] ** 2) ** 0.5
+    assert drop / combined < 2  # the two results' own errors hide the drop ...
+    assert unpaired.check(3, metrics[3]) == []
+    [alert] = paired.check(3, metrics[3])  # ... their paired error does not (against step 2, the best)
+    assert "paired on 400 items" in alert.message and "standard errors" in alert.message
+
+
+def test_where_a_step_kept_no_items_the_rule_falls_back_to_the_unpaired_errors():
+    steps, metrics = _item_steps()
+    rule = AlertRule("reg", "regression", metric="accuracy", stderrs=3.0)
+    e = AlertEngine(AlertsConfig(rules=[rule]), clock=Clock(), items=lambda step, metric: None)
+    assert e.check(1, metrics[1]) == [] and e.check(3, metrics[3]) == []
+    big = {"accuracy": metrics[1]["accuracy"] - 0.2, "accuracy_stderr": metrics[1]["accuracy_stderr"]}
+    [alert] = e.check(4, big)
+    assert "paired" not in alert.message

@@ -83,6 +83,52 @@ def cut(value, chars: int):
     return value[:chars] if isinstance(value, str) else value
 
 
+SCORE_COLUMNS: dict[str, dict[str, tuple[str, bool | None]]] = {
+    "reward_model": {"accuracy": ("correct", None), "margin": ("margin", None), "loss": ("loss", None)},
+    "generation": {
+        "accuracy": ("reward", True),
+        "mean_reward": ("reward", False),
+        "response_length": ("length", None),
+    },
+}
+"""The metrics that are means of one per-item column: per evaluator, metric -> (column, which
+rows: greedy answers only (True), sampled ones only (False), or all (None))."""
+
+
+def scores_of(rows: list[dict], column: str, greedy: bool | None) -> tuple[dict, dict | None]:
+    """({key: score}, each key's cluster or None): a key per row, ``(item, sample)``; where an
+    item has several rows (a prompt's samples) they share a cluster, their item."""
+    if greedy is not None and rows and "greedy" in rows[0]:
+        rows = [r for r in rows if r["greedy"] == greedy]
+    keys = [(r["item"], r.get("sample", 0)) for r in rows]
+    scores = {k: float(r[column]) for k, r in zip(keys, rows, strict=True)}
+    several = len({k[0] for k in keys}) < len(keys)
+    return scores, ({k: k[0] for k in keys} if several else None)
+
+
+def metric_scores(files: dict[str, str], metric: str) -> tuple[dict, dict | None] | None:
+    """The per-item scores whose mean is ``metric`` (``evaluator/name`` in a combined job, else
+    the one evaluator's ``name``), read from a result's per-item ``files``; None where the
+    metric is not such a mean or its file is missing."""
+    evaluator, _, name = metric.rpartition("/")
+    if not evaluator:
+        if len(files) != 1:
+            return None
+        evaluator = next(iter(files))
+    column = SCORE_COLUMNS.get(evaluator, {}).get(name)
+    path = files.get(evaluator)
+    if column is None or path is None or not Path(path).exists():
+        return None
+    scores, clusters = scores_of(read_items(path), *column)
+    return (scores, clusters) if scores else None
+
+
+def run_item_scores(evals_dir: str | Path):
+    """The alert engine's ``items`` for a run: (step, metric) -> that step's per-item scores of
+    the metric, read from the files its evaluation left in ``evals_dir`` (None where none)."""
+    return lambda step, metric: metric_scores(stored_items(evals_dir, step), metric)
+
+
 def read_items(path: str | Path) -> list[dict]:
     """The rows of one per-item file, in item order."""
     import pyarrow.parquet as pq

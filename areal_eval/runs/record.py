@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 from areal_eval import jsonl
 from areal_eval.alerts import Alert, AlertEngine, AlertsConfig
+from areal_eval.evaluation.items import run_item_scores
 from areal_eval.runs.ledger import Ledger
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.failures import retry_backoff_s
@@ -138,7 +139,7 @@ class RunRecord:
             else:
                 planner.evaluated(event, metrics, True, probe_metrics, notes, retried)
             state = self._state()
-            engine = AlertEngine(self.alerts, time.time, state.get("notified"))
+            engine = AlertEngine(self.alerts, time.time, state.get("notified"), run_item_scores(self.run.evals))
             for entry in planner.ledger.entries():
                 if entry.status == "evaluated" and entry.step != event.global_step:
                     engine.remember(entry.step, entry.metrics)
