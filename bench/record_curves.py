@@ -6,7 +6,8 @@
 Trains the demo's reward model (2 DDP ranks) with a few seeds and label-noise levels, then
 evaluates every checkpoint once (2 torchrun ranks) and writes one curve per run and metric
 (accuracy, higher is better; Bradley-Terry loss, lower is better) in the replay format
-``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``. Ends by replaying
+``{"curve", "higher_is_better", "points": [{"step", "value", "stderr", "items"}]}``, ``items``
+being each validation pair's score in the same order at every point. Ends by replaying
 them through the adaptive and fixed policies; prints one JSON line.
 
 Each checkpoint is also evaluated on a fixed random subset of the validation pairs (a fifth,
@@ -61,6 +62,7 @@ def record_run(
     work: Path, seed: int, noise: float, every: int, geometric: bool = False, subset_fraction: float = 0.2
 ) -> list[dict]:
     from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.evaluation.items import read_items
     from areal_eval.evaluation.jobs import run_evaluation_job
     from areal_eval.evaluation.worker_pool import WarmEvalWorkers
     from areal_eval.launcher import TorchrunJob
@@ -80,18 +82,20 @@ def record_run(
     points: dict[str, list[dict]] = {"accuracy": [], "loss": []}
     with WarmEvalWorkers(cfg.eval.nproc, run.evals) as workers:
         for event in Manifest(run.manifest).events():
-            full, part = (
-                run_evaluation_job(event, data, cfg.eval, run.evals, cfg.model.max_length, workers=workers).metrics
-                for data in (run.valid_data, subset)
+            whole, part = (
+                run_evaluation_job(event, data, cfg.eval, run.evals / tag, cfg.model.max_length, workers=workers)
+                for data, tag in ((run.valid_data, "full"), (subset, "subset"))
             )
-            for metric in points:
+            full, rows = whole.metrics, read_items(whole.items["reward_model"])
+            for metric, column in (("accuracy", "correct"), ("loss", "loss")):
                 points[metric].append(
                     {
                         "step": event.global_step,
                         "value": full[metric],
                         "stderr": full[f"{metric}_stderr"],
-                        "subset_value": part[metric],
-                        "subset_stderr": part[f"{metric}_stderr"],
+                        "subset_value": part.metrics[metric],
+                        "subset_stderr": part.metrics[f"{metric}_stderr"],
+                        "items": [round(r[column], 6) for r in rows],
                     }
                 )
     return [

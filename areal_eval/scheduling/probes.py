@@ -56,9 +56,15 @@ class ProbeSettings:
 
 
 def subset_result(curve, i: int, fraction: float, seed: str) -> tuple[float, float]:
-    """Checkpoint ``i``'s (value, stderr) on the probe subset: recorded, where the curve was
-    recorded with subset values of this ``fraction``; else simulated (see the module)."""
+    """Checkpoint ``i``'s (value, stderr) on the probe subset: of its items, where the curve has
+    them (the subset a probe of the pipeline scores); recorded, where the curve was recorded
+    with subset values of this ``fraction``; else simulated (see the module)."""
     point = curve.points[i]
+    if point.items is not None:  # the real subset: the items a probe of this fraction scores
+        from areal_eval.evaluation.evaluators import mean_and_stderr, probe_items
+
+        chosen = [point.items[j] for j in probe_items(len(point.items), fraction)]
+        return mean_and_stderr(sum(chosen), sum(v * v for v in chosen), len(chosen))
     if point.subset is not None and curve.subset_fraction == fraction:
         return point.subset
     rng = random.Random(f"{seed}:{curve.name}:{i}")

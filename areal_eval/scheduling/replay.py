@@ -50,6 +50,8 @@ class Point:
     stderr: float
     subset: tuple[float, float] | None = None
     """(value, stderr) on the curve's fixed probe subset, where it was recorded."""
+    items: tuple[float, ...] | None = None
+    """Every item's score, in the same order at every point of the curve, where recorded."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,8 @@ class Curve:
 
 def read_curves(path: str | Path) -> list[Curve]:
     """Curves JSONL (``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``;
-    optionally ``subset_fraction`` and, per point, ``subset_value`` and ``subset_stderr``).
+    optionally ``subset_fraction`` and, per point, ``subset_value`` and ``subset_stderr``, and
+    ``items``: every item's score, the same items in the same order at every point).
 
     A stderr that is missing or 0 counts as ``DEFAULT_STDERR``, as the scheduler's
     ``default_stderr`` does in the pipeline; a value or stderr that is NaN, infinite or (stderr)
@@ -78,6 +81,7 @@ def read_curves(path: str | Path) -> list[Curve]:
                     float(p["value"]),
                     float(p.get("stderr") or DEFAULT_STDERR),
                     (float(p["subset_value"]), float(p["subset_stderr"])) if fraction else None,
+                    tuple(float(v) for v in p["items"]) if p.get("items") is not None else None,
                 )
                 for p in row["points"]
             )
@@ -93,8 +97,17 @@ def read_curves(path: str | Path) -> list[Curve]:
                     f"{path}:{lineno}: point {i} (step {b.step}) must come after step {a.step}: "
                     "steps strictly increase along a curve"
                 )
+        sizes = {len(p.items) if p.items is not None else None for p in points}
+        if len(sizes) > 1:
+            first = len(points[0].items) if points[0].items is not None else "no"
+            odd = next(i for i, p in enumerate(points) if (len(p.items) if p.items is not None else "no") != first)
+            got = len(points[odd].items) if points[odd].items is not None else "no"
+            raise ValueError(
+                f"{path}:{lineno}: curve {curve.name!r} point {odd} (step {points[odd].step}) has {got} items, "
+                f"point 0 has {first}: every point scores the same items, in the same order"
+            )
         for i, p in enumerate(points):
-            numbers = (p.value, p.stderr, *(p.subset or ()))
+            numbers = (p.value, p.stderr, *(p.subset or ()), *(p.items or ()))
             if not all(math.isfinite(x) for x in numbers) or p.stderr < 0 or (p.subset and p.subset[1] < 0):
                 raise ValueError(
                     f"{path}:{lineno}: point {i} (step {p.step}) needs a finite value and a finite stderr >= 0, "
@@ -165,14 +178,43 @@ def parse_policy(spec: str) -> Policy:
 
 
 def inject_regression(curve: Curve, rng: random.Random) -> tuple[Curve, int]:
+    """A drop of ``REGRESSION_STDERRS`` standard errors from a random checkpoint in the second
+    half to the end. On a curve with items, it is the items that drop (:func:`lower_items`)."""
     n = len(curve.points)
     start = rng.randrange(n // 2, n)
     sign = -1.0 if curve.higher_is_better else 1.0
+    order = None
+    if curve.points[0].items is not None:  # which items regress first: the same at every point
+        order = rng.sample(range(len(curve.points[0].items)), len(curve.points[0].items))
     points = tuple(
-        dataclasses.replace(p, value=p.value + sign * REGRESSION_STDERRS * p.stderr) if i >= start else p
+        (lower_items(p, order, sign) if order is not None else dataclasses.replace(
+            p, value=p.value + sign * REGRESSION_STDERRS * p.stderr
+        )) if i >= start else p
         for i, p in enumerate(curve.points)
-    )
+    )  # fmt: skip
     return dataclasses.replace(curve, points=points), start
+
+
+def lower_items(point: Point, order: list[int], sign: float) -> Point:
+    """``point`` with its items made worse until their mean has moved ``REGRESSION_STDERRS``
+    standard errors in the bad direction (``sign``): scores on a 0-1 scale (accuracy, ties ½)
+    flip to the worst score one item at a time in ``order``; other scores (a loss, a margin)
+    move by one amount on the first half of ``order``. The value moves with them."""
+    items, n = list(point.items), len(point.items)
+    target = REGRESSION_STDERRS * point.stderr * n  # the sum the items must move
+    if set(items) <= {0.0, 0.5, 1.0}:
+        worst, moved = (0.0 if sign < 0 else 1.0), 0.0
+        for j in order:
+            if moved >= target:
+                break
+            moved += abs(items[j] - worst)
+            items[j] = worst
+    else:
+        share = order[: max(1, n // 2)]
+        for j in share:
+            items[j] += sign * target / len(share)
+        moved = target
+    return dataclasses.replace(point, value=point.value + sign * moved / n, items=tuple(items))
 
 
 def score(curve: Curve, chosen: list[int]) -> dict:
@@ -251,7 +293,13 @@ def alerts_fired(curve: Curve, evaluations: list[tuple[int, int]], rule: AlertRu
     """The evaluations ``(checkpoint, when)`` on which ``rule`` fires, judged in the order they
     were evaluated, as the pipeline's alert engine judges them (each point's stderr as its noise)."""
     rule = dataclasses.replace(rule, metric="value", higher_is_better=curve.higher_is_better, throttle_secs=0.0)
-    engine = AlertEngine(AlertsConfig(rules=[rule]), clock=lambda: 0.0)
+    by_step = {p.step: p for p in curve.points}
+
+    def items(step: int, metric: str):
+        scores = by_step[step].items
+        return None if scores is None else ({j: v for j, v in enumerate(scores)}, None)
+
+    engine = AlertEngine(AlertsConfig(rules=[rule]), clock=lambda: 0.0, items=items)
     fired = []
     for index, when in sorted(evaluations, key=lambda e: (e[1], e[0])):
         point = curve.points[index]

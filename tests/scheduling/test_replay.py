@@ -1,4 +1,5 @@
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,63 @@ def test_replay_judges_a_regression_from_the_recent_mean_when_the_rule_says_so()
     alerts = replay.replay(spike, [FixedEvery(1)], alert_rules=rules)["policies"]["fixed:1"]["alerts"]
     assert alerts["from_best"]["false_alerts_per_100_curves"] == 100
     assert alerts["from_mean"]["false_alerts_per_100_curves"] == 0
+
+
+def item_curve(tmp_path, points):
+    path = tmp_path / "items.jsonl"
+    path.write_text(json.dumps({"curve": "c", "higher_is_better": True, "points": points}) + "\n")
+    return path
+
+
+def test_points_that_disagree_on_their_items_are_refused_naming_curve_and_point(tmp_path):
+    points = [{"step": 0, "value": 0.5, "stderr": 0.1, "items": [1, 0]}, {"step": 5, "value": 1, "items": [1, 1, 1]}]
+    with pytest.raises(ValueError, match=r"items.jsonl:1: curve 'c' point 1 \(step 5\) has 3 items, point 0 has 2"):
+        replay.read_curves(item_curve(tmp_path, points))
+    points[1]["items"] = None
+    with pytest.raises(ValueError, match=r"point 1 \(step 5\) has no items, point 0 has 2"):
+        replay.read_curves(item_curve(tmp_path, points))
+
+
+def test_an_injected_regression_lowers_items_by_the_stated_stderrs_and_probes_score_real_subsets():
+    import random
+    import statistics
+
+    from areal_eval.evaluation.evaluators import probe_items
+    from areal_eval.scheduling.probes import subset_result
+
+    rng = random.Random(1)
+    binary = [tuple(float(rng.random() < 0.6) for _ in range(200)) for _ in range(6)]
+    points = tuple(Point(s, statistics.fmean(v), statistics.stdev(v) / 200**0.5, items=v) for s, v in enumerate(binary))
+    curve = Curve("c", True, points)
+    hit, start = replay.inject_regression(curve, random.Random(0))
+    for before, after in zip(curve.points[start:], hit.points[start:], strict=True):
+        drop = before.value - after.value
+        assert replay.REGRESSION_STDERRS * before.stderr <= drop < replay.REGRESSION_STDERRS * before.stderr + 1 / 200
+        assert after.value == pytest.approx(statistics.fmean(after.items))
+        assert all(a <= b for a, b in zip(after.items, before.items, strict=True))  # items only got worse
+    assert hit.points[:start] == curve.points[:start]
+    value, _ = subset_result(curve, 2, 0.2, "0")
+    assert value == statistics.fmean(binary[2][j] for j in probe_items(200, 0.2))
+
+
+def test_paired_alerts_on_our_item_curves_see_injected_drops_the_unpaired_rule_misses():
+    """The recorded curves keep every item's score: a regression rule judged by the paired error
+    of the differences detects injected 5-stderr drops that the same rule judged by the two
+    results' own errors misses, and fires on no more clean curves."""
+    import dataclasses
+
+    from areal_eval.alerts import AlertRule
+
+    curves = replay.read_curves(DEMO_CURVES)
+    assert all(p.items is not None for c in curves for p in c.points)
+    bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
+    rule = AlertRule("noise_aware", "regression", stderrs=5.0, baseline_results=3)
+    policies = [replay.parse_policy("fixed:1")]
+    scores = {}
+    for name, cs in (("paired", curves), ("unpaired", bare)):
+        injected = [replay.replay(cs, policies, True, seed, [rule])["policies"]["fixed:1"] for seed in range(10)]
+        clean = replay.replay(cs, policies, False, 0, [rule])["policies"]["fixed:1"]
+        detected = statistics.fmean(r["alerts"]["noise_aware"]["detected_within_2"] for r in injected)
+        scores[name] = detected, clean["alerts"]["noise_aware"]["false_alerts_per_100_curves"]
+    assert scores["paired"][0] >= 0.95 and scores["unpaired"][0] <= 0.1
+    assert scores["paired"][1] <= scores["unpaired"][1]
