@@ -84,16 +84,27 @@ def log_evaluation(
     entry = Ledger(recorded_in[0].ledger).latest(step) if recorded_in is not None else None
     tags |= attempt_tags(entry) if entry is not None else {}  # attempts that failed before this one
     logged = False
-    items = result.items or (stored_items(recorded_in[0].evals, step) if recorded_in is not None else {})
-    if items and result.metrics:  # before the metrics: a retry after a refusal logs both again
-        tracker.log_items(run_id, step, items)
     if result.probe_metrics:
         logged = tracker.log_evaluation(run_id, step, result.probe_metrics, tags=tags, prefix=PROBE_PREFIX)
     if result.metrics:
         logged = tracker.log_evaluation(run_id, step, result.metrics, tags=tags | {"last_evaluated_step": step})
+        log_items(tracker, run_id, result, recorded_in)
         if recorded_in is not None and cfg.tracking.registered_model:
             register_best(cfg, tracker, run_id, *recorded_in, result)
     return logged
+
+
+def log_items(tracker, run_id: str, result: EvalResult, recorded_in: tuple[RunDir, str] | None) -> None:
+    """The result's per-item files and answers table, after its metrics: an artifact store that
+    refuses them costs the copy in MLflow only (the files stay in the run directory), never the
+    metrics, and is said in the log."""
+    items = result.items or (stored_items(recorded_in[0].evals, result.global_step) if recorded_in else {})
+    if not items:
+        return
+    try:
+        tracker.log_items(run_id, result.global_step, items)
+    except Exception as exc:  # noqa: BLE001 - a side copy: warned, not raised
+        get_run_logger().warning("step %d: per-item results not copied to MLflow: %s", result.global_step, exc)
 
 
 def register_best(

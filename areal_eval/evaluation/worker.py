@@ -220,7 +220,11 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
     notes = evaluation_notes(evaluator, sums)
     tables = gather_items(evaluator, layout)
     if layout.rank == 0:
-        item_files = write_items(tables, items_dir(spec.out), spec.item_text_chars)
+        try:
+            item_files = write_items(tables, items_dir(spec.out), spec.item_text_chars)
+        except OSError as exc:  # a full disk, say: the metrics still go out, the loss is said
+            item_files = {}
+            notes.append(f"per-item results not kept: {exc}")
         for note in notes:
             print(f"warning: {note}", file=sys.stderr, flush=True)
         jsonl.write_json(
