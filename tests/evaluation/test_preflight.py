@@ -24,7 +24,7 @@ def test_in_a_process_of_its_own_a_bad_setting_is_refused_in_one_line_and_good_d
     env = stay_offline(dict(__import__("os").environ))
     templated = write_spec(tmp_path / "t.json", EvalJobSpec(**spec, generation=GenerationConfig(chat_template=True)))
     refused = run_preflight(templated, env, timeout_s=120)
-    assert refused == "ConfigError: eval.generation.chat_template: the checkpoint's tokenizer has no chat template"
+    assert refused == "ConfigError: eval.generation.chat_template: the tokenizer has no chat template"
     assert run_preflight(write_spec(tmp_path / "ok.json", EvalJobSpec(**spec)), env, timeout_s=120) is None
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "Q: 1 + 1", "answer": "2"}) + "\n" + json.dumps({"prompt": "Q"}) + "\n")
