@@ -1,6 +1,6 @@
 """A user-defined evaluator, loaded by the workers as ``tests.custom_evaluator:MarginOver``."""
 
-from areal_eval.evaluation.evaluators import RewardModelEvaluator
+from areal_eval.evaluation.reward_model_evaluator import RewardModelEvaluator
 
 
 class MarginOver(RewardModelEvaluator):

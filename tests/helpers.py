@@ -119,7 +119,7 @@ def single_process_metrics(event, data, batch_size=7, items=False):
     """The reward model's metrics on ``event``'s checkpoint in this process, on one rank: the
     reference every distributed evaluation must equal (with ``items``: and its per-item rows)."""
     from areal_eval import distributed
-    from areal_eval.evaluation.evaluators import RewardModelEvaluator
+    from areal_eval.evaluation.reward_model_evaluator import RewardModelEvaluator
     from areal_eval.evaluation.worker import compute_metrics
 
     evaluator = RewardModelEvaluator(max_length=64)

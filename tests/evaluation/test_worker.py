@@ -71,7 +71,8 @@ def test_with_probes_the_whole_set_is_the_subset_and_the_rest_exactly(final_chec
     """A full evaluation with probes sums the probe subset and the rest apart: its metrics equal
     an evaluation without probes, and its subset part equals a probe of the same checkpoint."""
     from areal_eval import distributed
-    from areal_eval.evaluation.evaluators import RewardModelEvaluator, probe_items
+    from areal_eval.evaluation.evaluators import probe_items
+    from areal_eval.evaluation.reward_model_evaluator import RewardModelEvaluator
     from areal_eval.evaluation.worker import compute_metrics
 
     run, event = final_checkpoint
