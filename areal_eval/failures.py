@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from areal_eval.checkpoints.manifest import CheckpointError
 from areal_eval.config.parsing import ConfigError
+from areal_eval.data.preference_data import DataError
 from areal_eval.evaluation.jobs import CorruptCheckpoint, EvaluationConfigError, EvaluationDataError
-from areal_eval.preference_data import DataError
 
 PERMANENT = (CorruptCheckpoint, EvaluationDataError, EvaluationConfigError, CheckpointError, DataError, ConfigError)
 

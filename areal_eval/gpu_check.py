@@ -59,8 +59,8 @@ def train(model, batches, device, steps: int, loss_fn) -> float:
 def evaluate(evaluator_name: str, checkpoint: Path, data: Path, dtype: str, **settings) -> tuple[dict, float]:
     from areal_eval import distributed
     from areal_eval.evaluation.evaluators import make_evaluator
+    from areal_eval.evaluation.job_spec import EvaluatorSettings
     from areal_eval.evaluation.worker import compute_metrics
-    from areal_eval.job_spec import EvaluatorSettings
 
     evaluator = make_evaluator(evaluator_name, EvaluatorSettings(dtype=dtype, **settings))
     evaluator.load(checkpoint, data)
@@ -75,12 +75,12 @@ def evaluate(evaluator_name: str, checkpoint: Path, data: Path, dtype: str, **se
 def run(work: Path, device) -> dict:
     import torch
 
-    from areal_eval import causal_lm, reward_model
+    from areal_eval.data.math_problems import SyntheticMathProblems
+    from areal_eval.data.preference_data import SyntheticPreferences, read_pairs
     from areal_eval.devices import Visible, plan_devices
     from areal_eval.evaluation.generation import GenerationConfig
-    from areal_eval.math_problems import SyntheticMathProblems
-    from areal_eval.objectives import ModelConfig, SFTObjective
-    from areal_eval.preference_data import SyntheticPreferences, read_pairs
+    from areal_eval.models import causal_lm, reward_model
+    from areal_eval.models.objectives import ModelConfig, SFTObjective
 
     out: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
     out["process_group"] = process_group(device)

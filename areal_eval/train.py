@@ -27,9 +27,9 @@ from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Ma
 from areal_eval.checkpoints.store import StorageConfig, open_store
 from areal_eval.config.parsing import AT_LEAST_1, BATCH, NON_NEGATIVE, POSITIVE, RANKS, FieldError, Ranges, check_ranges
 from areal_eval.devices import Devices, check_setting
-from areal_eval.job_spec import read_spec
+from areal_eval.evaluation.job_spec import read_spec
 from areal_eval.launcher import TorchrunJob, die_with_parent
-from areal_eval.objectives import ModelConfig, objective
+from areal_eval.models.objectives import ModelConfig, objective
 from areal_eval.runs.directory import RunDir, StopSignal
 from areal_eval.scheduling.freq_ctl import EpochStepTimeFreqCtl
 

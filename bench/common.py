@@ -17,8 +17,8 @@ stay_offline()
 def prepared_run(name: str, work_dir: Path, **sections):
     """A run directory (data, tokenizer, train spec) with the demo's model size."""
     from areal_eval.config.parsing import merge
-    from areal_eval.config.pipeline import load_pipeline_config
-    from areal_eval.runs.setup import prepare_run
+    from areal_eval.pipeline.config import load_pipeline_config
+    from areal_eval.pipeline.setup import prepare_run
 
     params = merge({"run_name": name, "work_dir": str(work_dir)}, sections)
     cfg = load_pipeline_config(params=params)

@@ -31,8 +31,8 @@ def trainer_evaluate(checkpoint: Path, pairs_path: Path, batch_size: int, max_le
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from areal_eval import reward_model
-    from areal_eval.preference_data import read_pairs
+    from areal_eval.data.preference_data import read_pairs
+    from areal_eval.models import reward_model
 
     tok = reward_model.load_tokenizer(checkpoint)
     model = reward_model.load_model(checkpoint)
@@ -138,9 +138,9 @@ def main() -> None:
 
     import torch
 
-    from areal_eval import reward_model
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.checkpoints.saving import CheckpointWriter
+    from areal_eval.models import reward_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-eval-"))
     cfg, run = prepared_run(

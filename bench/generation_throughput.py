@@ -29,7 +29,7 @@ def per_prompt_answers(checkpoint: Path, prompts: list[str], max_new_tokens: int
     """One ``generate`` call per prompt, as a user's evaluation loop does."""
     import torch
 
-    from areal_eval import causal_lm
+    from areal_eval.models import causal_lm
 
     model, tok = causal_lm.load_model(checkpoint).eval(), causal_lm.load_tokenizer(checkpoint)
     answers = []
@@ -60,8 +60,8 @@ def per_prompt_run(checkpoint: Path, prompts_path: Path, max_new_tokens: int, np
 def per_prompt_worker(spec: str) -> None:
     import torch
 
+    from areal_eval.data.prompt_data import read_prompts
     from areal_eval.distributed import shard_range
-    from areal_eval.prompt_data import read_prompts
 
     torch.set_num_threads(1)
     checkpoint, prompts_path, max_new_tokens, out = json.loads(spec)
@@ -112,10 +112,10 @@ def main() -> None:
         return per_prompt_worker(args.per_prompt_worker)
 
     from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.data.prompt_data import read_prompts
     from areal_eval.evaluation.generation import GenerationConfig
     from areal_eval.evaluation.jobs import EvalConfig
     from areal_eval.launcher import TorchrunJob
-    from areal_eval.prompt_data import read_prompts
 
     work = Path(tempfile.mkdtemp(prefix="bench-generation-"))
     cfg, run = prepared_run(

@@ -213,9 +213,9 @@ def run_once(args, tracking: str, work: Path) -> dict:
 
     from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
     from areal_eval.checkpoints.manifest import Manifest
-    from areal_eval.follow_loop import FollowLoop, LoopConfig
+    from areal_eval.lifecycle.follow_loop import FollowLoop, LoopConfig
+    from areal_eval.lifecycle.planner import EvaluationPlanner
     from areal_eval.runs.ledger import Ledger
-    from areal_eval.scheduling.planner import EvaluationPlanner
     from areal_eval.scheduling.policy import SchedulerConfig
     from areal_eval.tracking import Tracker
 

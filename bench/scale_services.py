@@ -19,8 +19,8 @@ def run_in_flow(planner, training, job, rules, loop_cfg, tracker, mlflow_run_id,
 
     from areal_eval.alerts import AlertEngine
     from areal_eval.checkpoints.manifest import Manifest
-    from areal_eval.config.pipeline import load_pipeline_config
-    from areal_eval.follow_loop import FollowLoop
+    from areal_eval.lifecycle.follow_loop import FollowLoop
+    from areal_eval.pipeline.config import load_pipeline_config
     from areal_eval.runs.directory import RunDir
     from tasks.loop_io import PrefectLoopIO, TaskHandle
 

@@ -95,9 +95,9 @@ def run_round(work: Path, trained, slots: int, args) -> dict:
     from areal_eval.alerts import AlertEngine, AlertsConfig
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.evaluation.worker_pool import WarmWorkerGroups
-    from areal_eval.follow_loop import FollowLoop, LoopConfig
+    from areal_eval.lifecycle.follow_loop import FollowLoop, LoopConfig
+    from areal_eval.lifecycle.planner import EvaluationPlanner
     from areal_eval.runs.ledger import Ledger
-    from areal_eval.scheduling.planner import EvaluationPlanner
     from areal_eval.scheduling.policy import SchedulerConfig
     from areal_eval.tracking import Tracker
 

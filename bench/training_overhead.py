@@ -27,10 +27,10 @@ from common import emit, median, prepared_run
 def run_training(cfg, run, with_pipeline: bool, nice: int = 0) -> dict:
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.evaluation.jobs import run_evaluation_job
-    from areal_eval.followers import ManifestFollower
     from areal_eval.launcher import TorchrunJob
+    from areal_eval.lifecycle.followers import ManifestFollower
+    from areal_eval.lifecycle.planner import EvaluationPlanner
     from areal_eval.runs.ledger import Ledger
-    from areal_eval.scheduling.planner import EvaluationPlanner
 
     for stale in (run.manifest, run.train_log, run.ledger):
         stale.unlink(missing_ok=True)

@@ -27,10 +27,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
+    from areal_eval.data.math_problems import SyntheticMathProblems
     from areal_eval.evaluation.evaluators import make_evaluator
     from areal_eval.evaluation.generation import GenerationConfig
-    from areal_eval.job_spec import EvaluatorSettings
-    from areal_eval.math_problems import SyntheticMathProblems
+    from areal_eval.evaluation.job_spec import EvaluatorSettings
 
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     _, prompts = SyntheticMathProblems(SyntheticMathProblems.Config(10, args.prompts)).generate(work)

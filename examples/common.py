@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from areal_eval import distributed, reward_model
-from areal_eval.objectives import ModelConfig
-from areal_eval.preference_data import SyntheticPreferences, read_pairs
+from areal_eval import distributed
+from areal_eval.data.preference_data import SyntheticPreferences, read_pairs
+from areal_eval.models import reward_model
+from areal_eval.models.objectives import ModelConfig
 
 
 def tiny_reward_model(work: Path):

@@ -23,10 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 from torch.distributed.fsdp import fully_shard
 
-from areal_eval import distributed, reward_model
+from areal_eval import distributed
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import publish_checkpoint
-from areal_eval.preference_data import read_pairs
+from areal_eval.data.preference_data import read_pairs
+from areal_eval.models import reward_model
 from examples.common import train_step
 
 

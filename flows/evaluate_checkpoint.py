@@ -3,7 +3,7 @@
 Started by the deployment trigger on ``areal.checkpoint.saved`` (parameters templated from the
 event payload), by ``prefect deployment run``, by ``sweep-checkpoints``, or by
 ``train-and-evaluate`` dispatching to the evaluation pool. Flow runs of the same training run
-share its record (:class:`~areal_eval.runs.record.RunRecord`): the same planner as the in-flow
+share its record (:class:`~areal_eval.lifecycle.record.RunRecord`): the same planner as the in-flow
 loop decides every checkpoint once, in step order, and one flow run evaluates each chosen one.
 The flow run that finds the run over (final checkpoint and refinement evaluated) ends its MLflow
 run with the curve and the decision log, as ``train-and-evaluate`` does.
@@ -20,14 +20,14 @@ from pydantic import Field
 
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
-from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
-from areal_eval.config.schema import PipelineParams, set_fields
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
 from areal_eval.failures import is_permanent
+from areal_eval.lifecycle.record import RunRecord
+from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
+from areal_eval.pipeline.schema import PipelineParams, set_fields
+from areal_eval.pipeline.setup import judged_config
 from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
-from areal_eval.runs.record import RunRecord
-from areal_eval.runs.setup import judged_config
 from tasks.alerts import send_alert
 from tasks.mlflow_logging import (
     finish_tracking,

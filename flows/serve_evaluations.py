@@ -33,8 +33,8 @@ from websockets.exceptions import WebSocketException
 
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED
 from areal_eval.config.parsing import ConfigError, to_dict
-from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
-from areal_eval.config.schema import PipelineParams, set_fields
+from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
+from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.reaper import watch_over_children
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from flows.sweep_checkpoints import sweep_run

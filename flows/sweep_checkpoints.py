@@ -16,11 +16,11 @@ from prefect.runtime import flow_run
 
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.checkpoints.store import S3Config, S3Store, is_s3, localize_manifest
-from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
-from areal_eval.config.schema import PipelineParams, set_fields
+from areal_eval.lifecycle.record import RunRecord
+from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
+from areal_eval.pipeline.schema import PipelineParams, set_fields
+from areal_eval.pipeline.setup import judged_config
 from areal_eval.runs.directory import RunDir, owned_by_live_process
-from areal_eval.runs.record import RunRecord
-from areal_eval.runs.setup import judged_config
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from tasks.mlflow_logging import tracker_for
 from tasks.orchestration import flow_run_alive

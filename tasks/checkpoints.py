@@ -11,7 +11,7 @@ from prefect.events import emit_event
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, checkpoint_resource, event_payload
 from areal_eval.checkpoints.store import RUN_RECORD_FILES, open_store
-from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from tasks.mlflow_logging import tracker_for

@@ -1,4 +1,4 @@
-"""The follow loop's effects (``areal_eval.follow_loop.LoopIO``) as Prefect tasks, events and logs.
+"""The follow loop's effects (``areal_eval.lifecycle.follow_loop.LoopIO``) as Prefect tasks, events and logs.
 
 Evaluations, their logging, alerts and deletions are task runs, so they show in the UI. A new
 checkpoint is an event, and a training-metrics flush a plain MLflow call with a progress
@@ -15,10 +15,10 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.devices import SlotDevices
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.evaluation.worker_pool import WarmWorkerGroups
+from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from tasks.alerts import send_alert

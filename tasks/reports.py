@@ -11,7 +11,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
-from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import mlflow_run_url, plot_curve, resolve_tracking_uri

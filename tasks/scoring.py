@@ -14,11 +14,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.deployments import run_deployment
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.devices import DevicePlan, SlotDevices, plan_here
 from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers, WarmWorkerGroups
 from areal_eval.failures import is_permanent
+from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.tracking import EVAL_PREFIX, PROBE_PREFIX
 from tasks.mlflow_logging import tracker_for
 

@@ -7,11 +7,11 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from areal_eval.config.pipeline import PipelineConfig
 from areal_eval.devices import plan_here
 from areal_eval.launcher import TorchrunJob
+from areal_eval.pipeline.config import PipelineConfig
+from areal_eval.pipeline.setup import prepare_run
 from areal_eval.runs.directory import RunDir
-from areal_eval.runs.setup import prepare_run
 from areal_eval.train import wait_for_exit
 
 

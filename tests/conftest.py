@@ -73,7 +73,7 @@ TINY = {
 
 def tiny_config(tmp_path: Path, **sections):
     from areal_eval.config.parsing import merge
-    from areal_eval.config.pipeline import load_pipeline_config
+    from areal_eval.pipeline.config import load_pipeline_config
 
     params = merge(TINY, {"work_dir": str(tmp_path), "tracking": {"tracking_uri": sqlite_mlflow_uri(tmp_path)}})
     return load_pipeline_config(params=merge(params, sections))
@@ -101,7 +101,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 
 def _train_tiny_run(work: Path) -> None:
     from areal_eval.launcher import TorchrunJob
-    from areal_eval.runs.setup import prepare_run
+    from areal_eval.pipeline.setup import prepare_run
 
     run = prepare_run(tiny_config(work))
     job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], 2, run.logs / "train.log")

@@ -9,7 +9,7 @@ class MarginOver(RewardModelEvaluator):
     name = "margin_over"
 
     def batch_sums(self, batch):
-        from areal_eval import reward_model
+        from areal_eval.models import reward_model
 
         chosen, rejected = reward_model.pair_scores(self.model, batch)
         return {"n": float(chosen.numel()), "over": float(((chosen - rejected) > 0.1).sum())}

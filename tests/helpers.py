@@ -222,8 +222,8 @@ def train_causal_lm(work: Path, steps: int = 150, valid_problems: int = 41) -> t
 
     import torch
 
-    from areal_eval.math_problems import SyntheticMathProblems
-    from areal_eval.objectives import ModelConfig, SFTObjective
+    from areal_eval.data.math_problems import SyntheticMathProblems
+    from areal_eval.models.objectives import ModelConfig, SFTObjective
 
     train_path, valid_path = SyntheticMathProblems(
         SyntheticMathProblems.Config(train_problems=2000, valid_problems=valid_problems)
@@ -253,8 +253,8 @@ def causal_metrics(checkpoint, data, evaluator="generation", batch_size=7, items
     (with ``items``: and its per-item rows)."""
     from areal_eval import distributed
     from areal_eval.evaluation.evaluators import make_evaluator
+    from areal_eval.evaluation.job_spec import EvaluatorSettings
     from areal_eval.evaluation.worker import compute_metrics
-    from areal_eval.job_spec import EvaluatorSettings
 
     evaluator = make_evaluator(evaluator, EvaluatorSettings(**settings))
     evaluator.load(Path(checkpoint), Path(data))
@@ -270,8 +270,8 @@ def harness_reference(checkpoint, cfg) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from areal_eval import causal_lm
     from areal_eval.evaluation.lm_eval_tasks import flatten_results, task_manager
+    from areal_eval.models import causal_lm
 
     model, tokenizer = causal_lm.load_model(checkpoint).eval(), causal_lm.load_tokenizer(checkpoint)
     out = simple_evaluate(

@@ -121,7 +121,7 @@ def _environ(pid: int) -> dict:
 def test_training_and_each_evaluation_slot_really_run_on_their_own_devices(tmp_path, monkeypatch):
     """What each launched process got, read from /proc: cores here, and the GPUs a machine with
     two (a driver listing, as /proc/driver/nvidia/gpus has) would give each slot."""
-    from areal_eval.runs.setup import prepare_run
+    from areal_eval.pipeline.setup import prepare_run
     from tasks.scoring import worker_groups
     from tasks.training import start_training
 

@@ -15,7 +15,8 @@ FLOW_SIDE = ["prefect", "mlflow", "psutil", "boto3", "matplotlib"]
 def test_the_gpu_checks_library_parts_import_without_the_flow_sides_packages():
     code = (
         "import sys, json; import areal_eval.gpu_check, areal_eval.evaluation.worker, "
-        "areal_eval.evaluation.generation, areal_eval.evaluation.lm_loss, areal_eval.devices, areal_eval.objectives; "
+        "areal_eval.evaluation.generation, areal_eval.evaluation.lm_loss, areal_eval.devices, "
+        "areal_eval.models.objectives; "
         f"print(json.dumps(sorted(m for m in {FLOW_SIDE!r} if m in sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

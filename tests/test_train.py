@@ -8,9 +8,9 @@ import pytest
 
 from areal_eval.checkpoints.manifest import Manifest, verify_checkpoint
 from areal_eval.launcher import TorchrunJob
-from areal_eval.reward_model import load_model
+from areal_eval.models.reward_model import load_model
+from areal_eval.pipeline.setup import prepare_run
 from areal_eval.runs.directory import StopSignal
-from areal_eval.runs.setup import prepare_run
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.integration
@@ -96,7 +96,7 @@ def test_a_killed_job_resumes_from_its_newest_checkpoint_as_if_never_stopped(tmp
 
 
 def test_prepare_validates_data_before_touching_an_existing_run(tmp_path):
-    from areal_eval.preference_data import DataError
+    from areal_eval.data.preference_data import DataError
 
     run = prepare_run(tiny_config(tmp_path))
     before = sorted(p.name for p in run.root.iterdir())

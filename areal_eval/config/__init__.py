@@ -1,2 +1,1 @@
-"""Typed configs: strict parsing from dicts and files, the pipeline's sections, and the same as a
-pydantic model for the flows' parameters."""
+"""Strict typed configs: dataclasses parsed from dicts and files, with errors naming the field."""

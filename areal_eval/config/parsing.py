@@ -60,7 +60,7 @@ class Bounds(NamedTuple):
 Ranges = dict[str, Bounds]
 """A config class's numeric fields' ranges, by name. Config dataclasses declare theirs as
 ``RANGES``: ``__post_init__`` checks them, and the flows' parameter schema
-(:mod:`areal_eval.config.schema`) carries them, so a Prefect server refuses an out-of-range
+(:mod:`areal_eval.pipeline.schema`) carries them, so a Prefect server refuses an out-of-range
 value when a run is submitted, not when it starts."""
 
 

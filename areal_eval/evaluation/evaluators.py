@@ -260,7 +260,7 @@ def evaluator_names(spec: str) -> list[str]:
 def make_evaluator(spec: str, settings=None) -> BaseEvaluator:
     """The evaluator(s) of ``spec`` configured from ``settings`` (an ``EvalJobSpec``; None: defaults)."""
     if settings is None:
-        from areal_eval.job_spec import EvaluatorSettings
+        from areal_eval.evaluation.job_spec import EvaluatorSettings
 
         settings = EvaluatorSettings()
     parts = [evaluator_class(n).from_settings(settings) for n in evaluator_names(spec)]

@@ -21,13 +21,13 @@ from math import comb
 from pathlib import Path
 from typing import ClassVar
 
-from areal_eval import causal_lm
 from areal_eval.config.parsing import NON_NEGATIVE, TOKENS, Bounds, ConfigError, FieldError, Ranges, check_ranges
+from areal_eval.data.preference_data import DataError
+from areal_eval.data.prompt_data import read_prompts
 from areal_eval.evaluation.decoders import DECODERS, Completion
 from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr, truncation_warning
 from areal_eval.evaluation.rewards import load_reward
-from areal_eval.preference_data import DataError
-from areal_eval.prompt_data import read_prompts
+from areal_eval.models import causal_lm
 
 CHAT_SETTING = "eval.generation.chat_template"
 

@@ -29,11 +29,11 @@ from areal_eval.config.parsing import (
 from areal_eval.devices import Devices, Placement, check_setting
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.interpreter import check_interpreter
+from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json, write_spec
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.preflight import preflight_cache, preflight_key, run_preflight
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json, write_spec
 from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary, stay_offline
 
 

@@ -16,9 +16,9 @@ import math
 from pathlib import Path
 from typing import ClassVar
 
-from areal_eval import causal_lm
 from areal_eval.config.parsing import AT_LEAST_1, BATCH, NON_NEGATIVE, FieldError, Ranges, check_ranges
 from areal_eval.evaluation.evaluators import BaseEvaluator
+from areal_eval.models import causal_lm
 
 
 @dataclasses.dataclass

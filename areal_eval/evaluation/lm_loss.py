@@ -15,11 +15,11 @@ import math
 from pathlib import Path
 from typing import ClassVar
 
-from areal_eval import causal_lm
 from areal_eval.config.parsing import TOKENS, Bounds, Ranges, check_ranges
+from areal_eval.data.preference_data import DataError
+from areal_eval.data.prompt_data import read_texts
 from areal_eval.evaluation.evaluators import BaseEvaluator, sample_stderr, truncation_warning
-from areal_eval.preference_data import DataError
-from areal_eval.prompt_data import read_texts
+from areal_eval.models import causal_lm
 
 
 @dataclasses.dataclass

@@ -69,9 +69,9 @@ def run_preflight(spec_file: Path, env: dict, timeout_s: float) -> str | None:
 def refusal(spec_file: Path) -> str | None:
     """The check itself: None, or why the job's data or settings are refused."""
     from areal_eval.config.parsing import ConfigError
+    from areal_eval.data.preference_data import DataError
     from areal_eval.evaluation.evaluators import check_evaluation_data
-    from areal_eval.job_spec import EvalJobSpec, read_spec
-    from areal_eval.preference_data import DataError
+    from areal_eval.evaluation.job_spec import EvalJobSpec, read_spec
 
     spec = read_spec(EvalJobSpec, spec_file)
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from areal_eval.data.preference_data import read_pairs
 from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr, truncation_warning
-from areal_eval.preference_data import read_pairs
 
 
 class RewardModelEvaluator(BaseEvaluator):
@@ -33,12 +33,13 @@ class RewardModelEvaluator(BaseEvaluator):
     def check_data(cls, path: Path, settings, tokenizer_dir: Path | None = None) -> None:
         pairs = read_pairs(path)
         if tokenizer_dir is not None:
-            from areal_eval import reward_model
+            from areal_eval.models import reward_model
 
             reward_model.tokenize_pairs(reward_model.load_tokenizer(tokenizer_dir), pairs, settings.max_length, path)
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
-        from areal_eval import distributed, reward_model
+        from areal_eval import distributed
+        from areal_eval.models import reward_model
 
         self.tokenizer = reward_model.load_tokenizer(checkpoint_dir)
         self.model = reward_model.load_model(checkpoint_dir, allow_pickle, self.dtype, distributed.device()).eval()
@@ -50,8 +51,8 @@ class RewardModelEvaluator(BaseEvaluator):
     def batches(self, shard, shards, batch_size):
         import torch
 
-        from areal_eval import reward_model
         from areal_eval.distributed import shard_range
+        from areal_eval.models import reward_model
 
         items = self.items()
         indices = [items[i] for i in shard_range(len(items), shard, shards)]
@@ -67,7 +68,7 @@ class RewardModelEvaluator(BaseEvaluator):
     def batch_sums(self, batch):
         import torch
 
-        from areal_eval import reward_model
+        from areal_eval.models import reward_model
 
         chosen, rejected = reward_model.pair_scores_trimmed(self.model, batch)
         chosen, rejected = chosen.double(), rejected.double()

@@ -35,7 +35,7 @@ from areal_eval.evaluation.evaluators import (
     probe_rest,
 )
 from areal_eval.evaluation.items import gather_items, items_dir, write_items
-from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
+from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
 from areal_eval.launcher import die_with_parent
 
 FAULT_ENV = "AREAL_EVAL_INJECT_FAULT"
@@ -181,7 +181,7 @@ def _create_json(path: Path, data: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--spec", help="the job: an EvalJobSpec JSON file (areal_eval.job_spec)")
+    mode.add_argument("--spec", help="the job: an EvalJobSpec JSON file (areal_eval.evaluation.job_spec)")
     mode.add_argument("--follow", action="store_true", help="a node other than 0: take the job from global rank 0")
     mode.add_argument("--serve", metavar="INBOX", help="stay up and evaluate each job file put in INBOX (warm workers)")
     parser.add_argument("--cache-dir", default="checkpoint-cache", help="--follow: node-local cache and job files")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from areal_eval import jsonl
 from areal_eval.devices import Placement
-from areal_eval.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json
+from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json
 from areal_eval.launcher import TorchrunJob, WorkerError
 
 STOP = "stop"

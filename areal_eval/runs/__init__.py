@@ -1,2 +1,1 @@
-"""One training run's files and record: its directory and owner lock, the evaluation ledger, the
-record shared by flow runs, and its set-up."""
+"""One training run's files: its directory, owner lock and stop signal, and the evaluation ledger."""

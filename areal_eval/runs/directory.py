@@ -73,7 +73,7 @@ class RunLock:
         self.run = run
         self._fh = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self.run.root.mkdir(parents=True, exist_ok=True)
         fh = self.run.lock_file.open("a+")
         try:
@@ -83,12 +83,15 @@ class RunLock:
             owner = fh.read().strip() or "{}"
             fh.close()
             info = json.loads(owner)
-            raise RunBusy(f"run {self.run.root} is in use by pid {info.get('pid', '?')} on {info.get('host', '?')} "
-                          f"(since {info.get('since', '?')}): wait for it, stop it, or choose another run_name") from None
+            raise RunBusy(
+                f"run {self.run.root} is in use by pid {info.get('pid', '?')} on {info.get('host', '?')} "
+                f"(since {info.get('since', '?')}): wait for it, stop it, or choose another run_name"
+            ) from None
         fh.seek(0)
         fh.truncate()
-        fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        fh.write(
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+        )
         fh.flush()
         self._fh = fh
         return self
@@ -98,7 +101,7 @@ class RunLock:
             self._fh.close()  # closing drops the flock
             self._fh = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -2,15 +2,14 @@
 
 One JSON line per state change (``scheduled``, ``evaluated``, ``skipped``, ``superseded``,
 ``failed``); the last line for a step wins. With probes (``scheduler.probe_fraction``) an entry
-also says what its probe did (``probe``) and holds the subset's metrics (``probe_metrics``). The scheduler's history and a restarted flow's
-to-do list are both derived from it, so nothing is evaluated twice or lost on restart.
+also says what its probe did (``probe``) and holds the subset's metrics (``probe_metrics``). The
+scheduler's history and a restarted flow's to-do list are both derived from it, so nothing is
+evaluated twice or lost on restart.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -62,8 +61,12 @@ class LedgerEntry:
         """What the scheduler sees of this checkpoint: a result, a pending one, or nothing (a
         pending probe is not a pending result)."""
         if self.status == "evaluated":
-            return HistoryEntry(self.step, self.time, self.metrics.get(metric),
-                                self.metrics.get(stderr_metric) if stderr_metric else None)
+            return HistoryEntry(
+                self.step,
+                self.time,
+                self.metrics.get(metric),
+                self.metrics.get(stderr_metric) if stderr_metric else None,
+            )
         if self.status == "scheduled" and self.probe != "pending":
             return HistoryEntry(self.step, self.time, None, None)
         return None
@@ -91,14 +94,34 @@ class Ledger:
         if self.path.exists() and chunk.offset < self.path.stat().st_size:
             self.problems.append(f"{self.path}:{chunk.line}: skipped (torn or corrupt line): no end of line")
 
-    def record(self, step: int, uri: str, status: str, reason: str = "", metrics: dict | None = None,
-               delivered: bool = False, owner: str | None = None, probe: str | None = None,
-               probe_metrics: dict | None = None, attempts: list | None = None) -> LedgerEntry:
+    def record(
+        self,
+        step: int,
+        uri: str,
+        status: str,
+        reason: str = "",
+        metrics: dict | None = None,
+        delivered: bool = False,
+        owner: str | None = None,
+        probe: str | None = None,
+        probe_metrics: dict | None = None,
+        attempts: list | None = None,
+    ) -> LedgerEntry:
         with self._lock:
             if attempts is None:  # the step's failed attempts stay on record
                 attempts = self._latest[step].attempts if step in self._latest else []
-            entry = LedgerEntry(step, uri, status, reason, dict(metrics or {}), delivered=delivered, owner=owner,
-                                probe=probe, probe_metrics=dict(probe_metrics or {}), attempts=list(attempts))
+            entry = LedgerEntry(
+                step,
+                uri,
+                status,
+                reason,
+                dict(metrics or {}),
+                delivered=delivered,
+                owner=owner,
+                probe=probe,
+                probe_metrics=dict(probe_metrics or {}),
+                attempts=list(attempts),
+            )
             row = dataclasses.asdict(entry)
             if entry.probe is None and not entry.probe_metrics:  # a run without probes: lines as before
                 del row["probe"], row["probe_metrics"]

@@ -1,2 +1,2 @@
-"""Which checkpoints to evaluate: the pure policy, the planner that queues and records decisions,
-replay on recorded curves, trigger control."""
+"""Which checkpoints to evaluate, as pure functions: the policy, probes, the oracle, curves, replay,
+trigger control."""

@@ -7,7 +7,7 @@ standard errors of the difference. Probes never change what the dashboard shows:
 is still scored on full results alone.
 
 The pipeline runs them when ``scheduler.probe_fraction`` is set: the planner
-(:class:`~areal_eval.scheduling.planner.EvaluationPlanner`) decides with :func:`probe_verdict`,
+(:class:`~areal_eval.lifecycle.planner.EvaluationPlanner`) decides with :func:`probe_verdict`,
 the workers evaluate the subset (and, in every full evaluation, the subset and the rest apart,
 so the next probe has its reference). Replay simulates them with the same rule.
 

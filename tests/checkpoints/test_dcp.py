@@ -67,7 +67,7 @@ def test_a_sharded_state_that_does_not_fit_the_model_names_the_checkpoint(fsdp_r
     shutil.copytree(Manifest(runs["hf"] / "manifest.jsonl").find(4).uri, broken)
     config = (broken / "config.json").read_text()
     (broken / "config.json").write_text(config.replace('"num_hidden_layers": 1', '"num_hidden_layers": 2'))
-    from areal_eval import reward_model
+    from areal_eval.models import reward_model
 
     with pytest.raises(CheckpointError, match=f"{broken}: cannot load the sharded state"):
         reward_model.load_model(broken)

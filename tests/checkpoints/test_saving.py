@@ -89,7 +89,7 @@ def test_a_line_torn_by_a_crashed_writer_is_skipped_and_later_entries_read(tmp_p
 
 
 def test_entries_of_another_run_are_rejected_and_reported(tmp_path):
-    from areal_eval.followers import ManifestFollower
+    from areal_eval.lifecycle.followers import ManifestFollower
 
     m = Manifest(tmp_path / "m.jsonl")
     m.append(CheckpointEvent("mine", "/x/0", 0, 0, 0, 1.0, {}))

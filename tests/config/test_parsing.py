@@ -1,7 +1,7 @@
 import pytest
 
 from areal_eval.config.parsing import ConfigError, flatten, parse_overrides
-from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
+from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 
 
 def test_defaults_build():
@@ -123,7 +123,7 @@ def test_probes_need_an_evaluator_that_can_evaluate_a_subset():
 def test_a_webhook_url_that_may_hold_a_secret_is_refused_in_plain_config_and_in_the_form(url):
     from pydantic import ValidationError
 
-    from areal_eval.config.schema import PipelineParams
+    from areal_eval.pipeline.schema import PipelineParams
 
     with pytest.raises(ConfigError, match=r"alerts\.webhook_url: may hold only scheme://host:port.*webhook_url_env"):
         load_pipeline_config(overrides=[f"alerts.webhook_url={url}"])

@@ -6,10 +6,10 @@ greedy accuracy within 5 points and mean answer length within 5%. Counts do not 
 import pytest
 import torch
 
-from areal_eval import causal_lm
 from areal_eval.evaluation.evaluators import make_evaluator
+from areal_eval.evaluation.job_spec import EvaluatorSettings
 from areal_eval.evaluation.lm_loss import LMLossConfig
-from areal_eval.job_spec import EvaluatorSettings
+from areal_eval.models import causal_lm
 from tests.helpers import causal_metrics
 
 ANSWER_COLUMN = LMLossConfig(completion_field="answer")

@@ -8,10 +8,10 @@ from math import comb
 import pytest
 
 from areal_eval.checkpoints.manifest import CheckpointError
+from areal_eval.data.preference_data import DataError
 from areal_eval.evaluation import generation
 from areal_eval.evaluation.generation import GenerationConfig, majority_reward, pass_at_k, sample_seed
 from areal_eval.evaluation.lm_loss import LMLossConfig
-from areal_eval.preference_data import DataError
 from tests.helpers import causal_metrics
 
 SAMPLING = GenerationConfig(n_samples=4, temperature=1.0, top_p=0.95, k=[1, 2, 4], max_new_tokens=16)
@@ -125,7 +125,7 @@ def test_prompts_cut_to_max_prompt_tokens_are_counted_and_a_budget_over_the_mode
 
 def test_a_reward_that_does_not_import_names_its_dotted_path_before_anything_starts():
     from areal_eval.config.parsing import ConfigError
-    from areal_eval.config.pipeline import load_pipeline_config
+    from areal_eval.pipeline.config import load_pipeline_config
 
     with pytest.raises(ValueError, match="'no_such_module.reward' cannot be imported"):
         generation.GenerationEvaluator(GenerationConfig(reward="no_such_module.reward"))
@@ -157,8 +157,8 @@ def test_a_reward_model_checkpoint_is_refused_with_the_reason(trained_run_free_r
 @pytest.fixture
 def trained_run_free_reward_model(tmp_path):
     """A fresh reward model saved as a checkpoint, with one prompt to evaluate."""
-    from areal_eval import reward_model
-    from areal_eval.objectives import ModelConfig
+    from areal_eval.models import reward_model
+    from areal_eval.models.objectives import ModelConfig
 
     tokenizer = reward_model.train_tokenizer(["a b c d"], tmp_path / "tok", vocab_size=32)
     model = reward_model.build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2), tokenizer)
@@ -185,7 +185,7 @@ def test_the_chat_template_wraps_each_prompt(causal_checkpoint, tmp_path):
     as the framed prompts do without it."""
     import shutil
 
-    from areal_eval import causal_lm
+    from areal_eval.models import causal_lm
 
     checkpoint, prompts = causal_checkpoint
     templated = tmp_path / "templated"
@@ -204,7 +204,7 @@ def test_the_chat_template_wraps_each_prompt(causal_checkpoint, tmp_path):
 
 
 def test_evaluators_in_one_job_load_the_model_once(causal_checkpoint, monkeypatch):
-    from areal_eval import causal_lm
+    from areal_eval.models import causal_lm
 
     checkpoint, prompts = causal_checkpoint
     loads = []
@@ -221,8 +221,8 @@ def test_a_probe_subset_and_the_rest_add_up_to_the_whole_set_sampled_answers_inc
 
     from areal_eval import distributed
     from areal_eval.evaluation.evaluators import make_evaluator
+    from areal_eval.evaluation.job_spec import EvaluatorSettings
     from areal_eval.evaluation.worker import compute_metrics, compute_with_probe
-    from areal_eval.job_spec import EvaluatorSettings
 
     checkpoint, prompts = causal_checkpoint
     settings = EvaluatorSettings(generation=SAMPLING, lm_loss=LMLossConfig(completion_field="answer"))

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from areal_eval.config.parsing import ConfigError, FieldError
-from areal_eval.config.pipeline import load_pipeline_config
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.interpreter import check_interpreter, missing_modules, required_modules
+from areal_eval.pipeline.config import load_pipeline_config
 
 pytestmark = pytest.mark.integration  # it runs interpreters
 

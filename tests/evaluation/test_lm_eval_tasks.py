@@ -2,8 +2,8 @@
 
 import pytest
 
-from areal_eval import causal_lm
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig, LMEvalEvaluator, run_tasks
+from areal_eval.models import causal_lm
 from tests.helpers import causal_metrics, harness_reference
 
 
@@ -20,7 +20,7 @@ def test_one_rank_equals_the_harness_and_names_metrics_task_slash_metric(causal_
 
 def test_tasks_are_required_and_a_missing_task_directory_is_named(tmp_path):
     from areal_eval.config.parsing import ConfigError, FieldError
-    from areal_eval.config.pipeline import load_pipeline_config
+    from areal_eval.pipeline.config import load_pipeline_config
 
     with pytest.raises(ConfigError, match="eval.lm_eval.tasks: name at least one"):
         load_pipeline_config(overrides=["eval.evaluator=lm_eval"])

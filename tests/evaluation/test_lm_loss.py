@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_eval import causal_lm
 from areal_eval.config.parsing import ConfigError
+from areal_eval.data.preference_data import DataError
 from areal_eval.evaluation.lm_loss import LMLossConfig
-from areal_eval.preference_data import DataError
+from areal_eval.models import causal_lm
 from tests.helpers import causal_metrics
 
 
@@ -98,8 +98,8 @@ def test_generation_and_lm_loss_share_one_job_and_name_their_metrics(causal_chec
 
 
 def test_with_the_chat_template_the_completion_is_the_assistants_turn_as_sft_trains_it(causal_checkpoint):
-    from areal_eval.causal_lm import encode_answer, encode_prompt, load_tokenizer
     from areal_eval.evaluation.lm_loss import encode_row
+    from areal_eval.models.causal_lm import encode_answer, encode_prompt, load_tokenizer
 
     tok = load_tokenizer(causal_checkpoint[0])
     tok.chat_template = (

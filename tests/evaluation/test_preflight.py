@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from areal_eval.evaluation.generation import GenerationConfig
+from areal_eval.evaluation.job_spec import EvalJobSpec, write_spec
 from areal_eval.evaluation.preflight import run_preflight
-from areal_eval.job_spec import EvalJobSpec, write_spec
 from areal_eval.launcher import stay_offline
 
 pytestmark = pytest.mark.integration

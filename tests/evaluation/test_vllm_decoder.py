@@ -31,7 +31,7 @@ def perturbed_copy(checkpoint: Path, out: Path) -> Path:
 
     import torch
 
-    from areal_eval import causal_lm
+    from areal_eval.models import causal_lm
 
     model = causal_lm.load_model(checkpoint)
     torch.manual_seed(0)

@@ -102,7 +102,7 @@ def awkward_pairs(trained_run, tmp_path_factory):
     and the trained run's own pairs."""
     import json
 
-    from areal_eval.preference_data import read_pairs
+    from areal_eval.data.preference_data import read_pairs
 
     _, run = trained_run
     pairs = read_pairs(run.valid_data)[:30]
@@ -208,10 +208,10 @@ def test_s3_checkpoint_is_fetched_once_per_node_and_matches_local(final_checkpoi
 def test_pickle_checkpoint_on_s3_is_refused_without_opt_in(final_checkpoint, s3_server, s3_bucket, tmp_path):
     import torch
 
-    from areal_eval import reward_model
     from areal_eval.checkpoints.manifest import describe_files
     from areal_eval.checkpoints.store import S3Config, S3Store
     from areal_eval.evaluation.jobs import CorruptCheckpoint
+    from areal_eval.models import reward_model
 
     run, event = final_checkpoint
     staged = tmp_path / "global_step_00000012"

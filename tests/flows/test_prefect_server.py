@@ -16,9 +16,9 @@ import pytest
 
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.checkpoints.publisher import post_event
-from areal_eval.config.pipeline import load_pipeline_config
+from areal_eval.lifecycle.planner import EvaluationPlanner
+from areal_eval.pipeline.config import load_pipeline_config
 from areal_eval.runs.ledger import Ledger
-from areal_eval.scheduling.planner import EvaluationPlanner
 from areal_eval.tracking import Tracker
 from tests.helpers import assert_best_is_registered, copy_trained_run
 from tests.prefect_services import (

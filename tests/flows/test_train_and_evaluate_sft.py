@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.config.pipeline import load_pipeline_config
 from areal_eval.evaluation.items import stored_items
+from areal_eval.pipeline.config import load_pipeline_config
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from tests.helpers import copy_trained_run, mlflow_run, sqlite_mlflow_uri

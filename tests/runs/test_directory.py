@@ -13,7 +13,6 @@ from tests.helpers import HOLD_RUN_LOCK
 pytestmark = pytest.mark.integration  # a real second process
 
 
-
 def test_a_second_owner_is_refused_naming_the_first_until_it_dies(tmp_path):
     run = RunDir(tmp_path / "run")
     holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_LOCK, str(run.root)], stdout=subprocess.PIPE, text=True)

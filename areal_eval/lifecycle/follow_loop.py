@@ -8,7 +8,7 @@ a :class:`LoopIO`: the ``train-and-evaluate`` flow backs it with Prefect tasks, 
 test with plain calls, so every path runs the same loop.
 
 Faults on the side never end the loop. Results and training metrics reach the tracker through a
-:class:`~areal_eval.delivery.Deliverer` in a thread of its own, retried with backoff while MLflow
+:class:`~areal_eval.lifecycle.delivery.Deliverer` in a thread of its own, retried with backoff while MLflow
 is unreachable (and after a restart, from the ledger); an alert that cannot be sent is warned
 about (the alert task retries it first). The loop goes on deciding and evaluating meanwhile.
 """
@@ -26,12 +26,12 @@ from typing import Protocol
 from areal_eval.alerts import Alert, AlertEngine
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_delete
-from areal_eval.delivery import Deliverer, Notifier
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.failures import is_bad_checkpoint, is_permanent
-from areal_eval.followers import JsonlFollower, ManifestFollower
+from areal_eval.lifecycle.delivery import Deliverer, Notifier
+from areal_eval.lifecycle.followers import JsonlFollower, ManifestFollower
+from areal_eval.lifecycle.planner import DecisionThread, EvaluationPlanner
 from areal_eval.runs.ledger import Ledger
-from areal_eval.scheduling.planner import DecisionThread, EvaluationPlanner
 from areal_eval.scheduling.policy import Decision
 
 

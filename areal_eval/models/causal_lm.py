@@ -11,7 +11,7 @@ from pathlib import Path
 from areal_eval.checkpoints import loading
 from areal_eval.checkpoints.manifest import CheckpointError
 from areal_eval.config.parsing import ConfigError
-from areal_eval.preference_data import DataError
+from areal_eval.data.preference_data import DataError
 
 
 def load_model(path: str | Path, allow_pickle: bool = False, dtype: str = "float32", device=None):

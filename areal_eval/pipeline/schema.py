@@ -25,7 +25,7 @@ import typing
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from areal_eval.config.parsing import Bounds
-from areal_eval.config.pipeline import PipelineConfig
+from areal_eval.pipeline.config import PipelineConfig
 
 
 def field_docs(cls: type) -> dict[str, str]:

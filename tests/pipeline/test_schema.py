@@ -6,9 +6,9 @@ import typing
 import pytest
 from pydantic import ValidationError
 
-from areal_eval.config.pipeline import PipelineConfig, load_pipeline_config
-from areal_eval.config.schema import PipelineParams, field_docs, set_fields
 from areal_eval.evaluation.jobs import EvalConfig
+from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
+from areal_eval.pipeline.schema import PipelineParams, field_docs, set_fields
 
 
 def test_every_field_has_its_docstring_as_description():

@@ -1,8 +1,8 @@
 import dataclasses
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
+from areal_eval.lifecycle.planner import CoalescingQueue, EvaluationPlanner
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
-from areal_eval.scheduling.planner import CoalescingQueue, EvaluationPlanner
 from areal_eval.scheduling.policy import SchedulerConfig
 
 
@@ -120,8 +120,8 @@ def test_decision_thread_decides_as_the_manifest_grows(tmp_path):
     import time
 
     from areal_eval.checkpoints.manifest import Manifest
-    from areal_eval.followers import ManifestFollower
-    from areal_eval.scheduling.planner import DecisionThread
+    from areal_eval.lifecycle.followers import ManifestFollower
+    from areal_eval.lifecycle.planner import DecisionThread
 
     manifest = Manifest(tmp_path / "manifest.jsonl")
     planner = EvaluationPlanner(CFG, Ledger(tmp_path / "ledger.jsonl"))

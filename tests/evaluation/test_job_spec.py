@@ -7,7 +7,7 @@ import pytest
 from areal_eval.checkpoints.manifest import FileEntry
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.config.parsing import ConfigError
-from areal_eval.job_spec import EvalJobSpec, read_spec, write_spec
+from areal_eval.evaluation.job_spec import EvalJobSpec, read_spec, write_spec
 
 
 def test_a_spec_round_trips_with_its_nested_types(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from areal_eval.checkpoints import loading
-from areal_eval.preference_data import DataError, line_of_pair
+from areal_eval.data.preference_data import DataError, line_of_pair
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """The pipeline config's reference page, generated from the config classes themselves: every
 field with its type, default, allowed values and docstring.
 
-    python -m areal_eval.config.reference > docs/reference/config.md
+    python -m areal_eval.pipeline.reference > docs/reference/config.md
 
 A test checks that the committed page is what this prints, so the page never drifts from the code.
 """
@@ -13,8 +13,8 @@ import json
 import re
 import typing
 
-from areal_eval.config.pipeline import PipelineConfig
-from areal_eval.config.schema import field_docs
+from areal_eval.pipeline.config import PipelineConfig
+from areal_eval.pipeline.schema import field_docs
 
 
 def _type_name(tp: typing.Any) -> str:
@@ -81,7 +81,7 @@ def render() -> str:
         "# Config reference",
         "",
         "Every field of the pipeline config, generated from the config classes "
-        "(`python -m areal_eval.config.reference > docs/reference/config.md`). Give them in a JSON/YAML file "
+        "(`python -m areal_eval.pipeline.reference > docs/reference/config.md`). Give them in a JSON/YAML file "
         "(`--config`), as `--set section.field=value`, or in a deployment run's `params`.",
         "",
     ]

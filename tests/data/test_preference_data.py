@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from areal_eval.preference_data import DataError, SyntheticPreferences, read_pairs
+from areal_eval.data.preference_data import DataError, SyntheticPreferences, read_pairs
 
 GOOD = "helpful clear accurate kind polite precise thorough honest safe correct".split()
 BAD = "rude wrong vague harmful lazy false sloppy unsafe careless mean".split()

@@ -9,9 +9,9 @@ from concurrent.futures import Future
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed
-from areal_eval.follow_loop import FollowLoop, LoopConfig
+from areal_eval.lifecycle.follow_loop import FollowLoop, LoopConfig
+from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
-from areal_eval.scheduling.planner import EvaluationPlanner
 from areal_eval.scheduling.policy import SchedulerConfig
 
 

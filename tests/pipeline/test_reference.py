@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.config.reference import render
+from areal_eval.pipeline.reference import render
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_committed_config_reference_is_what_the_config_classes_say():
     page = ROOT / "docs" / "reference" / "config.md"
     assert page.read_text() == render() + "\n", (
-        "docs/reference/config.md is stale: .venv/bin/python -m areal_eval.config.reference > docs/reference/config.md"
+        "docs/reference/config.md is stale: "
+        ".venv/bin/python -m areal_eval.pipeline.reference > docs/reference/config.md"
     )
     for field in ("`run_name`", "`max_prompt_tokens`", "`webhook_url`", "## `alerts.rules[]`", "## `eval.generation`"):
         assert field in page.read_text()

@@ -3,7 +3,7 @@
 import threading
 
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
-from areal_eval.followers import JsonlFollower, ManifestFollower
+from areal_eval.lifecycle.followers import JsonlFollower, ManifestFollower
 
 
 def ev(step):

@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from areal_eval import reward_model
 from areal_eval.checkpoints.manifest import CheckpointError
-from areal_eval.objectives import ModelConfig
-from areal_eval.preference_data import SyntheticPreferences
+from areal_eval.data.preference_data import SyntheticPreferences
+from areal_eval.models import reward_model
+from areal_eval.models.objectives import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_pickle_checkpoints_are_refused_unless_allowed(tokenizer, tmp_path):
 
 def test_tokenizer_trained_locally_covers_the_synthetic_vocabulary(tmp_path):
     SyntheticPreferences(SyntheticPreferences.Config(train_pairs=50, valid_pairs=3)).generate(tmp_path)
-    from areal_eval.preference_data import read_pairs
+    from areal_eval.data.preference_data import read_pairs
 
     tok = reward_model.train_tokenizer(
         SyntheticPreferences.corpus(read_pairs(tmp_path / "train.jsonl")), tmp_path / "tok"
@@ -91,7 +91,7 @@ def test_tokenizer_trained_locally_covers_the_synthetic_vocabulary(tmp_path):
 def test_a_text_with_no_tokens_is_refused_naming_its_line(tmp_path):
     import json
 
-    from areal_eval.preference_data import DataError
+    from areal_eval.data.preference_data import DataError
 
     tokenizer = reward_model.train_tokenizer(["kind words rude"], tmp_path / "tok", 32)
     source = tmp_path / "pairs.jsonl"

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
-import json
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from areal_eval import jsonl
 from areal_eval.alerts import Alert, AlertEngine, AlertsConfig
-from areal_eval.evaluation.items import run_item_scores
-from areal_eval.runs.ledger import Ledger
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
+from areal_eval.evaluation.items import run_item_scores
 from areal_eval.failures import retry_backoff_s
-from areal_eval.scheduling.planner import EvaluationPlanner
+from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.runs.directory import RunDir, file_lock
+from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import Decision, SchedulerConfig
 
 
@@ -48,8 +46,14 @@ class Claim:
 
 
 class RunRecord:
-    def __init__(self, run: RunDir, manifest: Manifest, scheduler: SchedulerConfig, alerts: AlertsConfig,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        run: RunDir,
+        manifest: Manifest,
+        scheduler: SchedulerConfig,
+        alerts: AlertsConfig,
+        run_id: str | None = None,
+    ):
         self.run, self.manifest, self.scheduler, self.alerts, self.run_id = run, manifest, scheduler, alerts, run_id
         self._decided: list[CheckpointEvent] = []
 
@@ -82,8 +86,9 @@ class RunRecord:
         decided, self._decided = self._decided, []
         return decided
 
-    def claim(self, step: int, owner: str, forced: str | None = None,
-              alive: Callable[[str], bool] = lambda owner: False) -> tuple[Claim, list[CheckpointEvent]]:
+    def claim(
+        self, step: int, owner: str, forced: str | None = None, alive: Callable[[str], bool] = lambda owner: False
+    ) -> tuple[Claim, list[CheckpointEvent]]:
         """Decide what is undecided, then claim ``step`` for ``owner`` if it is to be evaluated.
 
         ``forced``: evaluate it even if the scheduler skipped it (or it failed), for this reason
@@ -114,17 +119,29 @@ class RunRecord:
         crashed run, a transient failure whose backoff is over): what a sweep picks up by default."""
         with self._locked() as planner:
             self._decide_all(planner)
-            return [e.step for e in planner.ledger.entries()
-                    if e.status == "scheduled" and (e.owner is None or not alive(e.owner))
-                    and (not e.attempts or now() >= e.time + retry_backoff_s(e.failed_attempts))]
+            return [
+                e.step
+                for e in planner.ledger.entries()
+                if e.status == "scheduled"
+                and (e.owner is None or not alive(e.owner))
+                and (not e.attempts or now() >= e.time + retry_backoff_s(e.failed_attempts))
+            ]
 
     def skipped(self) -> list[int]:
         """Steps the scheduler skipped or superseded (a sweep re-evaluates them only when asked)."""
         return [e.step for e in Ledger(self.run.ledger).entries() if e.status in ("skipped", "superseded")]
 
-    def record(self, event: CheckpointEvent, metrics: dict | None, error: str | None = None,
-               probe_metrics: dict | None = None, permanent: bool = True, max_attempts: int = 1,
-               notes: list[str] = (), retried: list[str] = ()) -> list[Alert]:
+    def record(
+        self,
+        event: CheckpointEvent,
+        metrics: dict | None,
+        error: str | None = None,
+        probe_metrics: dict | None = None,
+        permanent: bool = True,
+        max_attempts: int = 1,
+        notes: list[str] = (),
+        retried: list[str] = (),
+    ) -> list[Alert]:
         """Record a result (logged to the tracker already; ``probe_metrics``: its subset part;
         ``notes``: what went wrong without failing it; ``retried``: the causes of the tries that
         failed before, within the attempt) or a
@@ -191,7 +208,6 @@ class RunRecord:
         entries = planner.ledger.entries()
         final = any(e.final for e in planner.events())
         return final and not any(e.status == "scheduled" for e in entries)
-
 
 
 def mark_over(run: RunDir) -> None:

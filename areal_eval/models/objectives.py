@@ -9,11 +9,11 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from areal_eval import causal_lm, reward_model
 from areal_eval.config.parsing import TOKENS, Bounds, FieldError, Ranges, check_ranges
-from areal_eval.math_problems import SyntheticMathProblems
-from areal_eval.preference_data import SyntheticPreferences, read_pairs
-from areal_eval.prompt_data import read_prompts
+from areal_eval.data.math_problems import SyntheticMathProblems
+from areal_eval.data.preference_data import SyntheticPreferences, read_pairs
+from areal_eval.data.prompt_data import read_prompts
+from areal_eval.models import causal_lm, reward_model
 
 if TYPE_CHECKING:
     import torch

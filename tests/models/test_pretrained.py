@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from areal_eval import pretrained
+from areal_eval.models import pretrained
 
 
 def test_a_missing_package_is_named_with_the_command_that_installs_it(monkeypatch):
@@ -19,8 +19,8 @@ def test_a_missing_package_is_named_with_the_command_that_installs_it(monkeypatc
 def test_smollm2_converts_to_safetensors_and_answers_with_its_chat_template(tmp_path):
     import torch
 
-    from areal_eval import causal_lm
-    from areal_eval.causal_lm import encode_prompt
+    from areal_eval.models import causal_lm
+    from areal_eval.models.causal_lm import encode_prompt
 
     out = pretrained.convert_gguf(pretrained.smollm2_gguf(), tmp_path / "smollm2")
     assert pretrained.is_converted(out) and "quantization_config" not in (out / "config.json").read_text()

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.config.pipeline import load_pipeline_config
+from areal_eval.pipeline.config import load_pipeline_config
+from areal_eval.pipeline.setup import check_inputs, judged_config, prepare_run, recorded_judging
 from areal_eval.runs.directory import RunDir
-from areal_eval.runs.setup import check_inputs, judged_config, prepare_run, recorded_judging
 
 SFT_MATH = Path(__file__).resolve().parents[2] / "configs" / "sft-math.yaml"
 SMALL_SFT = {
@@ -36,14 +36,16 @@ def test_every_path_judges_a_run_by_what_it_was_started_with_unless_told_otherwi
     assert cfg.eval.evaluator == "generation,lm_loss" and cfg.eval.nproc == 1
     assert cfg.scheduler.metric == "generation/accuracy" and cfg.alerts.rules[2].metric == "generation/accuracy"
     assert cfg.eval.generation.n_samples == 4
-    told = judged_config(run, {"eval": {"evaluator": "lm_loss"}, "scheduler": {"metric": "loss"}, "alerts": {"rules": []}})
+    told = judged_config(
+        run, {"eval": {"evaluator": "lm_loss"}, "scheduler": {"metric": "loss"}, "alerts": {"rules": []}}
+    )
     assert told.eval.evaluator == "lm_loss" and told.scheduler.stderr_name == "loss_stderr"
     unrecorded = RunDir(tmp_path / "published-by-a-trainer")
     assert recorded_judging(unrecorded) == {} and judged_config(unrecorded, None).eval.evaluator == "reward_model"
 
 
 def test_given_prompt_rows_are_checked_by_line_for_an_sft_run(tmp_path):
-    from areal_eval.preference_data import DataError
+    from areal_eval.data.preference_data import DataError
 
     bad = tmp_path / "train.jsonl"
     bad.write_text('{"prompt": "Q: 1 + 1?\\nA:", "answer": " 2"}\n{"prompt": "Q: 2 + 2?"}\n')
@@ -53,7 +55,7 @@ def test_given_prompt_rows_are_checked_by_line_for_an_sft_run(tmp_path):
 
 
 def test_validation_data_is_checked_as_each_evaluator_reads_it_and_kept_whole(tmp_path):
-    from areal_eval.preference_data import DataError
+    from areal_eval.data.preference_data import DataError
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"question": "Q: 1 + 1?\\nA:", "answer": "#### 2", "source": "gsm8k"}\n')

@@ -2,9 +2,9 @@
 
 import pytest
 
-from areal_eval import causal_lm
 from areal_eval.config.parsing import ConfigError, FieldError
-from areal_eval.objectives import ModelConfig, SFTObjective
+from areal_eval.models import causal_lm
+from areal_eval.models.objectives import ModelConfig, SFTObjective
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}[EOS]\n{% endfor %}"

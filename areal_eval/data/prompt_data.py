@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from areal_eval import jsonl
-from areal_eval.preference_data import DataError
+from areal_eval.data.preference_data import DataError
 
 
 def _rows(path: str | Path, what: str):

@@ -1,4 +1,4 @@
-"""Between checkpoints and workers: decide, queue, record (the followers are in ``areal_eval.followers``).
+"""Between checkpoints and workers: decide, queue, record (the followers are in ``areal_eval.lifecycle.followers``).
 
 Prefect-free, so the flow body stays a readable loop of task calls and the logic is tested
 without a server. Every checkpoint that passes through ends in the ledger as evaluated,
@@ -14,7 +14,7 @@ import threading
 from typing import Generic, TypeVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.followers import ManifestFollower
+from areal_eval.lifecycle.followers import ManifestFollower
 from areal_eval.runs.ledger import FINAL_STATES, RETRIED, Ledger
 from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
 from areal_eval.scheduling.probes import ProbeJudge, ProbeSettings
@@ -189,7 +189,7 @@ class EvaluationPlanner:
         (``scheduler.refine``), pinned so none is coalesced away. Returns them.
 
         ``deleted``: steps retention removed; they stay recorded as skipped. ``owner``: who
-        evaluates them (see :class:`~areal_eval.runs.record.RunRecord`).
+        evaluates them (see :class:`~areal_eval.lifecycle.record.RunRecord`).
         """
         skipped = [e.step for e in self.ledger.entries() if e.status in ("skipped", "superseded")]
         queued = []

@@ -1,0 +1,1 @@
+"""The demos' data: preference pairs, prompts with answers, generated arithmetic problems."""
