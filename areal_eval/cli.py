@@ -15,10 +15,11 @@ import time
 
 from areal_eval.alerts import AlertRule
 from areal_eval.scheduling import replay as replay_mod
+from areal_eval.scheduling.curves import read_curves
 
 
 def _replay(args) -> int:
-    curves = replay_mod.read_curves(args.curves)
+    curves = read_curves(args.curves)
     specs = args.policy or ["adaptive", "fixed:1", "fixed:2", "fixed:3", "fixed:4"]
     policies = [replay_mod.parse_policy(s) for s in specs]
     rules = [

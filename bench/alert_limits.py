@@ -23,7 +23,8 @@ import statistics
 from common import ROOT, emit
 
 from areal_eval.alerts import AlertRule
-from areal_eval.scheduling.replay import REGRESSION_STDERRS, parse_policy, read_curves, replay
+from areal_eval.scheduling.curves import read_curves
+from areal_eval.scheduling.replay import REGRESSION_STDERRS, parse_policy, replay
 
 RULES = {
     "stderrs 3": {"stderrs": 3.0},

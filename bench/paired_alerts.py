@@ -47,9 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("curves", nargs="+", help="item-level curves JSONL")
     args = parser.parse_args()
-    from areal_eval.scheduling import replay
+    from areal_eval.scheduling.curves import read_curves
 
-    curves = [c for path in args.curves for c in replay.read_curves(path)]
+    curves = [c for path in args.curves for c in read_curves(path)]
     bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
     out = {"benchmark": "paired_alerts", "curves": len(curves)}
     for stderrs, baseline in RULES:

@@ -24,7 +24,7 @@ import statistics
 
 from common import ROOT, emit
 
-from areal_eval.scheduling.replay import read_curves
+from areal_eval.scheduling.curves import read_curves
 
 
 def check(path) -> dict:

@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--subset-fraction", type=float, default=0.2, help="share of the validation rows probed")
     args = parser.parse_args()
     from areal_eval.scheduling import replay
+    from areal_eval.scheduling.curves import read_curves
 
     runs = GEOMETRIC_RUNS if args.geometric else RUNS
     work = Path(tempfile.mkdtemp(prefix="bench-curves-"))
@@ -135,7 +136,7 @@ def main() -> None:
             "benchmark": "record_curves",
             "out": str(out),
             "curves": len(curves),
-            "replay_injected": replay.replay(replay.read_curves(out), policies, regression=True)["policies"],
+            "replay_injected": replay.replay(read_curves(out), policies, regression=True)["policies"],
         }
     )
 

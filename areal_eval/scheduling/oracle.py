@@ -19,12 +19,10 @@ bound, and it is tight wherever the curves' tables are convex.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # replay imports this module
-    from areal_eval.scheduling.replay import Curve
+from areal_eval.scheduling.curves import Curve
 
 MAX_CHECKPOINTS = 2000
 """Longest curve the bound is computed for: its time grows with the cube of a curve's length

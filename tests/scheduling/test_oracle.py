@@ -4,8 +4,9 @@ import random
 import pytest
 
 from areal_eval.scheduling import replay
+from areal_eval.scheduling.curves import Curve, Point
 from areal_eval.scheduling.oracle import least_tracking_errors, oracle_compute
-from areal_eval.scheduling.replay import Curve, FixedEvery, Point, parse_policy
+from areal_eval.scheduling.replay import FixedEvery, parse_policy
 
 
 def random_curve(rng: random.Random, n: int, name: str = "c") -> Curve:

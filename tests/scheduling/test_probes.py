@@ -3,9 +3,10 @@ import statistics
 import pytest
 
 from areal_eval.scheduling import replay
+from areal_eval.scheduling.curves import Curve, Point, read_curves
 from areal_eval.scheduling.policy import SchedulerConfig
 from areal_eval.scheduling.probes import ProbeSettings, probe_moved, select_with_probes, subset_result
-from areal_eval.scheduling.replay import Curve, Point, parse_policy
+from areal_eval.scheduling.replay import parse_policy
 
 CFG = SchedulerConfig(stderr_metric=None, max_interval_growth=None)
 
@@ -70,7 +71,7 @@ def test_our_recorded_curves_carry_subset_results_that_replay_probes_with():
     from tests.scheduling.test_replay import DEMO_CURVES, GEOMETRIC_CURVES
 
     for path in (DEMO_CURVES, GEOMETRIC_CURVES):
-        curves = replay.read_curves(path)
+        curves = read_curves(path)
         assert all(c.subset_fraction == 0.2 and all(p.subset for p in c.points) for c in curves)
         c = curves[0]
         if c.points[3].items is None:

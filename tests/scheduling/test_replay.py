@@ -6,7 +6,8 @@ import pytest
 
 from areal_eval import cli
 from areal_eval.scheduling import replay
-from areal_eval.scheduling.replay import Curve, FixedEvery, Point, parse_policy
+from areal_eval.scheduling.curves import Curve, Point, read_curves
+from areal_eval.scheduling.replay import FixedEvery, parse_policy
 
 SHIPPED_CURVES = Path(__file__).resolve().parents[1] / "data" / "curves" / "pythia-v0.jsonl"
 """Real Pythia learning curves, shipped with the tests (see tests/data/curves/README.md)."""
@@ -72,7 +73,7 @@ def test_bad_curve_file_names_the_line(tmp_path):
     f = tmp_path / "c.jsonl"
     f.write_text('{"curve": "a", "points": [{"step": 1, "value": 0.5}]}\n{"curve": "b"}\n')
     with pytest.raises(ValueError, match="c.jsonl:2"):
-        replay.read_curves(f)
+        read_curves(f)
     assert cli.main(["replay", str(f)]) == 2
     assert cli.main(["replay", str(tmp_path / "missing.jsonl")]) == 2
 
@@ -90,7 +91,7 @@ def test_a_point_that_no_score_can_use_is_refused_naming_line_and_point(tmp_path
         )
     )
     with pytest.raises(ValueError, match=r"c.jsonl:2: point 1 \(step 5\)"):
-        replay.read_curves(f)
+        read_curves(f)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +106,7 @@ def test_a_curve_without_points_or_with_steps_out_of_order_is_refused_naming_the
     f = tmp_path / "c.jsonl"
     f.write_text(json.dumps({"curve": "a", "points": points}) + "\n")
     with pytest.raises(ValueError, match=named):
-        replay.read_curves(f)
+        read_curves(f)
 
 
 def replay_against_fixed(curves, capsys) -> dict:
@@ -226,10 +227,10 @@ def item_curve(tmp_path, points):
 def test_points_that_disagree_on_their_items_are_refused_naming_curve_and_point(tmp_path):
     points = [{"step": 0, "value": 0.5, "stderr": 0.1, "items": [1, 0]}, {"step": 5, "value": 1, "items": [1, 1, 1]}]
     with pytest.raises(ValueError, match=r"items.jsonl:1: curve 'c' point 1 \(step 5\) has 3 items, point 0 has 2"):
-        replay.read_curves(item_curve(tmp_path, points))
+        read_curves(item_curve(tmp_path, points))
     points[1]["items"] = None
     with pytest.raises(ValueError, match=r"point 1 \(step 5\) has no items, point 0 has 2"):
-        replay.read_curves(item_curve(tmp_path, points))
+        read_curves(item_curve(tmp_path, points))
 
 
 def test_an_injected_regression_lowers_items_by_the_stated_stderrs_and_probes_score_real_subsets():
@@ -262,7 +263,7 @@ def test_paired_alerts_on_our_item_curves_see_injected_drops_the_unpaired_rule_m
 
     from areal_eval.alerts import AlertRule
 
-    curves = replay.read_curves(DEMO_CURVES)
+    curves = read_curves(DEMO_CURVES)
     assert all(p.items is not None for c in curves for p in c.points)
     bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
     rule = AlertRule("noise_aware", "regression", stderrs=5.0, baseline_results=3)
