@@ -126,7 +126,7 @@ def _item_steps():
     (no change), step 3 is step 1 with 22 items lost (a regression the two errors hide)."""
     import random
 
-    from areal_eval.evaluation.evaluators import mean_and_stderr
+    from areal_eval.estimates import mean_and_stderr
 
     rng = random.Random(0)
     base = [float(rng.random() < 0.7) for _ in range(400)]

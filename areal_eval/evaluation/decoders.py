@@ -8,12 +8,20 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from areal_eval.evaluation.generation import GenerationConfig
+
+class Decoding(Protocol):
+    """The settings a decoder reads (``eval.generation`` holds them)."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop: list[str]
+    vllm_kv_cache_gb: float | None
 
 
 class SeededSampler:
@@ -53,7 +61,7 @@ class Completion:
 class TransformersDecoder:
     """Batched ``model.generate``: left-padded prompts, KV cache, greedy or seeded sampling."""
 
-    def __init__(self, model, tokenizer, cfg: GenerationConfig):
+    def __init__(self, model, tokenizer, cfg: Decoding):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
 
     def complete(self, prompt_ids: list[list[int]], seeds: list[int | None]) -> list[Completion]:
@@ -94,7 +102,7 @@ class TransformersDecoder:
         return [completion_from(tok, cfg, row[width:].tolist()) for row in out.cpu()]
 
 
-def completion_from(tok, cfg: GenerationConfig, generated: list[int]) -> Completion:
+def completion_from(tok, cfg: Decoding, generated: list[int]) -> Completion:
     """An answer from the tokens a decoder generated, by the same rules on every backend: it ends
     at the end-of-sequence token or a stop string, and one that ended neither way is truncated."""
     ended = tok.eos_token_id in generated
@@ -108,17 +116,3 @@ def completion_from(tok, cfg: GenerationConfig, generated: list[int]) -> Complet
     if cuts:
         text, ended = text[: min(cuts)], True
     return Completion(generated, text, truncated=not ended)
-
-
-def _vllm_decoder(checkpoint_dir, model, tokenizer, cfg, dtype):
-    from areal_eval.evaluation.vllm_decoder import VLLMDecoder
-
-    return VLLMDecoder(checkpoint_dir, tokenizer, cfg, dtype)
-
-
-DECODERS = {
-    "transformers": lambda checkpoint_dir, model, tokenizer, cfg, dtype: TransformersDecoder(model, tokenizer, cfg),
-    "vllm": _vllm_decoder,
-}
-"""Generation backends, by ``eval.generation.backend``: ``vllm`` needs vLLM in the workers'
-interpreter (``eval.python``)."""

@@ -16,8 +16,6 @@ only starts evaluations never imports them.
 from __future__ import annotations
 
 import importlib
-import math
-import random
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -146,32 +144,6 @@ def truncation_warning(cut: float, total: float, what: str, limit: str, kept: st
     return [f"{cut:g} of {total:g} {what} were longer than {limit} and kept {kept} (metric truncated_{what})"]
 
 
-def probe_items(n: int, fraction: float) -> list[int]:
-    """The probe subset of ``n`` items: a fixed random ``fraction`` of them (at least one), the
-    same every time, so a probe and the subset part of a full evaluation score the same items."""
-    k = min(n, max(1, round(fraction * n)))
-    return sorted(random.Random(f"areal-eval probe subset of {n}").sample(range(n), k))
-
-
-def probe_rest(n: int, fraction: float) -> list[int]:
-    """The items :func:`probe_items` leaves out."""
-    return sorted(set(range(n)) - set(probe_items(n, fraction)))
-
-
-def mean_and_stderr(total: float, total_sq: float, n: float) -> tuple[float, float]:
-    """Mean of ``n`` values from their sum and sum of squares, and its standard error: the
-    sample variance (divided by n - 1, as lm-evaluation-harness) over n. A constant metric has
-    a standard error of 0, and so has a single value (no spread to estimate); the scheduler and
-    the alerts then take their ``default_stderr``."""
-    mean = total / n
-    return mean, sample_stderr(total_sq - n * mean * mean, n)
-
-
-def sample_stderr(spread: float, n: float) -> float:
-    """The standard error of a mean of ``n`` values whose squared deviations sum to ``spread``."""
-    return math.sqrt(max(spread, 0.0) / (n - 1) / n) if n > 1 else 0.0
-
-
 class CombinedEvaluator(BaseEvaluator):
     """Several evaluators in one job: the model is loaded once, each evaluator's batches run in
     turn, and each metric is named ``evaluator/metric``."""
@@ -257,12 +229,9 @@ def evaluator_names(spec: str) -> list[str]:
     return names
 
 
-def make_evaluator(spec: str, settings=None) -> BaseEvaluator:
-    """The evaluator(s) of ``spec`` configured from ``settings`` (an ``EvalJobSpec``; None: defaults)."""
-    if settings is None:
-        from areal_eval.evaluation.job_spec import EvaluatorSettings
-
-        settings = EvaluatorSettings()
+def make_evaluator(spec: str, settings) -> BaseEvaluator:
+    """The evaluator(s) of ``spec`` configured from ``settings`` (an ``EvalJobSpec`` or
+    ``EvaluatorSettings``)."""
     parts = [evaluator_class(n).from_settings(settings) for n in evaluator_names(spec)]
     for part in parts:
         part.dtype = getattr(settings, "dtype", "auto")

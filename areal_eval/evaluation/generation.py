@@ -24,12 +24,27 @@ from typing import ClassVar
 from areal_eval.config.parsing import NON_NEGATIVE, TOKENS, Bounds, ConfigError, FieldError, Ranges, check_ranges
 from areal_eval.data.preference_data import DataError
 from areal_eval.data.prompt_data import read_prompts
-from areal_eval.evaluation.decoders import DECODERS, Completion
-from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr, truncation_warning
+from areal_eval.estimates import mean_and_stderr
+from areal_eval.evaluation.decoders import Completion, TransformersDecoder
+from areal_eval.evaluation.evaluators import BaseEvaluator, truncation_warning
 from areal_eval.evaluation.rewards import load_reward
 from areal_eval.models import causal_lm
 
 CHAT_SETTING = "eval.generation.chat_template"
+
+
+def _vllm_decoder(checkpoint_dir, model, tokenizer, cfg, dtype):
+    from areal_eval.evaluation.vllm_decoder import VLLMDecoder
+
+    return VLLMDecoder(checkpoint_dir, tokenizer, cfg, dtype)
+
+
+DECODERS = {
+    "transformers": lambda checkpoint_dir, model, tokenizer, cfg, dtype: TransformersDecoder(model, tokenizer, cfg),
+    "vllm": _vllm_decoder,
+}
+"""Generation backends, by ``eval.generation.backend``: ``vllm`` needs vLLM in the workers'
+interpreter (``eval.python``)."""
 
 
 @dataclasses.dataclass

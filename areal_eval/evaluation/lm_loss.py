@@ -18,7 +18,8 @@ from typing import ClassVar
 from areal_eval.config.parsing import TOKENS, Bounds, Ranges, check_ranges
 from areal_eval.data.preference_data import DataError
 from areal_eval.data.prompt_data import read_texts
-from areal_eval.evaluation.evaluators import BaseEvaluator, sample_stderr, truncation_warning
+from areal_eval.estimates import sample_stderr
+from areal_eval.evaluation.evaluators import BaseEvaluator, truncation_warning
 from areal_eval.models import causal_lm
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from areal_eval.data.preference_data import read_pairs
-from areal_eval.evaluation.evaluators import BaseEvaluator, mean_and_stderr, truncation_warning
+from areal_eval.estimates import mean_and_stderr
+from areal_eval.evaluation.evaluators import BaseEvaluator, truncation_warning
 
 
 class RewardModelEvaluator(BaseEvaluator):

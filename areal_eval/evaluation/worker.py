@@ -27,16 +27,11 @@ import torch
 
 from areal_eval import distributed, jsonl
 from areal_eval.checkpoints.store import open_store
-from areal_eval.evaluation.evaluators import (
-    BaseEvaluator,
-    check_metric_names,
-    make_evaluator,
-    probe_items,
-    probe_rest,
-)
+from areal_eval.evaluation.evaluators import BaseEvaluator, check_metric_names, make_evaluator
 from areal_eval.evaluation.items import gather_items, items_dir, write_items
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
 from areal_eval.launcher import die_with_parent
+from areal_eval.scheduling.probes import probe_items, probe_rest
 
 FAULT_ENV = "AREAL_EVAL_INJECT_FAULT"
 """Fault injection for tests: ``RANK:exit`` or ``RANK:hang`` after that rank's first batch;

@@ -30,6 +30,7 @@ import dataclasses
 import math
 import random
 
+from areal_eval.estimates import mean_and_stderr
 from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, decide, refine
 
 
@@ -61,8 +62,6 @@ def subset_result(curve, i: int, fraction: float, seed: str) -> tuple[float, flo
     with subset values of this ``fraction``; else simulated (see the module)."""
     point = curve.points[i]
     if point.items is not None:  # the real subset: the items a probe of this fraction scores
-        from areal_eval.evaluation.evaluators import mean_and_stderr, probe_items
-
         chosen = [point.items[j] for j in probe_items(len(point.items), fraction)]
         return mean_and_stderr(sum(chosen), sum(v * v for v in chosen), len(chosen))
     if point.subset is not None and curve.subset_fraction == fraction:
@@ -158,3 +157,15 @@ def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> t
 class _Event:
     global_step: int
     final: bool
+
+
+def probe_items(n: int, fraction: float) -> list[int]:
+    """The probe subset of ``n`` items: a fixed random ``fraction`` of them (at least one), the
+    same every time, so a probe and the subset part of a full evaluation score the same items."""
+    k = min(n, max(1, round(fraction * n)))
+    return sorted(random.Random(f"areal-eval probe subset of {n}").sample(range(n), k))
+
+
+def probe_rest(n: int, fraction: float) -> list[int]:
+    """The items :func:`probe_items` leaves out."""
+    return sorted(set(range(n)) - set(probe_items(n, fraction)))

@@ -10,6 +10,7 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest, describe_
 from areal_eval.evaluation.evaluators import BaseEvaluator, make_evaluator
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.items import read_items
+from areal_eval.evaluation.job_spec import EvaluatorSettings
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
@@ -71,9 +72,9 @@ def test_with_probes_the_whole_set_is_the_subset_and_the_rest_exactly(final_chec
     """A full evaluation with probes sums the probe subset and the rest apart: its metrics equal
     an evaluation without probes, and its subset part equals a probe of the same checkpoint."""
     from areal_eval import distributed
-    from areal_eval.evaluation.evaluators import probe_items
     from areal_eval.evaluation.reward_model_evaluator import RewardModelEvaluator
     from areal_eval.evaluation.worker import compute_metrics
+    from areal_eval.scheduling.probes import probe_items
 
     run, event = final_checkpoint
     reference = single_process_metrics(event, run.valid_data)
@@ -174,9 +175,9 @@ def test_users_add_evaluators_by_subclassing(final_checkpoint, tmp_path, monkeyp
     cfg = EvalConfig(nproc=2, evaluator="tests.custom_evaluator:MarginOver")
     result = run_evaluation_job(event, run.valid_data, cfg, tmp_path)
     assert set(result.metrics) == {"margin_over_0.1", "n_pairs"} and result.metrics["n_pairs"] == 101
-    assert isinstance(make_evaluator("tests.custom_evaluator:MarginOver"), BaseEvaluator)
+    assert isinstance(make_evaluator("tests.custom_evaluator:MarginOver", EvaluatorSettings()), BaseEvaluator)
     with pytest.raises(ValueError, match="unknown evaluator"):
-        make_evaluator("nope")
+        make_evaluator("nope", EvaluatorSettings())
 
 
 def test_s3_checkpoint_is_fetched_once_per_node_and_matches_local(final_checkpoint, s3_server, s3_bucket, tmp_path):

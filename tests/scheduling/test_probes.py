@@ -77,7 +77,7 @@ def test_our_recorded_curves_carry_subset_results_that_replay_probes_with():
         if c.points[3].items is None:
             assert subset_result(c, 3, 0.2, "0") == c.points[3].subset  # recorded, not drawn
         else:  # the items a probe of the pipeline scores
-            from areal_eval.evaluation.evaluators import probe_items
+            from areal_eval.scheduling.probes import probe_items
 
             chosen = [c.points[3].items[j] for j in probe_items(len(c.points[3].items), 0.2)]
             assert subset_result(c, 3, 0.2, "0")[0] == pytest.approx(sum(chosen) / len(chosen))

@@ -237,8 +237,7 @@ def test_an_injected_regression_lowers_items_by_the_stated_stderrs_and_probes_sc
     import random
     import statistics
 
-    from areal_eval.evaluation.evaluators import probe_items
-    from areal_eval.scheduling.probes import subset_result
+    from areal_eval.scheduling.probes import probe_items, subset_result
 
     rng = random.Random(1)
     binary = [tuple(float(rng.random() < 0.6) for _ in range(200)) for _ in range(6)]

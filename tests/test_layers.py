@@ -1,0 +1,131 @@
+"""The package's layers: no module imports one of a higher layer, and no imports go round in a cycle.
+
+Every import counts, wherever it is written (at the top, inside a function, under
+``TYPE_CHECKING``): a lazy import still ties the two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = [
+    # 0: no knowledge of runs, checkpoints or models: files, configs, statistics, processes
+    {"jsonl", "disk", "config", "estimates", "paired", "devices", "distributed", "launcher", "forked_ranks", "reaper"},
+    {"scheduling", "alerts"},  # pure decisions: which checkpoint to evaluate, which result to alert on
+    {"runs"},  # a run's directory and ledger
+    {"checkpoints"},
+    {"data", "models"},
+    {"evaluation"},
+    {"tracking", "failures", "compare"},  # what is done with results
+    {"lifecycle"},  # one run's lifecycle, on every path
+    {"pipeline", "train", "cli", "gpu_check", "integrations"},  # the combined config and the entry points
+]
+"""Each entry: the first part of a module's name under ``areal_eval`` (a package or a flat module)."""
+OUTSIDE = {"tasks": len(LAYERS), "flows": len(LAYERS) + 1}
+"""The Prefect side, above the library: tasks, then the flows that use them."""
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] in OUTSIDE:
+        return OUTSIDE[parts[0]]
+    if parts[0] != "areal_eval" or len(parts) == 1:
+        return None
+    return next((i for i, names in enumerate(LAYERS) if parts[1] in names), None)
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports (``from pkg import module`` names the module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            )
+    return {m for m in found if m in modules}
+
+
+def project_graph() -> dict[str, set[str]]:
+    paths = [p for top in ("areal_eval", "tasks", "flows") for p in (ROOT / top).rglob("*.py")]
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imports_of(p, modules) - {module_name(p)} for p in paths}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+        for m, targets in graph.items()
+        for t in targets
+        if layer_of(t) is not None and layer_of(t) > layer_of(m)
+    )
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_has_a_layer():
+    graph = project_graph()
+    assert [m for m in graph if m != "areal_eval" and layer_of(m) is None] == []
+
+
+def test_no_module_imports_a_higher_layer():
+    assert upward_imports(project_graph()) == []
+
+
+def test_no_imports_go_round_in_a_cycle():
+    assert cycles(project_graph()) == []
+
+
+@pytest.mark.parametrize(
+    "graph, problem",
+    [
+        ({"areal_eval.runs.ledger": {"areal_eval.lifecycle.record"}, "areal_eval.lifecycle.record": set()}, "upward"),
+        (
+            {
+                "areal_eval.scheduling.a": {"areal_eval.scheduling.b"},
+                "areal_eval.scheduling.b": {"areal_eval.scheduling.a"},
+            },
+            "cycle",
+        ),
+    ],
+)
+def test_the_checks_catch_an_upward_import_and_a_cycle(graph, problem):
+    assert bool(upward_imports(graph)) == (problem == "upward")
+    assert bool(cycles(graph)) == (problem == "cycle")
