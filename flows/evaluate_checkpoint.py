@@ -11,6 +11,7 @@ run with the curve and the decision log, as ``train-and-evaluate`` does.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -21,8 +22,8 @@ from pydantic import Field
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
-from areal_eval.failures import is_permanent
-from areal_eval.lifecycle.record import RunRecord
+from areal_eval.lifecycle.outcome import Attempt, Outcome
+from areal_eval.lifecycle.record import Claim, RunRecord
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import judged_config
@@ -108,43 +109,74 @@ def evaluate_checkpoint(
     if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
         raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
     record = RunRecord(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id)
-    for problem in Ledger(run.ledger).problems:  # torn by a crash: skipped here as on every path
-        logger.warning(problem)
-    me = str(flow_run.id or "local")
-    claim, _ = record.claim(global_step, me, reason, flow_run_alive)
+    ctx, claim = claim_checkpoint(cfg, record, global_step, reason, data_path, gpu_slot)
+    summary, failures = evaluate_claimed(ctx, claim)
+    return report(ctx, claim, summary, failures)
+
+
+def claim_checkpoint(
+    cfg: PipelineConfig,
+    record: RunRecord,
+    global_step: int,
+    reason: str | None,
+    data_path: str | None,
+    gpu_slot: str | None,
+) -> tuple[Evaluating, Claim]:
+    """Decide what is undecided in the run's record and claim ``global_step`` for this flow run."""
+    for problem in Ledger(record.run.ledger).problems:  # torn by a crash: skipped here as on every path
+        get_run_logger().warning(problem)
+    claim, _ = record.claim(global_step, this_flow_run(), reason, flow_run_alive)
+    tag_flow_run(f"run:{claim.event.run_id}", f"evaluator:{cfg.eval.evaluator}")
+    mlflow_run_id = start_tracking_run(cfg, claim.event.run_id, str(record.run.root))
+    verdict = "evaluate" if claim.evaluate else "nothing to do"
+    get_run_logger().info("step %d: %s (%s)", global_step, verdict, claim.reason)
+    return Evaluating(cfg, record, record.run, mlflow_run_id, data_path, gpu_slot), claim
+
+
+def this_flow_run() -> str:
+    return str(flow_run.id or "local")
+
+
+def evaluate_claimed(ctx: Evaluating, claim: Claim) -> tuple[dict, list[Exception]]:
+    """Evaluate (or probe) what was claimed, then the refinements around the best once the run's
+    checkpoints are handled. Failures are recorded already; they are returned, to raise once the
+    run's record is up to date."""
     event = claim.event
-    tag_flow_run(f"run:{event.run_id}", f"evaluator:{cfg.eval.evaluator}")
-    mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
-    logger.info("step %d: %s (%s)", global_step, "evaluate" if claim.evaluate else "nothing to do", claim.reason)
-    summary = {"global_step": global_step, "evaluated": claim.evaluate, "reason": claim.reason, "refined": []}
-    failures: list[Exception] = []  # recorded in the ledger already; raised once the run's record is up to date
+    summary = {"global_step": event.global_step, "evaluated": claim.evaluate, "reason": claim.reason, "refined": []}
+    failures: list[Exception] = []
     try:
         if claim.evaluate and claim.probe:
-            summary |= probe_and_record(cfg, record, event, data_path, run, mlflow_run_id, gpu_slot)
+            summary |= probe_and_record(ctx, event)
         elif claim.evaluate:
-            summary["metrics"] = evaluate_and_record(
-                cfg, record, event, claim.reason, data_path, run, mlflow_run_id, gpu_slot
-            ).metrics
+            summary["metrics"] = evaluate_and_record(ctx, event, claim.reason).metrics
     except Exception as exc:  # noqa: BLE001 - a failed checkpoint does not keep the run from ending
         failures.append(exc)
-    for refined in record.refinements(me, tracker_for(cfg).deleted_steps(mlflow_run_id)):
-        reason_now = Ledger(run.ledger).latest(refined.global_step).reason
-        logger.info("step %d: %s", refined.global_step, reason_now)
+    deleted = tracker_for(ctx.cfg).deleted_steps(ctx.mlflow_run_id)
+    for refined in ctx.record.refinements(this_flow_run(), deleted):
+        reason_now = Ledger(ctx.run.ledger).latest(refined.global_step).reason
+        get_run_logger().info("step %d: %s", refined.global_step, reason_now)
         try:
-            evaluate_and_record(cfg, record, refined, reason_now, data_path, run, mlflow_run_id, gpu_slot)
+            evaluate_and_record(ctx, refined, reason_now)
             summary["refined"].append(refined.global_step)
         except Exception as exc:  # noqa: BLE001 - the other neighbours are still evaluated
             failures.append(exc)
+    return summary, failures
+
+
+def report(ctx: Evaluating, claim: Claim, summary: dict, failures: list[Exception]) -> dict:
+    """End the run in MLflow if this flow run found it over, log the decisions it made and the
+    published training metrics, and say how it went in one line (raising the first failure)."""
+    cfg, record, run, mlflow_run_id, event = ctx.cfg, ctx.record, ctx.run, ctx.mlflow_run_id, claim.event
     if (ledger := record.finish()) is not None:  # this flow run found the run over: end it
-        status, failure = end_status(ledger, published.events())
+        status, failure = end_status(ledger, record.manifest.events())
         summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, ledger, status, failure)
-        logger.info("run %s is over: MLflow run %s ended %s", event.run_id, mlflow_run_id, status)
+        get_run_logger().info("run %s is over: MLflow run %s ended %s", event.run_id, mlflow_run_id, status)
     elif claim.evaluate and record.ended():  # a late evaluation (manual, sweep): counts and curve stay true
         summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, Ledger(run.ledger), None)
     log_decisions(cfg, mlflow_run_id, record.take_decided(), record)
     log_published_train_metrics(cfg, mlflow_run_id, record)
     if failures:  # one line, before Prefect's traceback
-        announce_outcome(event.run_id, f"{event.run_id}@{global_step} failed: {failures[0]}", failed=True)
+        announce_outcome(event.run_id, f"{event.run_id}@{event.global_step} failed: {failures[0]}", failed=True)
         raise failures[0]
     if "run" in summary:
         announce_outcome(event.run_id, summary_line(summary["run"], cfg.scheduler.metric))
@@ -214,88 +246,77 @@ def evaluate_one(
         return score_now(event, data, cfg, run.evals, probe)
 
 
-def probe_and_record(
-    cfg: PipelineConfig,
-    record: RunRecord,
-    event: CheckpointEvent,
-    data_path: str | None,
-    run: RunDir,
-    mlflow_run_id: str,
-    gpu_slot: str | None,
-) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Evaluating:
+    """What every evaluation of one flow run shares."""
+
+    cfg: PipelineConfig
+    record: RunRecord
+    run: RunDir
+    mlflow_run_id: str
+    data_path: str | None
+    """The ``data_path`` parameter (None: the published or default validation data)."""
+    gpu_slot: str | None
+
+    def attempt(self, event: CheckpointEvent, probe: bool = False) -> Attempt:
+        """Evaluate ``event`` (its probe subset, with ``probe``): its result, or the error."""
+        try:
+            data = validation_data(self.data_path, event, self.run)
+            return Attempt(
+                event, result=evaluate_one(self.cfg, event, data, self.run, self.gpu_slot, probe), probe=probe
+            )
+        except Exception as exc:  # noqa: BLE001 - recorded as the attempt's outcome, then raised
+            return Attempt(event, error=exc, probe=probe)
+
+
+def probe_and_record(ctx: Evaluating, event: CheckpointEvent) -> dict:
     """Probe the checkpoint, as the in-flow loop does: held, the probe is logged as
     ``eval_probe/*`` and the checkpoint stays skipped; escalated, this flow run evaluates it in
     full. A failed probe is recorded and alerted on as a failed evaluation, then raised."""
-    try:
-        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot, probe=True)
-    except Exception as exc:
-        record_failure(cfg, record, event, f"probe failed: {exc}", exc, mlflow_run_id, run)
-        raise
-    decision = record.probed(event, result.probe_metrics)
+    attempt = ctx.attempt(event, probe=True)
+    outcome = finish_attempt(ctx, attempt, logged=False)
+    if attempt.error is not None:
+        raise attempt.error
+    decision, probe_metrics = outcome.decision, attempt.result.probe_metrics
     get_run_logger().info("step %d: %s", event.global_step, decision.reason)
     if decision.evaluate:
-        full = evaluate_and_record(cfg, record, event, decision.reason, data_path, run, mlflow_run_id, gpu_slot)
-        return {
-            "evaluated": True,
-            "reason": decision.reason,
-            "probe_metrics": result.probe_metrics,
-            "metrics": full.metrics,
-        }
-    log_evaluation(cfg, mlflow_run_id, result, decision.reason)
-    record.delivered(event.global_step)
-    return {"evaluated": False, "reason": decision.reason, "probe_metrics": result.probe_metrics}
+        full = evaluate_and_record(ctx, event, decision.reason)
+        return {"evaluated": True, "reason": decision.reason, "probe_metrics": probe_metrics, "metrics": full.metrics}
+    log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, decision.reason)
+    ctx.record.delivered(event.global_step)
+    return {"evaluated": False, "reason": decision.reason, "probe_metrics": probe_metrics}
 
 
-def evaluate_and_record(
-    cfg: PipelineConfig,
-    record: RunRecord,
-    event: CheckpointEvent,
-    reason: str,
-    data_path: str | None,
-    run: RunDir,
-    mlflow_run_id: str,
-    gpu_slot: str | None,
-) -> EvalResult:
+def evaluate_and_record(ctx: Evaluating, event: CheckpointEvent, reason: str) -> EvalResult:
     """Evaluate, log to MLflow, record in the run's ledger and send what the alert rules fire.
     A failure (missing data included) is recorded and alerted on, then raised."""
-    try:
-        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot)
-        log_evaluation(cfg, mlflow_run_id, result, reason, (run, event.run_id))
-    except Exception as exc:
-        record_failure(cfg, record, event, str(exc), exc, mlflow_run_id, run)
-        raise
-    for note in result.notes:
+    attempt = ctx.attempt(event)
+    if attempt.result is not None:
+        try:  # logged before it is recorded: an evaluated entry on this path is in MLflow
+            log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, reason, (ctx.run, event.run_id))
+        except Exception as exc:  # noqa: BLE001 - a tracker that refuses it fails the attempt (retried)
+            attempt = Attempt(event, error=exc)
+    finish_attempt(ctx, attempt, logged=True)
+    if attempt.error is not None:
+        raise attempt.error
+    for note in attempt.result.notes:
         get_run_logger().warning("step %d: %s", event.global_step, note)
-    alerts = record.record(
-        event, result.metrics, probe_metrics=result.probe_metrics, notes=result.notes, retried=result.retried
-    )
-    if result.retried:
-        log_failed_attempt(cfg, mlflow_run_id, Ledger(run.ledger), event.global_step)
-    update_evaluation_table(cfg, event.run_id, Ledger(run.ledger))
-    for alert in alerts:
-        send_alert(alert, cfg, mlflow_run_id, run)
-    return result
+    update_evaluation_table(ctx.cfg, event.run_id, Ledger(ctx.run.ledger))
+    return attempt.result
 
 
-def record_failure(
-    cfg: PipelineConfig,
-    record: RunRecord,
-    event: CheckpointEvent,
-    cause: str,
-    exc: Exception,
-    mlflow_run_id: str,
-    run: RunDir,
-) -> None:
-    """A failed attempt, in the ledger: failed for good (and alerted on) when permanent or the
-    last allowed (``eval.max_attempts``), else left scheduled for the sweep to try again."""
-    permanent = is_permanent(exc)
-    retried = getattr(exc, "retried", [])
-    alerts = record.record(event, None, cause, permanent=permanent, max_attempts=cfg.eval.max_attempts, retried=retried)
-    try:
-        log_failed_attempt(cfg, mlflow_run_id, Ledger(run.ledger), event.global_step)
-    except Exception as tracker_exc:  # noqa: BLE001 - the ledger has it; MLflow gets it with the run's end
-        get_run_logger().warning("step %d: failed attempt not in MLflow yet: %r", event.global_step, tracker_exc)
-    if not alerts and not permanent and Ledger(run.ledger).status(event.global_step) == "scheduled":
-        get_run_logger().warning("step %d: transient failure, left for a later attempt: %s", event.global_step, cause)
-    for alert in alerts:
-        send_alert(alert, cfg, mlflow_run_id, run)
+def finish_attempt(ctx: Evaluating, attempt: Attempt, logged: bool) -> Outcome:
+    """The one outcome step of every path (:func:`areal_eval.lifecycle.outcome.record_outcome`),
+    then what this path does with it: failed attempts in MLflow, the alerts sent."""
+    step = attempt.event.global_step
+    outcome = ctx.record.record_outcome(attempt, ctx.cfg.eval.max_attempts, logged_by_evaluator=logged)
+    if attempt.error is not None or attempt.result.retried:
+        try:
+            log_failed_attempt(ctx.cfg, ctx.mlflow_run_id, Ledger(ctx.run.ledger), step)
+        except Exception as tracker_exc:  # noqa: BLE001 - the ledger has it; MLflow gets it with the run's end
+            get_run_logger().warning("step %d: failed attempt not in MLflow yet: %r", step, tracker_exc)
+    if outcome.retry is not None:
+        get_run_logger().warning("step %d: transient failure, left for a later attempt: %s", step, outcome.retry)
+    for alert in outcome.alerts:
+        send_alert(alert, ctx.cfg, ctx.mlflow_run_id, ctx.run)
+    return outcome

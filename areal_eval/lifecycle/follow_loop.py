@@ -27,9 +27,9 @@ from areal_eval.alerts import Alert, AlertEngine
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_delete
 from areal_eval.evaluation.jobs import EvalResult
-from areal_eval.failures import is_bad_checkpoint, is_permanent
 from areal_eval.lifecycle.delivery import Deliverer, Notifier
 from areal_eval.lifecycle.followers import JsonlFollower, ManifestFollower
+from areal_eval.lifecycle.outcome import Attempt, record_outcome
 from areal_eval.lifecycle.planner import DecisionThread, EvaluationPlanner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import Decision
@@ -262,51 +262,27 @@ class FollowLoop:
     def _collect(self, done: _InFlight) -> None:
         step = done.event.global_step
         try:
-            result = done.handle.result()
+            attempt = Attempt(done.event, result=done.handle.result(), probe=done.probe)
         except Exception as exc:  # noqa: BLE001 - recorded, alerted once failed for good, the loop goes on
-            cause = f"probe failed: {exc}" if done.probe else str(exc)
-            retried = getattr(exc, "retried", [])
-            failed_for_good = self.planner.attempt_failed(
-                done.event, cause, is_permanent(exc), self.cfg.max_attempts, retried, is_bad_checkpoint(exc)
-            )
+            attempt = Attempt(done.event, error=exc, probe=done.probe)
+        outcome = record_outcome(
+            self.planner, attempt, self.alerts, self.cfg.max_attempts, self.cfg.results_logged_by_evaluator
+        )
+        if attempt.error is not None:
             self.notifier.call(
                 f"failed attempt of step {step} not recorded in the tracker", self.io.log_failed_attempt, step
             )
-            if not failed_for_good:
-                self.io.warn(f"checkpoint step {step}: evaluation attempt failed, queued again: {cause}")
-                return
-            alerts = self.alerts.check(step, None, self.planner.ledger.latest(step).reason)
-        else:
-            if done.probe:
-                self._collect_probe(done.event, result)
-                return
-            for note in result.notes:
+        if outcome.retry is not None:
+            self.io.warn(f"checkpoint step {step}: evaluation attempt failed, queued again: {outcome.retry}")
+        if outcome.decision is not None:
+            self._log_decision(done.event, outcome.decision)
+        elif attempt.result is not None:
+            for note in attempt.result.notes:
                 self.io.warn(f"checkpoint step {step}: {note}")
-            self.planner.evaluated(
-                done.event,
-                result.metrics,
-                self.cfg.results_logged_by_evaluator,
-                result.probe_metrics,
-                result.notes,
-                result.retried,
-            )
-            if not self.cfg.results_logged_by_evaluator:
-                self.delivery.add_result(result, done.reason)
-            alerts = self.alerts.check(step, result.metrics)
-        for alert in alerts:
+        if outcome.deliver:
+            self.delivery.add_result(attempt.result, outcome.decision.reason if outcome.decision else done.reason)
+        for alert in outcome.alerts:
             self.notifier.add(alert)
-
-    def _collect_probe(self, event: CheckpointEvent, result: EvalResult) -> None:
-        """A probe is not a result (no alert judges it): held, it is logged as ``eval_probe/*``;
-        escalated, the full evaluation it queued logs the subset again with the result."""
-        decision = self.planner.probed(event, result.probe_metrics)
-        self._log_decision(event, decision)
-        if decision.evaluate:
-            return
-        if self.cfg.results_logged_by_evaluator:
-            self.planner.delivered(event.global_step)
-        else:
-            self.delivery.add_result(result, decision.reason)
 
     def _start_evaluations(self) -> None:
         while len(self.in_flight) < self.cfg.slots and (

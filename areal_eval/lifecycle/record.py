@@ -23,14 +23,15 @@ import time
 from collections.abc import Callable, Iterator
 
 from areal_eval import jsonl
-from areal_eval.alerts import Alert, AlertEngine, AlertsConfig
+from areal_eval.alerts import AlertEngine, AlertsConfig
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.evaluation.items import run_item_scores
 from areal_eval.failures import retry_backoff_s
+from areal_eval.lifecycle.outcome import Attempt, Outcome, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
-from areal_eval.scheduling.policy import Decision, SchedulerConfig
+from areal_eval.scheduling.policy import SchedulerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,45 +132,20 @@ class RunRecord:
         """Steps the scheduler skipped or superseded (a sweep re-evaluates them only when asked)."""
         return [e.step for e in Ledger(self.run.ledger).entries() if e.status in ("skipped", "superseded")]
 
-    def record(
-        self,
-        event: CheckpointEvent,
-        metrics: dict | None,
-        error: str | None = None,
-        probe_metrics: dict | None = None,
-        permanent: bool = True,
-        max_attempts: int = 1,
-        notes: list[str] = (),
-        retried: list[str] = (),
-    ) -> list[Alert]:
-        """Record a result (logged to the tracker already; ``probe_metrics``: its subset part;
-        ``notes``: what went wrong without failing it; ``retried``: the causes of the tries that
-        failed before, within the attempt) or a
-        failed attempt (``permanent`` or not, :meth:`EvaluationPlanner.attempt_failed`); returns
-        the alerts it fires, judged against earlier steps and throttled across flow runs. A
-        transient failure left for a later attempt fires none."""
+    def record_outcome(self, attempt: Attempt, max_attempts: int = 1, logged_by_evaluator: bool = True) -> Outcome:
+        """:func:`~areal_eval.lifecycle.outcome.record_outcome` under the run's lock, as the
+        in-flow loop records its attempts: the alert rules judge a result against the earlier
+        steps of the ledger, and throttle across flow runs (the state is the run's record's)."""
         with self._locked() as planner:
-            if error is not None:
-                if not planner.attempt_failed(event, error, permanent, max_attempts, retried):
-                    return []
-                error = planner.ledger.latest(event.global_step).reason
-            else:
-                planner.evaluated(event, metrics, True, probe_metrics, notes, retried)
             state = self._state()
             engine = AlertEngine(self.alerts, time.time, state.get("notified"), run_item_scores(self.run.evals))
             for entry in planner.ledger.entries():
-                if entry.status == "evaluated" and entry.step != event.global_step:
+                if entry.status == "evaluated" and entry.step != attempt.event.global_step:
                     engine.remember(entry.step, entry.metrics)
-            alerts = engine.check(event.global_step, metrics, error)
+            outcome = record_outcome(planner, attempt, engine, max_attempts, logged_by_evaluator)
             if engine.notified != state.get("notified", {}):
                 self._save_state({**state, "notified": engine.notified})
-        return alerts
-
-    def probed(self, event: CheckpointEvent, probe_metrics: dict) -> Decision:
-        """Record a probe's result, as the in-flow planner does: held (skipped), or escalated to
-        a full evaluation that the caller, still its owner, runs next."""
-        with self._locked() as planner:
-            return planner.probed(event, probe_metrics)
+        return outcome
 
     def delivered(self, step: int) -> None:
         """What ``step``'s entry holds (a held probe) is in the tracker."""

@@ -7,6 +7,8 @@ import pytest
 
 from areal_eval.alerts import AlertRule, AlertsConfig
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
+from areal_eval.evaluation.jobs import EvalResult, EvaluationDataError
+from areal_eval.lifecycle.outcome import Attempt
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.lifecycle.record import RunRecord
 from areal_eval.runs.directory import RunDir
@@ -24,6 +26,11 @@ def publish(tmp_path, steps, final_at=None):
             CheckpointEvent("r", f"/c/{step}", 0, step, step, 1.0, {"loss": 1.0 / (step + 1)}, final=step == final_at)
         )
     return manifest
+
+
+def result(event, metrics):
+    """An attempt that produced ``metrics``."""
+    return Attempt(event, result=EvalResult(event.global_step, event.uri, metrics, 0.0))
 
 
 def record(tmp_path, alerts=None, sched=SCHED):
@@ -66,7 +73,7 @@ def test_one_claimant_per_checkpoint_and_a_dead_ones_claim_is_taken_over(tmp_pat
     assert not second.evaluate and second.reason == "being evaluated by a"
     third, _ = record(tmp_path).claim(0, "c", alive=lambda owner: False)
     assert third.evaluate and Ledger(tmp_path / "ledger.jsonl").latest(0).owner == "c"
-    record(tmp_path).record(third.event, {"accuracy": 0.5})
+    record(tmp_path).record_outcome(result(third.event, {"accuracy": 0.5}))
     again, new = record(tmp_path).claim(0, "d", forced="manual")
     assert not again.evaluate and again.reason.startswith("already evaluated") and new == []
 
@@ -77,7 +84,7 @@ def test_a_forced_evaluation_keeps_the_schedulers_reason(tmp_path):
     assert not claim.evaluate and claim.reason.startswith("skipped") and [e.global_step for e in new] == [0, 1]
     forced, _ = record(tmp_path).claim(1, "a", forced="manual")
     assert forced.evaluate and forced.reason.startswith("manual; scheduler: skipped")
-    record(tmp_path).record(forced.event, {"accuracy": 0.5})
+    record(tmp_path).record_outcome(result(forced.event, {"accuracy": 0.5}))
     assert Ledger(tmp_path / "ledger.jsonl").latest(1).reason == forced.reason
 
 
@@ -93,13 +100,13 @@ def test_alerts_judge_by_step_and_throttle_across_flow_runs(tmp_path):
     publish(tmp_path, [0, 10, 20, 30])
     events = {e.global_step: e for e in Manifest(tmp_path / "manifest.jsonl").events()}
     rec = record(tmp_path, REGRESSION)
-    assert rec.record(events[30], {"accuracy": 0.9}) == []
+    assert rec.record_outcome(result(events[30], {"accuracy": 0.9})).alerts == []
     # An old checkpoint evaluated later is judged against steps before it, not against step 30.
-    assert rec.record(events[10], {"accuracy": 0.7}) == []
-    fired = record(tmp_path, REGRESSION).record(events[20], {"accuracy": 0.6})
+    assert rec.record_outcome(result(events[10], {"accuracy": 0.7})).alerts == []
+    fired = record(tmp_path, REGRESSION).record_outcome(result(events[20], {"accuracy": 0.6})).alerts
     assert [(a.step, a.throttled) for a in fired] == [(20, False)] and "best 0.7 before it" in fired[0].message
     # Another flow run (a new RunRecord) sees the rule notified an hour's throttle ago.
-    fired = record(tmp_path, REGRESSION).record(events[30], {"accuracy": 0.5})
+    fired = record(tmp_path, REGRESSION).record_outcome(result(events[30], {"accuracy": 0.5})).alerts
     assert [(a.step, a.throttled) for a in fired] == [(30, True)]
 
 
@@ -110,12 +117,12 @@ def test_refinement_then_one_end(tmp_path):
         claim, _ = rec.claim(step, "a")
         assert rec.refinements("a") == [] and rec.finish() is None  # the run is not over
         if claim.evaluate:
-            rec.record(claim.event, {"accuracy": {0: 0.5, 20: 0.9, 40: 0.895}[step]})
+            rec.record_outcome(result(claim.event, {"accuracy": {0: 0.5, 20: 0.9, 40: 0.895}[step]}))
     refined = rec.refinements("a")
     assert [e.global_step for e in refined] == [30] and rec.finish() is None  # refinement still scheduled
     assert rec.refinements("a") == []  # once
     for event in refined:
-        rec.record(event, {"accuracy": 0.85})
+        rec.record_outcome(result(event, {"accuracy": 0.85}))
     ledger = rec.finish()
     assert ledger is not None and all(e.status != "scheduled" for e in ledger.entries())
     assert rec.finish() is None
@@ -136,19 +143,23 @@ def test_a_transient_failure_is_retried_with_backoff_and_a_permanent_one_ends_th
     rec = record(tmp_path, AlertsConfig(rules=[AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0)]))
     claim, decided = rec.claim(0, "a")
     assert [e.global_step for e in decided] == [0, 10] and [e.global_step for e in rec.take_decided()] == [0, 10]
-    assert rec.record(claim.event, None, "rank 1 died", permanent=False, max_attempts=3) == []  # no alert yet
+    assert (
+        rec.record_outcome(Attempt(claim.event, error=RuntimeError("rank 1 died")), max_attempts=3).alerts == []
+    )  # no alert yet
     entry = Ledger(tmp_path / "ledger.jsonl").latest(0)
     assert (entry.status, entry.owner, entry.attempts) == ("scheduled", None, ["transient: rank 1 died"])
     # The sweep picks it up once its backoff is over, not before.
     assert rec.unhandled(alive=lambda o: False, now=lambda: entry.time + 1) == [10]
     assert rec.unhandled(alive=lambda o: False, now=lambda: entry.time + retry_backoff_s(1)) == [0, 10]
     claim, _ = rec.claim(0, "b")
-    rec.record(claim.event, {"accuracy": 0.5})
+    rec.record_outcome(result(claim.event, {"accuracy": 0.5}))
     entry = Ledger(tmp_path / "ledger.jsonl").latest(0)
     assert entry.status == "evaluated" and entry.attempts == ["transient: rank 1 died"]  # still on record
 
     claim, _ = rec.claim(10, "b")
-    fired = rec.record(claim.event, None, "no such validation data file", permanent=True, max_attempts=3)
+    fired = rec.record_outcome(
+        Attempt(claim.event, error=EvaluationDataError("no such validation data file")), max_attempts=3
+    ).alerts
     assert [a.rule for a in fired] == ["eval-failed"]
     assert Ledger(tmp_path / "ledger.jsonl").latest(10).status == "failed"
     assert rec.unhandled(alive=lambda o: False) == []  # never retried
@@ -161,7 +172,7 @@ def test_the_last_allowed_transient_attempt_fails_the_checkpoint_naming_every_at
     for attempt in range(1, 3):
         claim, _ = rec.claim(0, f"run-{attempt}")
         assert claim.evaluate
-        rec.record(claim.event, None, f"timeout {attempt}", permanent=False, max_attempts=2)
+        rec.record_outcome(Attempt(claim.event, error=TimeoutError(f"timeout {attempt}")), max_attempts=2)
     entry = Ledger(tmp_path / "ledger.jsonl").latest(0)
     assert entry.status == "failed" and entry.reason == "gave up after 2 attempts: timeout 2"
     assert entry.attempts == ["transient: timeout 1", "transient: timeout 2"]

@@ -1,0 +1,83 @@
+"""What an evaluation attempt comes to, decided the same way on every path.
+
+The in-flow loop (:class:`~areal_eval.lifecycle.follow_loop.FollowLoop`), the flow runs that
+evaluate one checkpoint (``evaluate-checkpoint``: trigger, manual run, sweep) and the evaluation
+service each finish an attempt with :func:`record_outcome`: it records the attempt in the run's
+planner and ledger, judges it by the alert rules, and says what the caller still has to do
+(deliver the result to the tracker, send the alerts, or nothing, as a transient failure left for
+another attempt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from areal_eval.alerts import Alert, AlertEngine
+from areal_eval.checkpoints.manifest import CheckpointEvent
+from areal_eval.evaluation.jobs import EvalResult
+from areal_eval.failures import is_bad_checkpoint, is_permanent
+from areal_eval.lifecycle.planner import EvaluationPlanner
+from areal_eval.scheduling.policy import Decision
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One evaluation attempt of a checkpoint: its result, or the error it raised."""
+
+    event: CheckpointEvent
+    result: EvalResult | None = None
+    error: BaseException | None = None
+    probe: bool = False
+    """The probe subset only (the scheduler chose a probe)."""
+
+    def __post_init__(self):
+        if (self.result is None) == (self.error is None):
+            raise ValueError("an attempt has a result or an error, not both or neither")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    alerts: list[Alert]
+    """What the alert rules fired: the caller sends them."""
+    deliver: bool = False
+    """The caller delivers the result (metrics, or a held probe as ``eval_probe/*``) to the
+    tracker, then marks it delivered (``EvaluationPlanner.delivered``)."""
+    retry: str | None = None
+    """A transient failure, left scheduled for another attempt: its cause."""
+    decision: Decision | None = None
+    """A probe's verdict: held (skipped), or escalated to a full evaluation queued next."""
+
+
+def record_outcome(
+    planner: EvaluationPlanner,
+    attempt: Attempt,
+    alerts: AlertEngine,
+    max_attempts: int = 1,
+    logged_by_evaluator: bool = False,
+) -> Outcome:
+    """Record ``attempt`` and judge it.
+
+    A failure is failed for good when permanent, a bad checkpoint or the ``max_attempts``-th
+    (``areal_eval.failures``), and only then alerted on; before that it is queued again. A probe
+    is held or escalated (no alert judges a probe). A result is judged against earlier steps.
+    ``logged_by_evaluator``: the evaluation logged its own metrics (a dispatched deployment run,
+    ``evaluate-checkpoint``), so there is nothing left to deliver.
+    """
+    event, step = attempt.event, attempt.event.global_step
+    if attempt.error is not None:
+        exc = attempt.error
+        cause = f"probe failed: {exc}" if attempt.probe else str(exc)
+        permanent, retried = is_permanent(exc), getattr(exc, "retried", [])
+        if not planner.attempt_failed(event, cause, permanent, max_attempts, retried, is_bad_checkpoint(exc)):
+            return Outcome([], retry=cause)
+        return Outcome(alerts.check(step, None, planner.ledger.latest(step).reason))
+    result = attempt.result
+    if attempt.probe:
+        decision = planner.probed(event, result.probe_metrics)
+        if decision.evaluate:
+            return Outcome([], decision=decision)
+        if logged_by_evaluator:
+            planner.delivered(step)
+        return Outcome([], deliver=not logged_by_evaluator, decision=decision)
+    planner.evaluated(event, result.metrics, logged_by_evaluator, result.probe_metrics, result.notes, result.retried)
+    return Outcome(alerts.check(step, result.metrics), deliver=not logged_by_evaluator)
