@@ -1,0 +1,126 @@
+"""The outcome step every path shares: what an attempt's result or error does to the ledger, which
+alerts it fires, and what is left to the caller; the in-flow loop and the shared record agree."""
+
+import pytest
+
+from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
+from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
+from areal_eval.evaluation.jobs import CorruptCheckpoint, EvalResult, EvaluationDataError
+from areal_eval.lifecycle.outcome import Attempt, record_outcome
+from areal_eval.lifecycle.planner import EvaluationPlanner
+from areal_eval.lifecycle.record import RunRecord
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.ledger import Ledger
+from areal_eval.scheduling.policy import SchedulerConfig
+
+EVERY = SchedulerConfig(policy="fixed", fixed_interval_steps=1, coalesce=False)
+RULES = AlertsConfig(
+    rules=[
+        AlertRule(name="drop", kind="regression", tolerance=0.05, throttle_secs=0),
+        AlertRule(name="failed", kind="eval_failed", throttle_secs=0),
+    ]
+)
+
+
+def ev(step):
+    return CheckpointEvent("r", f"/ckpt/{step}", 0, step, step, 0.0, {})
+
+
+def result(step, accuracy=None, probe=None):
+    metrics = {} if accuracy is None else {"accuracy": accuracy}
+    return EvalResult(step, f"/ckpt/{step}", metrics, 0.0, probe_metrics=probe or {})
+
+
+def scheduled(tmp_path, cfg=EVERY, steps=(0,)):
+    planner = EvaluationPlanner(cfg, Ledger(tmp_path / "ledger.jsonl"))
+    for step in steps:
+        planner.offer(ev(step))
+        assert planner.next() == ev(step)
+    return planner
+
+
+def test_a_result_is_recorded_judged_and_left_to_deliver(tmp_path):
+    planner, engine = scheduled(tmp_path, steps=(0, 10)), AlertEngine(RULES)
+    first = record_outcome(planner, Attempt(ev(0), result=result(0, 0.9)), engine)
+    assert first.alerts == [] and first.deliver and first.retry is None
+    second = record_outcome(planner, Attempt(ev(10), result=result(10, 0.5)), engine, logged_by_evaluator=True)
+    assert [a.rule for a in second.alerts] == ["drop"] and not second.deliver
+    assert [(e.status, e.delivered) for e in planner.ledger.entries()] == [("evaluated", False), ("evaluated", True)]
+
+
+def test_a_transient_failure_is_queued_again_until_the_last_attempt_fails_it_and_alerts(tmp_path):
+    planner, engine = scheduled(tmp_path), AlertEngine(RULES)
+    outcome = record_outcome(planner, Attempt(ev(0), error=RuntimeError("rank 1 died")), engine, max_attempts=2)
+    assert outcome.retry == "rank 1 died" and outcome.alerts == [] and planner.ledger.status(0) == "scheduled"
+    assert planner.next() == ev(0)
+    outcome = record_outcome(planner, Attempt(ev(0), error=RuntimeError("rank 0 died")), engine, max_attempts=2)
+    assert outcome.retry is None and [a.rule for a in outcome.alerts] == ["failed"]
+    assert planner.ledger.latest(0).reason == "gave up after 2 attempts: rank 0 died"
+
+
+@pytest.mark.parametrize("error", [CorruptCheckpoint("bad hash"), EvaluationDataError("no such file")])
+def test_a_permanent_failure_or_a_bad_checkpoint_fails_at_once(tmp_path, error):
+    planner = scheduled(tmp_path)
+    outcome = record_outcome(planner, Attempt(ev(0), error=error), AlertEngine(RULES), max_attempts=5)
+    assert outcome.retry is None and [a.rule for a in outcome.alerts] == ["failed"]
+    assert planner.ledger.status(0) == "failed"
+
+
+def test_a_probe_is_held_or_escalated_and_never_alerted_on(tmp_path):
+    cfg = SchedulerConfig(policy="fixed", fixed_interval_steps=20, probe_fraction=0.2)
+    planner = scheduled(tmp_path, cfg, steps=(0,))
+    first = result(0, 0.5, {"accuracy": 0.5, "accuracy_stderr": 0.01})
+    record_outcome(planner, Attempt(ev(0), result=first), AlertEngine(RULES))
+
+    def probe(step, accuracy):
+        planner.offer(ev(step))
+        assert planner.next() == ev(step) and planner.is_probe(step)
+        probed = result(step, probe={"accuracy": accuracy, "accuracy_stderr": 0.01})
+        return record_outcome(planner, Attempt(ev(step), result=probed, probe=True), AlertEngine(RULES))
+
+    held = probe(10, 0.5)
+    assert not held.decision.evaluate and held.deliver and held.alerts == [] and planner.ledger.status(10) == "skipped"
+    moved = probe(15, 0.1)
+    assert moved.decision.evaluate and not moved.deliver and moved.alerts == []
+    assert planner.ledger.status(15) == "scheduled"
+
+
+def test_an_attempt_has_a_result_or_an_error():
+    with pytest.raises(ValueError, match="a result or an error"):
+        Attempt(ev(0))
+
+
+def test_the_in_flow_loop_and_the_shared_record_come_to_the_same_outcomes(tmp_path):
+    """The same attempts, recorded as the in-flow loop records them (one planner and alert engine
+    in memory) and as flow runs do (RunRecord, from the ledger on disk, one call each)."""
+    attempts = [
+        Attempt(ev(0), result=result(0, 0.8)),
+        Attempt(ev(10), error=RuntimeError("rank 1 died")),
+        Attempt(ev(10), result=result(10, 0.6)),
+        Attempt(ev(20), error=CorruptCheckpoint("bad hash")),
+        Attempt(ev(30), result=result(30, 0.9)),
+    ]
+    in_flow = tmp_path / "in-flow"
+    planner, engine, fired = EvaluationPlanner(EVERY, Ledger(in_flow / "ledger.jsonl")), AlertEngine(RULES), []
+    for attempt in attempts:
+        if planner.ledger.status(attempt.event.global_step) is None:
+            planner.offer(attempt.event)
+        assert planner.next() == attempt.event
+        fired += [(a.step, a.rule) for a in record_outcome(planner, attempt, engine, max_attempts=3).alerts]
+
+    shared = RunDir(tmp_path / "shared")
+    manifest = Manifest(shared.root / "manifest.jsonl")
+    record, fired_shared = RunRecord(shared, manifest, EVERY, RULES, "r"), []
+    for attempt in attempts:  # each checkpoint published when the in-flow loop saw it
+        if attempt.event not in manifest.events():
+            manifest.append(attempt.event)
+        claim, _ = record.claim(attempt.event.global_step, "a")
+        assert claim.evaluate
+        outcome = record.record_outcome(attempt, max_attempts=3, logged_by_evaluator=False)
+        fired_shared += [(a.step, a.rule) for a in outcome.alerts]
+
+    def ledger_of(path):
+        return [(e.step, e.status, e.reason, e.attempts) for e in Ledger(path).entries()]
+
+    assert fired == fired_shared == [(10, "drop"), (20, "failed")]
+    assert ledger_of(in_flow / "ledger.jsonl") == ledger_of(shared.ledger)
