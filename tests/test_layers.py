@@ -129,3 +129,16 @@ def test_no_imports_go_round_in_a_cycle():
 def test_the_checks_catch_an_upward_import_and_a_cycle(graph, problem):
     assert bool(upward_imports(graph)) == (problem == "upward")
     assert bool(cycles(graph)) == (problem == "cycle")
+
+
+def test_every_library_module_has_a_test_file_or_a_line_saying_where_it_is_tested():
+    listed = (ROOT / "tests" / "README.md").read_text()
+    untested = []
+    for path in sorted((ROOT / "areal_eval").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        relative = path.relative_to(ROOT / "areal_eval")
+        mirror = ROOT / "tests" / relative.parent / f"test_{path.name}"
+        if not mirror.exists() and f"`{path.relative_to(ROOT)}`" not in listed:
+            untested.append(str(path.relative_to(ROOT)))
+    assert untested == [], "add a test file, or a line in tests/README.md"
