@@ -251,11 +251,11 @@ def train(spec: TrainJobSpec) -> None:
         lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)),
     )
     ctl = EpochStepTimeFreqCtl(
-        freq_epochs=cfg.save.freq_epochs,
-        freq_steps=cfg.save.freq_steps,
-        freq_secs=cfg.save.freq_secs,
-        eval_before_train=cfg.save.eval_before_train,
-        sync_elapsed=distributed.all_reduce_max_scalar,
+        freq_epoch=cfg.save.freq_epochs,
+        freq_step=cfg.save.freq_steps,
+        freq_sec=cfg.save.freq_secs,
+        initial_epoch_value=cfg.save.eval_before_train,
+        fold_within_steps=max(1, (cfg.save.freq_steps or 0) // 2),
     )
     stop = StopSignal(run.stop_file)
     writer = None

@@ -1,146 +1,191 @@
-"""When to checkpoint or evaluate: epoch/step/time frequency control for the project's trainer.
+"""When to checkpoint or evaluate: AReaL's frequency control (``areal/utils/timeutil.py``), once.
 
-Modelled on AReaL's ``EpochStepTimeFreqCtl`` (a ``check(epochs, steps)`` call, epoch, step and
-time triggers ORed) with its own field names; the drop-ins with AReaL's exact constructors and
-semantics are in :mod:`areal_eval.integrations.areal`. Unlike AReaL's:
+``FrequencyControl`` and ``EpochStepTimeFreqCtl`` take AReaL's constructors (field names and
+argument order) and fire on the same steps: inside ``FrequencyControl`` a step and a time
+condition must both hold (AND); ``EpochStepTimeFreqCtl`` fires when its epoch, step or time
+control does (OR). :mod:`areal_eval.integrations.areal` offers them under AReaL's import path;
+the project's trainer (``areal_eval.train``) uses them with two options of its own:
 
-* ``freq_secs`` works without torch.distributed (the original read an unbound local);
-* ``eval_before_train`` is answered by :meth:`EpochStepTimeFreqCtl.before_train`, before step 1
-  (the original fired after the first update);
-* one firing resets every trigger, and a trigger that comes due within ``min_gap_steps`` of the
-  last firing is folded into it, so epoch and step triggers never fire on neighbouring steps;
-* elapsed time comes from a monotonic clock, never the wall clock;
-* ``state_dict`` stores elapsed seconds, not timestamps, so a resume does not count downtime.
+* ``fold_within_steps``: one firing restarts every control, and a control that comes due within
+  that many steps of the last firing is folded into it, so epoch and step triggers never fire on
+  neighbouring steps (AReaL's controls each fire on their own);
+* :meth:`EpochStepTimeFreqCtl.before_train`: the initial firing before the first update (AReaL's
+  ``initial_epoch_value`` fires at the first ``check``, after it).
+
+What differs from AReaL's, on purpose (its defects, fixed): a time condition works without
+torch.distributed (AReaL reads an unbound local there); intervals come from a monotonic clock,
+not the wall clock; ``state_dict`` also stores the elapsed seconds, so a resume does not count
+the downtime (a state saved by AReaL itself still loads, measured from its wall-clock timestamps).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-Clock = Callable[[], float]
+from areal_eval import distributed
 
 
 class FrequencyControl:
-    """Fires when ``frequency_steps`` steps or ``frequency_seconds`` seconds have passed.
+    """AReaL's ``FrequencyControl(frequency_seconds, frequency_steps, initial_value, group)``.
 
-    Either condition is enough (OR), matching how ``EpochStepTimeFreqCtl`` combines them.
-    ``sync_elapsed`` lets a distributed caller agree on elapsed time across ranks (max);
-    it is only called when given, so a single process needs no process group.
+    ``check(steps)`` is True when ``frequency_steps`` steps *and* ``frequency_seconds`` seconds
+    have passed since it was last True (either one alone when only one is set; never when
+    neither is, except for ``initial_value``). Elapsed time is the largest over the ranks of
+    ``group`` when torch.distributed is initialized, so every rank decides alike.
     """
 
     def __init__(
         self,
-        frequency_steps: int | None = None,
         frequency_seconds: float | None = None,
-        clock: Clock = time.monotonic,
-        sync_elapsed: Callable[[float], float] | None = None,
+        frequency_steps: int | None = None,
+        initial_value: bool = False,
+        group: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        for name, value in (("frequency_steps", frequency_steps), ("frequency_seconds", frequency_seconds)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        self.frequency_steps = frequency_steps
         self.frequency_seconds = frequency_seconds
+        self.frequency_steps = frequency_steps
+        self.group = group
         self._clock = clock
-        self._sync_elapsed = sync_elapsed
-        self._steps_since = 0
-        self._last_time = clock()
-
-    def elapsed_seconds(self) -> float:
-        elapsed = self._clock() - self._last_time
-        return self._sync_elapsed(elapsed) if self._sync_elapsed else elapsed
-
-    def due(self, steps: int = 1) -> bool:
-        """Advance by ``steps`` and report whether a condition is met (does not reset)."""
-        self._steps_since += steps
-        if self.frequency_steps is not None and self._steps_since >= self.frequency_steps:
-            return True
-        if self.frequency_seconds is not None and self.elapsed_seconds() >= self.frequency_seconds:
-            return True
-        return False
-
-    def reset(self) -> None:
-        self._steps_since = 0
-        self._last_time = self._clock()
-
-    def check(self, steps: int = 1) -> bool:
-        """``due`` then reset when it fired: the standalone AReaL behaviour."""
-        fired = self.due(steps)
-        if fired:
-            self.reset()
-        return fired
+        self._initial_value = initial_value
+        self._start = self._last_time = clock()
+        self._steps = self._last_steps = 0
+        self._interval_seconds: float | None = None
+        self._interval_steps: int | None = None
+        self._lock = threading.Lock()
 
     @property
-    def steps_since(self) -> int:
-        return self._steps_since
+    def total_seconds(self) -> float:
+        return self._clock() - self._start
+
+    @property
+    def total_steps(self) -> int:
+        return self._steps
+
+    @property
+    def interval_seconds(self) -> float | None:
+        return self._interval_seconds
+
+    @property
+    def interval_steps(self) -> int | None:
+        return self._interval_steps
+
+    def check(self, steps: int = 1) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._steps += steps
+            if self._initial_value:
+                self._initial_value = False
+                self._mark(now)
+                return True
+            self._interval_seconds = now - self._last_time
+            self._interval_steps = self._steps - self._last_steps
+            if self.frequency_steps is None and self.frequency_seconds is None:
+                return False
+            if self.frequency_seconds is not None:
+                self._interval_seconds = distributed.all_reduce_max_scalar(self._interval_seconds, self.group)
+                if self._interval_seconds < self.frequency_seconds:
+                    return False
+            if self.frequency_steps is not None and self._interval_steps < self.frequency_steps:
+                return False
+            self._mark(now)
+            return True
+
+    def _mark(self, now: float) -> None:
+        self._last_time, self._last_steps = now, self._steps
+
+    def reset_time(self) -> None:
+        self._last_time = self._clock()
+
+    def reset(self) -> None:
+        """Count steps and time from now, as if it had just fired (another control fired)."""
+        with self._lock:
+            self._mark(self._clock())
+
+    def take_initial_value(self) -> bool:
+        """The initial firing, now instead of at the next ``check`` (once)."""
+        fire, self._initial_value = self._initial_value, False
+        return fire
 
     def state_dict(self) -> dict:
+        now, wall = self._clock(), time.time()
         return {
+            # AReaL's keys (its spelling included), so either side can load the other's state.
+            "frequence_seconds": self.frequency_seconds,
             "frequency_steps": self.frequency_steps,
-            "frequency_seconds": self.frequency_seconds,
-            "steps_since": self._steps_since,
-            # Elapsed, not a timestamp: the clock of the resumed process starts elsewhere, and
-            # the time the job was down is not training time.
-            "elapsed_seconds": self._clock() - self._last_time,
+            "start_time": wall - (now - self._start),
+            "steps": self._steps,
+            "last_time": wall - (now - self._last_time),
+            "last_steps": self._last_steps,
+            "interval_steps": self._interval_steps,
+            "interval_seconds": self._interval_seconds,
+            "initial_value": self._initial_value,
+            # Ours: time since the last firing, without the time the job was down.
+            "elapsed_seconds": now - self._last_time,
+            "total_seconds": now - self._start,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        now, wall = self._clock(), time.time()
+        self.frequency_seconds = state["frequence_seconds"]
         self.frequency_steps = state["frequency_steps"]
-        self.frequency_seconds = state["frequency_seconds"]
-        self._steps_since = state["steps_since"]
-        self._last_time = self._clock() - state["elapsed_seconds"]
+        self._steps, self._last_steps = state["steps"], state["last_steps"]
+        self._interval_steps, self._interval_seconds = state["interval_steps"], state["interval_seconds"]
+        self._initial_value = state["initial_value"]
+        elapsed = state.get("elapsed_seconds", wall - state["last_time"])  # AReaL's own: timestamps
+        self._last_time = now - elapsed
+        self._start = now - state.get("total_seconds", wall - state["start_time"])
 
 
 @dataclasses.dataclass
 class EpochStepTimeFreqCtl:
-    """OR-combined epoch, step and time triggers with AReaL's ``check(epochs, steps)`` call.
+    """AReaL's ``EpochStepTimeFreqCtl(freq_epoch, freq_step, freq_sec, initial_epoch_value, group)``.
 
-    Call ``check(epochs=int(this step ended an epoch), steps=1)`` after every training step.
+    ``check(epochs, steps)`` advances all three controls and is True when any fired. Call it
+    after every training step with ``epochs=int(this step ended an epoch)``.
     """
 
-    freq_epochs: int | None = None
-    freq_steps: int | None = None
-    freq_secs: float | None = None
-    eval_before_train: bool = False
-    min_gap_steps: int | None = None
-    """A trigger due fewer than this many steps after the last firing is folded into that
-    firing (the model has barely moved). ``None``: half of ``freq_steps`` (at least 1, which
-    folds nothing)."""
-    clock: Clock = time.monotonic
-    sync_elapsed: Callable[[float], float] | None = None
+    freq_epoch: int | None = None
+    freq_step: int | None = None
+    freq_sec: float | None = None
+    initial_epoch_value: bool = False
+    group: Any = None
+    clock: Callable[[], float] = time.monotonic
+    fold_within_steps: int | None = None
+    """A control due fewer than this many steps after the last firing is folded into that firing
+    (the model has barely moved), and every firing restarts all three. None: AReaL's rule."""
 
     def __post_init__(self):
-        self.epoch_ctl = FrequencyControl(frequency_steps=self.freq_epochs, clock=self.clock)
-        self.step_ctl = FrequencyControl(frequency_steps=self.freq_steps, clock=self.clock)
-        self.time_ctl = FrequencyControl(
-            frequency_seconds=self.freq_secs, clock=self.clock, sync_elapsed=self.sync_elapsed
+        self.epoch_ctl = FrequencyControl(
+            frequency_steps=self.freq_epoch, initial_value=self.initial_epoch_value, clock=self.clock
         )
-        if self.min_gap_steps is None:
-            self.min_gap_steps = max(1, (self.freq_steps or 0) // 2)
+        self.step_ctl = FrequencyControl(frequency_steps=self.freq_step, clock=self.clock)
+        self.time_ctl = FrequencyControl(frequency_seconds=self.freq_sec, group=self.group, clock=self.clock)
         self._steps_since_fire: int | None = None  # None: never fired
-        self._before_train_pending = self.eval_before_train
 
     def before_train(self) -> bool:
-        """True once, before the first update, when ``eval_before_train`` is set."""
-        fire = self._before_train_pending
-        self._before_train_pending = False
-        if fire:
+        """True once, before the first update, when ``initial_epoch_value`` is set; the first
+        ``check`` then does not fire for it again."""
+        fire = self.epoch_ctl.take_initial_value()
+        if fire and self.fold_within_steps is not None:
             self._fired()
         return fire
 
-    def check(self, epochs: int = 0, steps: int = 1) -> bool:
-        self._before_train_pending = False  # training has started: too late for "before"
-        due = [self.epoch_ctl.due(epochs), self.step_ctl.due(steps), self.time_ctl.due(0)]
+    def check(self, epochs: int, steps: int) -> bool:
+        # All three advance on every call (no short-circuit), as in AReaL.
+        fired = [self.epoch_ctl.check(epochs), self.step_ctl.check(steps), self.time_ctl.check()]
+        if self.fold_within_steps is None:
+            return any(fired)
         if self._steps_since_fire is not None:
             self._steps_since_fire += steps
-        if not any(due):
+        if not any(fired):
             return False
-        if self._steps_since_fire is not None and self._steps_since_fire < self.min_gap_steps:
-            self._fired()  # folded into the recent firing
-            return False
+        folded = self._steps_since_fire is not None and self._steps_since_fire < self.fold_within_steps
         self._fired()
-        return True
+        return not folded
 
     def _fired(self) -> None:
         for ctl in (self.epoch_ctl, self.step_ctl, self.time_ctl):
@@ -153,12 +198,10 @@ class EpochStepTimeFreqCtl:
             "step": self.step_ctl.state_dict(),
             "time": self.time_ctl.state_dict(),
             "steps_since_fire": self._steps_since_fire,
-            "before_train_pending": self._before_train_pending,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch_ctl.load_state_dict(state["epoch"])
         self.step_ctl.load_state_dict(state["step"])
         self.time_ctl.load_state_dict(state["time"])
-        self._steps_since_fire = state["steps_since_fire"]
-        self._before_train_pending = state["before_train_pending"]
+        self._steps_since_fire = state.get("steps_since_fire")  # absent from AReaL's own
