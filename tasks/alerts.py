@@ -12,8 +12,9 @@ from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from areal_eval.alerts import Alert, AlertsConfig, redact
+from areal_eval.alerts import Alert, AlertsConfig
 from areal_eval.config.parsing import ConfigError
+from areal_eval.redaction import redact
 from areal_eval.runs.directory import RunDir, StopSignal
 from tasks.mlflow_logging import tracker_for
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from areal_eval.alerts import recorded_config
 from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.lifecycle.record import RunRecord
 from areal_eval.pipeline.config import PipelineConfig
+from areal_eval.redaction import recorded_config
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import (

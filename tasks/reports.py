@@ -11,10 +11,11 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
+from areal_eval.curve_plot import plot_curve
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import mlflow_run_url, plot_curve, resolve_tracking_uri
+from areal_eval.tracking import mlflow_run_url, resolve_tracking_uri
 from tasks.mlflow_logging import tracker_for
 
 COUNTED = ("evaluated", "skipped", "superseded", "failed", "scheduled")

@@ -15,13 +15,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     # 0: no knowledge of runs, checkpoints or models: files, configs, statistics, processes
-    {"jsonl", "disk", "config", "estimates", "paired", "devices", "distributed", "launcher", "forked_ranks", "reaper"},
+    {
+        "jsonl",
+        "disk",
+        "config",
+        "estimates",
+        "paired",
+        "devices",
+        "distributed",
+        "launcher",
+        "forked_ranks",
+        "reaper",
+        "redaction",
+    },
     {"scheduling", "alerts"},  # pure decisions: which checkpoint to evaluate, which result to alert on
     {"runs"},  # a run's directory and ledger
     {"checkpoints"},
     {"data", "models"},
     {"evaluation"},
-    {"tracking", "failures", "compare"},  # what is done with results
+    {"tracking", "curve_plot", "failures", "compare"},  # what is done with results
     {"lifecycle"},  # one run's lifecycle, on every path
     {"pipeline", "train", "cli", "gpu_check", "integrations"},  # the combined config and the entry points
 ]

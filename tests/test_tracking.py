@@ -2,15 +2,7 @@
 
 import pytest
 
-from areal_eval.runs.ledger import LedgerEntry
-from areal_eval.tracking import (
-    TRAIN_WATERMARK_TAG,
-    Tracker,
-    TrackingConfig,
-    mlflow_run_url,
-    plot_curve,
-    resolve_tracking_uri,
-)
+from areal_eval.tracking import TRAIN_WATERMARK_TAG, Tracker, TrackingConfig, mlflow_run_url, resolve_tracking_uri
 from tests.helpers import sqlite_mlflow_uri
 
 
@@ -127,18 +119,6 @@ def test_evaluation_logged_by_another_tracker_is_not_duplicated(tracker):
     assert not other.log_evaluation(run_id, 25, metrics)
     assert other.log_evaluation(run_id, 50, metrics) and not tracker.log_evaluation(run_id, 25, metrics)
     assert sorted(m.step for m in tracker.client.get_metric_history(run_id, "eval/accuracy")) == [25, 50]
-
-
-def test_plot_marks_evaluated_and_skipped(tmp_path):
-    entries = [
-        LedgerEntry(0, "/c0", "evaluated", metrics={"accuracy": 0.5}),
-        LedgerEntry(25, "/c25", "skipped", "plateau"),
-        LedgerEntry(50, "/c50", "superseded", "behind"),
-        LedgerEntry(75, "/c75", "failed", "corrupt"),
-        LedgerEntry(100, "/c100", "evaluated", metrics={"accuracy": 0.8}),
-    ]
-    out = plot_curve(entries, "accuracy", tmp_path / "curve.png", "run")
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
 
 def test_the_best_checkpoint_is_registered_and_the_alias_follows_improvements(tracker):

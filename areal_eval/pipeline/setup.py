@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 from areal_eval import jsonl
-from areal_eval.alerts import recorded_config
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.config.parsing import merge
 from areal_eval.evaluation.evaluators import check_evaluation_data
 from areal_eval.evaluation.job_spec import write_spec
 from areal_eval.models.objectives import objective
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
+from areal_eval.redaction import recorded_config
 from areal_eval.runs.directory import RunDir
 from areal_eval.train import TrainJobSpec, total_steps
 

@@ -1,6 +1,5 @@
 """Each test names one defect of AReaL's original trigger control that this one must not have."""
 
-
 from areal_eval.scheduling.freq_ctl import EpochStepTimeFreqCtl, FrequencyControl
 
 
