@@ -26,10 +26,11 @@ from areal_eval.lifecycle.outcome import Attempt, Outcome
 from areal_eval.lifecycle.record import Claim, RunRecord
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
-from areal_eval.pipeline.setup import judged_config
+from areal_eval.pipeline.setup import run_evaluation_config
 from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
 from tasks.alerts import send_alert
+from tasks.evaluation import evaluate_now
 from tasks.mlflow_logging import (
     finish_tracking,
     log_evaluation,
@@ -40,7 +41,6 @@ from tasks.mlflow_logging import (
 )
 from tasks.orchestration import flow_run_alive, holding_slot, tag_flow_run
 from tasks.reports import announce_outcome, curve_or_none, summarize, summary_line, update_evaluation_table
-from tasks.scoring import score_now
 
 
 def same_location(a: str, b: str) -> bool:
@@ -93,7 +93,7 @@ def evaluate_checkpoint(
     local_manifest = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
     run = RunDir(local_manifest.resolve().parent)
     # The run's own evaluators, schedule and rules, unless these parameters set them.
-    cfg = judged_config(run, set_fields(params))
+    cfg = run_evaluation_config(run, set_fields(params))
     published = Manifest(local_manifest)
     if dispatched:
         event = published.find(global_step)
@@ -243,7 +243,7 @@ def evaluate_one(
     cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None, probe: bool = False
 ) -> EvalResult:
     with holding_slot(gpu_slot, wait_s=cfg.eval.job_timeout_s):
-        return score_now(event, data, cfg, run.evals, probe)
+        return evaluate_now(event, data, cfg, run.evals, probe)
 
 
 @dataclasses.dataclass(frozen=True)

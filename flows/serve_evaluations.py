@@ -38,7 +38,7 @@ from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.reaper import watch_over_children
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from flows.sweep_checkpoints import sweep_run
-from tasks.scoring import serve_warm_workers
+from tasks.evaluation import serve_warm_workers
 
 PUBLISHED = EventFilter(
     event=EventNameFilter(name=[CHECKPOINT_SAVED]),

@@ -19,12 +19,12 @@ from areal_eval.checkpoints.store import S3Config, S3Store, is_s3, localize_mani
 from areal_eval.lifecycle.record import RunRecord
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
-from areal_eval.pipeline.setup import judged_config
+from areal_eval.pipeline.setup import run_evaluation_config
 from areal_eval.runs.directory import RunDir, owned_by_live_process
 from flows.evaluate_checkpoint import evaluate_checkpoint
+from tasks.evaluation import serve_warm_workers
 from tasks.mlflow_logging import tracker_for
 from tasks.orchestration import flow_run_alive
-from tasks.scoring import serve_warm_workers
 
 
 def find_manifests(store: str, s3: S3Config) -> list[str]:
@@ -69,7 +69,7 @@ def sweep_run(
     if owned_by_live_process(run):
         logger.info("run %s: its train-and-evaluate flow is live and evaluates it", events[0].run_id)
         return []
-    judged = judged_config(run, set_fields(params))  # the run's scheduler and rules, as evaluate-checkpoint's
+    judged = run_evaluation_config(run, set_fields(params))  # the run's scheduler and rules, as evaluate-checkpoint's
     record = RunRecord(run, Manifest(local), judged.scheduler, judged.alerts, events[0].run_id)
     steps = record.unhandled(flow_run_alive) + (record.skipped() if reevaluate_skipped else [])
     steps = sorted(set(steps) - (tracker.deleted_steps(mlflow_run) if mlflow_run else set()))

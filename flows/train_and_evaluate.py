@@ -45,11 +45,11 @@ from flows.console import stop_cause, stop_line, stop_on_sigterm, tracebacks_to
 from flows.local_server import own_prefect_server
 from tasks.alerts import webhook_url
 from tasks.checkpoints import share_run_record
+from tasks.evaluation import warm_workers
 from tasks.loop_io import PrefectLoopIO
 from tasks.mlflow_logging import finish_tracking, start_tracking
 from tasks.orchestration import crash_orphaned_runs, tag_flow_run
 from tasks.reports import announce_outcome, curve_or_none, summarize, summary_line
-from tasks.scoring import warm_workers
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
 _taken_by_main: RunLock | None = None

@@ -122,7 +122,7 @@ def test_training_and_each_evaluation_slot_really_run_on_their_own_devices(tmp_p
     """What each launched process got, read from /proc: cores here, and the GPUs a machine with
     two (a driver listing, as /proc/driver/nvidia/gpus has) would give each slot."""
     from areal_eval.pipeline.setup import prepare_run
-    from tasks.scoring import worker_groups
+    from tasks.evaluation import worker_groups
     from tasks.training import start_training
 
     core_a, core_b = sorted(os.sched_getaffinity(0))[:2]

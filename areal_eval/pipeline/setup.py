@@ -100,7 +100,7 @@ JUDGING = {"eval": ("evaluator", "generation", "lm_loss", "lm_eval"), "model": (
 settings, the token limit, the alert rules (they name the evaluators' metrics)."""
 
 
-def recorded_judging(run: RunDir) -> dict:
+def recorded_evaluation_settings(run: RunDir) -> dict:
     """The settings ``run`` was started with that decide how it is judged, as config sections
     ({} when the run recorded none, e.g. one published by a trainer alone). Every path that
     evaluates the run (the trigger, ``prefect deployment run``, the sweep) starts from them, so
@@ -114,10 +114,10 @@ def recorded_judging(run: RunDir) -> dict:
     return {section: values for section, values in judging.items() if values}
 
 
-def judged_config(run: RunDir, params: dict | None) -> PipelineConfig:
-    """The config ``run`` is evaluated with: what it was started with (:func:`recorded_judging`),
+def run_evaluation_config(run: RunDir, params: dict | None) -> PipelineConfig:
+    """The config ``run`` is evaluated with: what it was started with (:func:`recorded_evaluation_settings`),
     then ``params`` (the fields a flow's caller set) over it."""
-    return load_pipeline_config(params=merge(recorded_judging(run), params or {}))
+    return load_pipeline_config(params=merge(recorded_evaluation_settings(run), params or {}))
 
 
 def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int | None:

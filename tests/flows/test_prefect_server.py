@@ -279,7 +279,7 @@ def test_a_burst_of_events_decides_as_the_in_flow_planner_and_the_run_ends(serve
     tasks = sorted(
         (r["start_time"], r["end_time"])
         for r in api(server, "/task_runs/filter", {"limit": 200})
-        if r["name"].startswith("score-step-") and r["flow_run_id"] in {f["id"] for f in runs}
+        if r["name"].startswith("evaluate-step-") and r["flow_run_id"] in {f["id"] for f in runs}
     )
     assert len(tasks) >= len([e for e in expected.values() if e.evaluate])
     assert all(later[0] >= earlier[1] for earlier, later in zip(tasks, tasks[1:], strict=False)), tasks

@@ -85,7 +85,7 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
         )
     names = [t.task_key.rsplit("-", 1)[0] for t in task_runs]
     per_evaluation = {
-        "score_checkpoint": len(evaluated),
+        "evaluate_step": len(evaluated),
         "log_evaluation": len(evaluated),
         "send_alert": len(evaluated),
     }
@@ -198,7 +198,7 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
     # neighbour of the best (8 if 12 is best, 4 if 0 is: either has nothing evaluated beyond it).
     # On warm ranks, as the evaluation service runs it (the server tests start a job per run).
     from flows.evaluate_checkpoint import evaluate_checkpoint
-    from tasks.scoring import serve_warm_workers
+    from tasks.evaluation import serve_warm_workers
 
     cfg, trained = trained_run
     run = RunDir(tmp_path / "run")  # the run's record is written beside its manifest: a copy of its own

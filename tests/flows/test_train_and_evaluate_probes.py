@@ -77,7 +77,7 @@ def test_the_flow_probes_what_it_skips_and_logs_probes_apart_from_results(prefec
 
 def test_triggered_runs_probe_and_escalate_as_the_flow_does(prefect_server, trained_run, tmp_path):
     from flows.evaluate_checkpoint import evaluate_checkpoint
-    from tasks.scoring import serve_warm_workers
+    from tasks.evaluation import serve_warm_workers
 
     cfg, original = trained_run
     cfg = probing(cfg, tmp_path, escalate_stderrs=0.0)  # any change escalates

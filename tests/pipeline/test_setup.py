@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from areal_eval.pipeline.config import load_pipeline_config
-from areal_eval.pipeline.setup import check_inputs, judged_config, prepare_run, recorded_judging
+from areal_eval.pipeline.setup import check_inputs, prepare_run, recorded_evaluation_settings, run_evaluation_config
 from areal_eval.runs.directory import RunDir
 
 SFT_MATH = Path(__file__).resolve().parents[2] / "configs" / "sft-math.yaml"
@@ -29,19 +29,22 @@ def test_an_sft_run_gets_prompt_rows_a_tokenizer_and_its_config_recorded(tmp_pat
 def test_every_path_judges_a_run_by_what_it_was_started_with_unless_told_otherwise(tmp_path):
     params = {**SMALL_SFT, "work_dir": str(tmp_path), "run_name": "sft"}
     run = prepare_run(load_pipeline_config(SFT_MATH, params))
-    judging = recorded_judging(run)
+    judging = recorded_evaluation_settings(run)
     assert set(judging) == {"eval", "model", "scheduler", "alerts"}
     assert set(judging["eval"]) == {"evaluator", "generation", "lm_loss", "lm_eval"}  # not nproc, not deployment
-    cfg = judged_config(run, {"eval": {"nproc": 1}})
+    cfg = run_evaluation_config(run, {"eval": {"nproc": 1}})
     assert cfg.eval.evaluator == "generation,lm_loss" and cfg.eval.nproc == 1
     assert cfg.scheduler.metric == "generation/accuracy" and cfg.alerts.rules[2].metric == "generation/accuracy"
     assert cfg.eval.generation.n_samples == 4
-    told = judged_config(
+    told = run_evaluation_config(
         run, {"eval": {"evaluator": "lm_loss"}, "scheduler": {"metric": "loss"}, "alerts": {"rules": []}}
     )
     assert told.eval.evaluator == "lm_loss" and told.scheduler.stderr_name == "loss_stderr"
     unrecorded = RunDir(tmp_path / "published-by-a-trainer")
-    assert recorded_judging(unrecorded) == {} and judged_config(unrecorded, None).eval.evaluator == "reward_model"
+    assert (
+        recorded_evaluation_settings(unrecorded) == {}
+        and run_evaluation_config(unrecorded, None).eval.evaluator == "reward_model"
+    )
 
 
 def test_given_prompt_rows_are_checked_by_line_for_an_sft_run(tmp_path):

@@ -23,8 +23,8 @@ from areal_eval.tracking import EVAL_PREFIX, PROBE_PREFIX
 from tasks.mlflow_logging import tracker_for
 
 
-@task(cache_policy=NO_CACHE, name="score-checkpoint", task_run_name="score-step-{event.global_step}")
-def score_checkpoint(
+@task(cache_policy=NO_CACHE, name="evaluate-step", task_run_name="evaluate-step-{event.global_step}")
+def evaluate_step(
     event: CheckpointEvent,
     data_path: Path,
     cfg: PipelineConfig,
@@ -106,14 +106,14 @@ def serve_warm_workers(cfg: PipelineConfig, work_dir: Path) -> Iterator[WarmWork
             _process_workers = None
 
 
-def score_now(
+def evaluate_now(
     event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path, probe: bool = False
 ) -> EvalResult:
     """Evaluate now (a task run), on the process's warm workers if it keeps some."""
-    return scoring_task(event, cfg, probe)(event, data_path, cfg, work_dir, _process_workers, probe)
+    return evaluation_task(event, cfg, probe)(event, data_path, cfg, work_dir, _process_workers, probe)
 
 
-def submit_scoring(
+def submit_evaluation(
     event: CheckpointEvent,
     data_path: Path,
     cfg: PipelineConfig,
@@ -121,14 +121,14 @@ def submit_scoring(
     workers: WarmWorkerGroups | SlotDevices | None = None,
     probe: bool = False,
 ):
-    return scoring_task(event, cfg, probe).submit(event, data_path, cfg, work_dir, workers, probe)
+    return evaluation_task(event, cfg, probe).submit(event, data_path, cfg, work_dir, workers, probe)
 
 
-def scoring_task(event: CheckpointEvent, cfg: PipelineConfig, probe: bool):
-    """``score-checkpoint``; a probe shows as ``probe-step-N`` in the UI."""
+def evaluation_task(event: CheckpointEvent, cfg: PipelineConfig, probe: bool):
+    """``evaluate-step``; a probe shows as ``probe-step-N`` in the UI."""
     if probe:
-        return score_checkpoint.with_options(task_run_name=f"probe-step-{event.global_step}")
-    return score_checkpoint
+        return evaluate_step.with_options(task_run_name=f"probe-step-{event.global_step}")
+    return evaluate_step
 
 
 def warm_workers(cfg: PipelineConfig, work_dir: Path, training_here: bool) -> contextlib.AbstractContextManager:
