@@ -12,8 +12,8 @@ import dataclasses
 from pathlib import Path
 
 from areal_eval.checkpoints.manifest import checkpoint_name
-from areal_eval.evaluation.items import SCORE_COLUMNS, items_dir, read_items, scores_of
-from areal_eval.paired import PairedDifference, paired_difference
+from areal_eval.evaluation.items import SCORE_COLUMNS, items_dir, metric_scores, read_items, scores_of, stored_items
+from areal_eval.paired import NoCommonItems, PairedDifference, paired_difference
 
 EXTRA = {"lm_loss": {"nll": ("nll", None)}}
 """Per-item scores worth comparing that no metric is the mean of (lm_loss's is a ratio of sums)."""
@@ -73,3 +73,27 @@ def format_table(run_dir, step_a: int, step_b: int, comparisons: list[Comparison
             f"{r.stderr:>11.4f}{interval:>22}{r.unpaired_stderr:>13.4f}{p:>11}"
         )
     return "\n".join(lines)
+
+
+def versus_previous_best(evals_dir: str | Path, previous: int, step: int, metric: str) -> dict[str, str]:
+    """Tags for a new best checkpoint: how ``metric`` at ``step`` differs from the best before it
+    (at ``previous``) on the items both scored, and whether the 95% interval of that paired
+    difference excludes 0 (``distinguishable``: ``true``, ``false``, or ``unknown`` where either
+    evaluation kept no items of the metric)."""
+    tags = {"vs_previous_best.step": str(previous)}
+    a, b = (
+        metric_scores(stored_items(evals_dir, previous), metric),
+        metric_scores(stored_items(evals_dir, step), metric),
+    )
+    try:
+        r = paired_difference(a[0], b[0], a[1], what=f"steps {previous} and {step}") if a and b else None
+    except NoCommonItems:
+        r = None
+    if r is None:
+        return tags | {"vs_previous_best.distinguishable": "unknown"}
+    return tags | {
+        "vs_previous_best.difference": f"{r.difference:+.6g}",
+        "vs_previous_best.paired_stderr": f"{r.stderr:.6g}",
+        "vs_previous_best.ci95": f"[{r.ci_low:+.6g}, {r.ci_high:+.6g}]",
+        "vs_previous_best.distinguishable": str(r.ci_low > 0 or r.ci_high < 0).lower(),
+    }

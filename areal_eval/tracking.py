@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from areal_eval.config.parsing import flatten
@@ -226,11 +227,20 @@ class Tracker:
         return True
 
     def register_if_best(
-        self, name: str, run_id: str, step: int, source: str, metrics: dict, metric: str, higher_is_better: bool
+        self,
+        name: str,
+        run_id: str,
+        step: int,
+        source: str,
+        metrics: dict,
+        metric: str,
+        higher_is_better: bool,
+        versus: Callable[[int], dict[str, str]] | None = None,
     ) -> str | None:
         """Register ``source`` (the checkpoint at ``step``) as a new version of model ``name`` and
         move the ``best`` alias to it, when ``metrics[metric]`` beats the version the alias points
         at; returns the new version, or None. Calling it again for the same checkpoint does nothing.
+        ``versus(previous_step)``: tags comparing it with the best it replaces, on the new version.
         Callers serialize calls for one model (a read, then a write)."""
         from mlflow.exceptions import MlflowException
 
@@ -258,6 +268,8 @@ class Tracker:
             "metric": metric,
             **{EVAL_PREFIX + k: repr(float(v)) for k, v in metrics.items()},
         }
+        if current is not None and versus is not None and current.run_id == run_id:
+            tags |= versus(int(current.tags["global_step"]))
         version = self.client.create_model_version(
             name, source, run_id=run_id, tags=tags, description=f"checkpoint at step {step}: {metric} = {value:.6g}"
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from areal_eval.compare import versus_previous_best
 from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.lifecycle.record import RunRecord
@@ -124,6 +125,9 @@ def register_best(
                 result.metrics,
                 cfg.scheduler.metric,
                 cfg.scheduler.higher_is_better,
+                versus=lambda previous: versus_previous_best(
+                    run.evals, previous, result.global_step, cfg.scheduler.metric
+                ),
             )
     except Exception as exc:  # noqa: BLE001 - e.g. an MLflow server that refuses a local path as source
         get_run_logger().warning("step %d: not registered in model %r: %s", result.global_step, name, exc)

@@ -53,3 +53,21 @@ def test_a_step_without_items_or_without_common_items_is_refused_naming_it(tmp_p
                 items_dir(tmp_path / "evals" / f"{checkpoint_name(40)}.json"), 2000)  # fmt: skip
     assert main(["compare", str(tmp_path), "10", "40"]) == 2
     assert "steps 10 and 40 (reward_model accuracy) share no items" in capsys.readouterr().err
+
+
+def test_a_new_best_says_whether_it_is_distinguishable_from_the_best_before_it(tmp_path):
+    from areal_eval.compare import versus_previous_best
+
+    evaluation(tmp_path, 10, [0] * 40 + [1] * 10, [[0, 0, 0]])
+    evaluation(tmp_path, 20, [1] * 40 + [1] * 10, [[1, 0, 0]])  # 40 more pairs right
+    evaluation(tmp_path, 30, [1] * 39 + [0] + [1] * 10, [[1, 0, 0]])  # 1 less: within the noise
+    clear = versus_previous_best(tmp_path / "evals", 10, 20, "reward_model/accuracy")
+    assert clear["vs_previous_best.step"] == "10" and clear["vs_previous_best.distinguishable"] == "true"
+    assert float(clear["vs_previous_best.difference"]) == pytest.approx(0.8)
+    close = versus_previous_best(tmp_path / "evals", 30, 20, "reward_model/accuracy")
+    assert close["vs_previous_best.distinguishable"] == "false" and "[" in close["vs_previous_best.ci95"]
+    # No items kept for the metric (or at a step): said, not guessed.
+    assert versus_previous_best(tmp_path / "evals", 10, 99, "reward_model/accuracy") == {
+        "vs_previous_best.step": "10",
+        "vs_previous_best.distinguishable": "unknown",
+    }

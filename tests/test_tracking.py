@@ -139,6 +139,11 @@ def test_the_best_checkpoint_is_registered_and_the_alias_follows_improvements(tr
     assert (
         tracker.register_if_best(name, run_id, 12, "/ckpt/global_step_12", {"accuracy": 0.74}, "accuracy", True) is None
     )
+    # A new best carries how it compares with the best it replaces (compare.versus_previous_best).
+    versus = tracker.register_if_best(
+        name, run_id, 24, "/c24", {"accuracy": 0.9}, "accuracy", True, versus=lambda prev: {"vs.step": str(prev)}
+    )
+    assert tracker.client.get_model_version(name, versus).tags["vs.step"] == "12"
     assert tracker.register_if_best(name, run_id, 20, "/c", {"accuracy": float("nan")}, "accuracy", True) is None
     # Lower is better: the direction comes from the monitored metric.
     losses = [
