@@ -12,7 +12,16 @@ import dataclasses
 from pathlib import Path
 
 from areal_eval.checkpoints.manifest import checkpoint_name
-from areal_eval.evaluation.items import SCORE_COLUMNS, items_dir, metric_scores, read_items, scores_of, stored_items
+from areal_eval.evaluation.items import (
+    SCORE_COLUMNS,
+    items_dir,
+    lm_eval_metrics,
+    lm_eval_scores,
+    metric_scores,
+    read_items,
+    scores_of,
+    stored_items,
+)
 from areal_eval.paired import NoCommonItems, PairedDifference, paired_difference
 
 EXTRA = {"lm_loss": {"nll": ("nll", None)}}
@@ -45,6 +54,13 @@ def compare_steps(run_dir: str | Path, step_a: int, step_b: int) -> list[Compari
         rows_a, rows_b = read_items(path_a), read_items(path_b)
         if not rows_a or not rows_b:
             continue
+        if evaluator == "lm_eval":  # the harness's documents, by doc_id, per task and metric
+            for metric in lm_eval_metrics(rows_a):
+                a, b = lm_eval_scores(rows_a, metric), lm_eval_scores(rows_b, metric)
+                if a and b:
+                    what = f"steps {step_a} and {step_b} (lm_eval {metric})"
+                    out.append(Comparison(evaluator, metric, paired_difference(a[0], b[0], what=what)))
+            continue
         for score, (column, greedy) in {**SCORE_COLUMNS.get(evaluator, {}), **EXTRA.get(evaluator, {})}.items():
             a, clusters = scores_of(rows_a, column, greedy)
             b, _ = scores_of(rows_b, column, greedy)
@@ -59,7 +75,7 @@ def compare_steps(run_dir: str | Path, step_a: int, step_b: int) -> list[Compari
 
 def format_table(run_dir, step_a: int, step_b: int, comparisons: list[Comparison]) -> str:
     head = (
-        f"{'evaluator':<14}{'score':<13}{'items':>6}{f'step {step_a}':>12}{f'step {step_b}':>12}"
+        f"{'evaluator':<14}{'score':<24}{'items':>6}{f'step {step_a}':>12}{f'step {step_b}':>12}"
         f"{'diff':>10}{'paired se':>11}{'95% interval':>22}{'unpaired se':>13}{'McNemar p':>11}"
     )
     lines = [f"{run_dir}: step {step_a} -> step {step_b}, paired on common items", head]
@@ -69,7 +85,7 @@ def format_table(run_dir, step_a: int, step_b: int, comparisons: list[Comparison
         items = f"{r.n}" + (f"/{r.clusters}" if r.clusters else "")
         interval = f"[{r.ci_low:+.4f}, {r.ci_high:+.4f}]"
         lines.append(
-            f"{c.evaluator:<14}{c.score:<13}{items:>6}{r.mean_a:>12.4f}{r.mean_b:>12.4f}{r.difference:>+10.4f}"
+            f"{c.evaluator:<14}{c.score:<24}{items:>6}{r.mean_a:>12.4f}{r.mean_b:>12.4f}{r.difference:>+10.4f}"
             f"{r.stderr:>11.4f}{interval:>22}{r.unpaired_stderr:>13.4f}{p:>11}"
         )
     return "\n".join(lines)

@@ -71,3 +71,26 @@ def test_a_new_best_says_whether_it_is_distinguishable_from_the_best_before_it(t
         "vs_previous_best.step": "10",
         "vs_previous_best.distinguishable": "unknown",
     }
+
+
+def test_lm_eval_documents_are_paired_by_task_metric_and_doc_id(tmp_path):
+    from areal_eval.evaluation.items import metric_scores, stored_items
+
+    def harness(step, acc):
+        rows = [
+            {"item": i, "task": "arith_mc", "doc_id": i, "filter": "none", "target": "1", "acc": a, "acc_norm": a}
+            for i, a in enumerate(acc)
+        ]
+        write_items({"lm_eval": rows}, items_dir(tmp_path / "evals" / f"{checkpoint_name(step)}.json"), 2000)
+
+    harness(10, [0, 0, 1, 0, 1, 0])
+    harness(20, [1, 0, 1, 1, 1, 1])
+    got = {c.score: c.result for c in compare_steps(tmp_path, 10, 20)}
+    assert set(got) == {"arith_mc/acc", "arith_mc/acc_norm"}
+    assert got["arith_mc/acc"] == paired_difference(
+        dict(enumerate([0, 0, 1, 0, 1, 0])), dict(enumerate([1, 0, 1, 1, 1, 1]))
+    )
+    scores, clusters = metric_scores(stored_items(tmp_path / "evals", 20), "arith_mc/acc")  # what paired alerts read
+    assert scores == dict(enumerate([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])) and clusters is None
+    assert metric_scores(stored_items(tmp_path / "evals", 20), "lm_eval/arith_mc/acc")[0] == scores
+    assert metric_scores(stored_items(tmp_path / "evals", 20), "arith_mc/nope") is None

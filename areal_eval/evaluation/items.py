@@ -110,6 +110,8 @@ def metric_scores(files: dict[str, str], metric: str) -> tuple[dict, dict | None
     """The per-item scores whose mean is ``metric`` (``evaluator/name`` in a combined job, else
     the one evaluator's ``name``), read from a result's per-item ``files``; None where the
     metric is not such a mean or its file is missing."""
+    if "lm_eval" in files and (metric.startswith("lm_eval/") or len(files) == 1):
+        return lm_eval_scores(read_items(files["lm_eval"]), metric.removeprefix("lm_eval/"))
     evaluator, _, name = metric.rpartition("/")
     if not evaluator:
         if len(files) != 1:
@@ -127,6 +129,22 @@ def run_item_scores(evals_dir: str | Path):
     """The alert engine's ``items`` for a run: (step, metric) -> that step's per-item scores of
     the metric, read from the files its evaluation left in ``evals_dir`` (None where none)."""
     return lambda step, metric: metric_scores(stored_items(evals_dir, step), metric)
+
+
+LM_EVAL_FIELDS = {"item", "task", "doc_id", "filter", "target"}
+"""The columns of lm_eval's per-item rows that are not scores (:func:`lm_eval_tasks.sample_rows`)."""
+
+
+def lm_eval_scores(rows: list[dict], metric: str) -> tuple[dict, None] | None:
+    """``task/metric``'s score of every document of the harness's task, by ``doc_id``."""
+    task, _, name = metric.rpartition("/")
+    scores = {r["doc_id"]: float(r[name]) for r in rows if r.get("task") == task and r.get(name) is not None}
+    return (scores, None) if scores else None
+
+
+def lm_eval_metrics(rows: list[dict]) -> list[str]:
+    """The ``task/metric`` names lm_eval's per-item rows score."""
+    return sorted({f"{r['task']}/{k}" for r in rows for k, v in r.items() if k not in LM_EVAL_FIELDS and v is not None})
 
 
 def read_items(path: str | Path) -> list[dict]:

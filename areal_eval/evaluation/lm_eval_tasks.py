@@ -111,10 +111,13 @@ def task_manager(include_path: str | None, tasks: tuple[str, ...]):
     return TaskManager(include_path=include_path)
 
 
-def run_tasks(model, tokenizer, cfg: LMEvalConfig, shard: int = 0, shards: int = 1) -> dict[str, float]:
+def run_tasks(
+    model, tokenizer, cfg: LMEvalConfig, shard: int = 0, shards: int = 1, samples: bool = False
+) -> tuple[dict[str, float], list[dict]]:
     """The harness's ``simple_evaluate`` of ``cfg.tasks`` on ``model``, its requests answered in
-    ``shards`` shards (this rank's: ``shard``); flattened metrics ({} on a rank whose
-    ``LOCAL_RANK`` is not 0: the harness returns its results on one rank per node)."""
+    ``shards`` shards (this rank's: ``shard``): flattened metrics, and with ``samples`` every
+    document's scores (:func:`sample_rows`). Both empty on a rank whose ``LOCAL_RANK`` is not 0:
+    the harness returns its results on one rank per node."""
     from lm_eval import simple_evaluate
 
     lm = sharded_lm_class()(
@@ -126,14 +129,41 @@ def run_tasks(model, tokenizer, cfg: LMEvalConfig, shard: int = 0, shards: int =
         num_fewshot=cfg.num_fewshot,
         limit=cfg.limit,
         task_manager=task_manager(cfg.include_path, tuple(cfg.tasks)),
-        log_samples=False,
+        log_samples=samples,
         apply_chat_template=cfg.chat_template,
         random_seed=cfg.seed,
         numpy_random_seed=cfg.seed,
         torch_random_seed=cfg.seed,
         fewshot_random_seed=cfg.seed,
     )
-    return flatten_results(out["results"]) if out else {}  # the harness returns results where LOCAL_RANK is 0
+    if not out:  # the harness returns results where LOCAL_RANK is 0
+        return {}, []
+    return flatten_results(out["results"]), sample_rows(out.get("samples") or {})
+
+
+def sample_rows(samples: dict) -> list[dict]:
+    """One row per task, document and filter: ``task``, ``doc_id``, ``filter``, the target, and
+    each score under the name its metric has (``acc``; ``exact_match_strict-match`` for another
+    filter than ``none``), so the mean of a column over a task's rows is that metric."""
+    rows = []
+    for task in sorted(samples):
+        for sample in sorted(samples[task], key=lambda x: (x["doc_id"], x["filter"])):
+            scores = {}
+            for metric in sample.get("metrics", ()):
+                value = sample.get(metric)
+                if isinstance(value, (int, float)):  # a bool too: a 0/1 score
+                    name = metric if sample["filter"] == "none" else f"{metric}_{sample['filter']}"
+                    scores[name] = float(value)
+            rows.append(
+                {
+                    "task": task,
+                    "doc_id": int(sample["doc_id"]),
+                    "filter": sample["filter"],
+                    "target": str(sample.get("target", "")),
+                    **scores,
+                }
+            )
+    return rows
 
 
 class LMEvalEvaluator(BaseEvaluator):
@@ -171,10 +201,17 @@ class LMEvalEvaluator(BaseEvaluator):
         from areal_eval import distributed
 
         shard, shards = batch["shard"].tolist()
-        metrics = run_tasks(self.model, self.tokenizer, self.cfg, shard, shards)
+        first = distributed.rank() == 0
+        metrics, rows = run_tasks(
+            self.model, self.tokenizer, self.cfg, shard, shards, samples=first and self.item_rows is not None
+        )
         # Every rank's harness saw all the answers, but only rank 0's result counts (the worker
         # sums over ranks, and a rank that returns nothing adds 0).
-        return metrics if distributed.rank() == 0 else {}
+        if not first:
+            return {}
+        for item, row in enumerate(rows):
+            self.keep_item(item, **row)
+        return metrics
 
     def metrics(self, sums):
         if not sums:

@@ -15,7 +15,13 @@ def test_one_rank_equals_the_harness_and_names_metrics_task_slash_metric(causal_
     ours = causal_metrics(checkpoint, prompts, "lm_eval", lm_eval=arith_task)
     assert ours == pytest.approx(reference, abs=1e-6)
     model, tokenizer = causal_lm.load_shared(checkpoint)
-    assert run_tasks(model, tokenizer, arith_task) == pytest.approx(reference, abs=1e-6)
+    metrics, rows = run_tasks(model, tokenizer, arith_task, samples=True)
+    assert metrics == pytest.approx(reference, abs=1e-6)
+    # Every document's scores: their mean is the harness's metric.
+    assert len({r["doc_id"] for r in rows}) == len(rows) and {r["task"] for r in rows} == {"arith_mc"}
+    for name in ("acc", "acc_norm"):
+        assert sum(r[name] for r in rows) / len(rows) == pytest.approx(reference[f"arith_mc/{name}"], abs=1e-9)
+    assert run_tasks(model, tokenizer, arith_task)[1] == []  # not asked for
 
 
 def test_tasks_are_required_and_a_missing_task_directory_is_named(tmp_path):
