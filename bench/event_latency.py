@@ -127,7 +127,7 @@ def measure(work: Path, trained, events: int, every_s: float, path: str) -> dict
         if flow_run is None or step not in landed:
             continue
         task = min(
-            (t for t in task_runs if t["flow_run_id"] == flow_run["id"] and t["name"] == f"score-step-{step}"),
+            (t for t in task_runs if t["flow_run_id"] == flow_run["id"] and t["name"] == f"evaluate-step-{step}"),
             key=lambda t: t["start_time"] or "",
             default=None,
         )

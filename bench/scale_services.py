@@ -24,14 +24,14 @@ def run_in_flow(planner, training, job, rules, loop_cfg, tracker, mlflow_run_id,
     from areal_eval.runs.directory import RunDir
     from tasks.loop_io import PrefectLoopIO, TaskHandle
 
-    score_checkpoint = task(evaluator.__call__, name="score-checkpoint", cache_policy=NO_CACHE)
+    evaluate_step = task(evaluator.__call__, name="evaluate-step", cache_policy=NO_CACHE)
     cfg = load_pipeline_config(params={"tracking": {"tracking_uri": tracker.tracking_uri, "experiment": "scale"}})
 
     class BenchIO(PrefectLoopIO):
         alerts = 0
 
         def submit(self, event, reason):
-            return TaskHandle(score_checkpoint.submit(event))
+            return TaskHandle(evaluate_step.submit(event))
 
         def log_result(self, result, reason):
             timings.timed("evaluation_log", super().log_result, result, reason)
