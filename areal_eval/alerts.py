@@ -15,11 +15,7 @@ from collections.abc import Callable
 from typing import ClassVar, Literal
 
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, FieldError, Ranges, check_ranges
-from areal_eval.paired import NoCommonItems, paired_difference
-
-ItemScores = Callable[[int, str], "tuple[dict, dict | None] | None"]
-"""(step, metric) -> the per-item scores whose mean the metric at that step is, and their
-clusters (None: that step kept no items for it)."""
+from areal_eval.paired import ItemScores, NoCommonItems, paired_difference
 
 
 @dataclasses.dataclass

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from statistics import NormalDist
+
+ItemScores = Callable[[int, str], "tuple[dict, dict | None] | None"]
+"""(step, metric) -> the per-item scores whose mean the metric at that step is, and their
+clusters (None: that step kept no items for it)."""
 
 
 class NoCommonItems(ValueError):

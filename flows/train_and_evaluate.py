@@ -173,7 +173,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     The library's :class:`FollowLoop` with Prefect behind its effects. ``training`` None follows
     a run whose training is already over (or happens elsewhere).
     """
-    planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger))
+    planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger), run_item_scores(run.evals))
     loop_cfg = LoopConfig(
         poll_interval_s=cfg.poll_interval_s,
         slots=cfg.eval.slots,

@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.lifecycle.followers import ManifestFollower
+from areal_eval.paired import ItemScores
 from areal_eval.runs.ledger import FINAL_STATES, RETRIED, Ledger
 from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
 from areal_eval.scheduling.probes import ProbeJudge, ProbeSettings
@@ -84,7 +85,8 @@ class EvaluationPlanner:
     """Decisions, the queue and the ledger; thread-safe, so a :class:`DecisionThread` can offer
     checkpoints while the flow's loop takes work and records results."""
 
-    def __init__(self, cfg: SchedulerConfig, ledger: Ledger):
+    def __init__(self, cfg: SchedulerConfig, ledger: Ledger, items: ItemScores | None = None):
+        """``items``: the run's per-item scores, so that probes are judged paired on them."""
         self._lock = threading.RLock()
         self.cfg = cfg
         self.ledger = ledger
@@ -93,7 +95,7 @@ class EvaluationPlanner:
         # What decide() reads, kept per record: a decision costs the same at any run length.
         self._decisions = DecisionHistory(cfg.higher_is_better)
         probes = ProbeSettings.of(cfg)
-        self.probes = ProbeJudge(probes, cfg.metric, cfg.stderr_name, cfg.default_stderr) if probes else None
+        self.probes = ProbeJudge(probes, cfg.metric, cfg.stderr_name, cfg.default_stderr, items) if probes else None
         for entry in ledger.entries():
             self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_name))
             if self.probes:

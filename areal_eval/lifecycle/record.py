@@ -62,7 +62,7 @@ class RunRecord:
     def _locked(self) -> Iterator[EvaluationPlanner]:
         """The run's planner, read fresh from the ledger, while this process holds the lock."""
         with file_lock(self.run.decisions_lock):
-            yield EvaluationPlanner(self.scheduler, Ledger(self.run.ledger))
+            yield EvaluationPlanner(self.scheduler, Ledger(self.run.ledger), run_item_scores(self.run.evals))
 
     def _state(self) -> dict:
         return read_state(self.run)

@@ -31,6 +31,7 @@ import math
 import random
 
 from areal_eval.estimates import mean_and_stderr
+from areal_eval.paired import ItemScores, NoCommonItems, paired_difference
 from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, decide, refine
 
 
@@ -85,17 +86,44 @@ def probe_verdict(probe: tuple[float, float], reference: tuple[float, float], st
     return moved, f"probe {probe[0]:.4g} vs {reference[0]:.4g} on the subset: {gap:.2f} {relation} {stderrs:g} stderr"
 
 
+def paired_probe_verdict(probe: tuple[dict, dict | None], reference: tuple[dict, dict | None], stderrs: float):
+    """Escalate? The probe's item scores against the same items of the newest full evaluation:
+    their paired difference beyond ``stderrs`` paired standard errors (None: no common items)."""
+    try:
+        d = paired_difference(reference[0], probe[0], probe[1], what="the probe and the full evaluation before it")
+    except NoCommonItems:
+        return None
+    gap = abs(d.difference) / max(d.stderr, 1e-12) if d.difference else 0.0
+    moved = gap > stderrs
+    relation = ">" if moved else "<="
+    return moved, (
+        f"probe {d.mean_b:.4g} vs {d.mean_a:.4g} on {d.n} common items: {gap:.2f} {relation} {stderrs:g} paired stderr"
+    )
+
+
 class ProbeJudge:
     """Judges a probe against the subset part of the newest full evaluation before its step, as
-    the planner records them (a probe decided before that result was in is judged once it is)."""
+    the planner records them (a probe decided before that result was in is judged once it is).
 
-    def __init__(self, settings: ProbeSettings, metric: str, stderr_metric: str | None, default_stderr: float):
+    With ``items`` (the run's per-item scores, as the alert rules read them) and both
+    evaluations' items kept, the probe is judged on the paired difference of its items against
+    the same items of that evaluation; else on the two subset means and their own errors."""
+
+    def __init__(
+        self,
+        settings: ProbeSettings,
+        metric: str,
+        stderr_metric: str | None,
+        default_stderr: float,
+        items: ItemScores | None = None,
+    ):
         self.settings, self.metric, self.stderr_metric, self.default_stderr = (
             settings,
             metric,
             stderr_metric,
             default_stderr,
         )
+        self.items = items
         self._references: dict[int, dict] = {}
         self._steps: list[int] = []
 
@@ -115,6 +143,12 @@ class ProbeJudge:
         if not i:
             return True, f"no full evaluation before step {step} to compare the probe with"
         reference = self._references[self._steps[i - 1]]
+        if self.items is not None:
+            probe_items_, reference_items = self.items(step, self.metric), self.items(self._steps[i - 1], self.metric)
+            if probe_items_ and reference_items:
+                verdict = paired_probe_verdict(probe_items_, reference_items, self.settings.escalate_stderrs)
+                if verdict is not None:
+                    return verdict
         return probe_verdict(
             self._with_stderr(probe_metrics), self._with_stderr(reference), self.settings.escalate_stderrs
         )
@@ -132,25 +166,38 @@ def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> t
     history: list[HistoryEntry] = []
     index = DecisionHistory(cfg.higher_is_better)
     chosen, skipped, probes_run = [], [], 0
-    reference = None  # (subset value, its stderr) of the newest full evaluation
+    reference = None  # (index, subset value, its stderr) of the newest full evaluation
     for i, p in enumerate(points):
         event = _Event(p.step, i == len(points) - 1)
         evaluate = decide(event, index.view(), cfg, index.offered_before(p.step)).evaluate
         if not evaluate and probes and reference is not None:
             probes_run += 1
-            evaluate = probe_moved(*subset_result(curve, i, probes.fraction, seed), *reference, probes.escalate_stderrs)
+            evaluate = probe_escalates(curve, i, reference, probes, seed)
         if evaluate:
             chosen.append((i, i))
             history.append(HistoryEntry(p.step, float(p.step), p.value, p.stderr))
             index.set(p.step, history[-1])
             if probes:  # its own subset result: what a probe here saw (a full result contains it)
-                reference = subset_result(curve, i, probes.fraction, seed)
+                reference = (i, *subset_result(curve, i, probes.fraction, seed))
         else:
             skipped.append(p.step)
             index.offer(p.step)
     at = {p.step: i for i, p in enumerate(points)}
     chosen += [(at[step], len(points) - 1) for step, _ in refine(history, skipped, cfg)]
     return chosen, probes_run
+
+
+def probe_escalates(curve, i: int, reference: tuple[int, float, float], probes: ProbeSettings, seed: str) -> bool:
+    """Would the probe of checkpoint ``i`` escalate, against the full evaluation ``reference``
+    (its index, subset value and stderr)? Paired on the items where the curve has them, as the
+    planner judges a run that keeps its items; else on the subset means."""
+    point, base = curve.points[i], curve.points[reference[0]]
+    if point.items is not None and base.items is not None:
+        subset = {j: point.items[j] for j in probe_items(len(point.items), probes.fraction)}
+        verdict = paired_probe_verdict((subset, None), (dict(enumerate(base.items)), None), probes.escalate_stderrs)
+        if verdict is not None:
+            return verdict[0]
+    return probe_moved(*subset_result(curve, i, probes.fraction, seed), *reference[1:], probes.escalate_stderrs)
 
 
 @dataclasses.dataclass(frozen=True)

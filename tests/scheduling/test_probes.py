@@ -81,3 +81,31 @@ def test_our_recorded_curves_carry_subset_results_that_replay_probes_with():
 
             chosen = [c.points[3].items[j] for j in probe_items(len(c.points[3].items), 0.2)]
             assert subset_result(c, 3, 0.2, "0")[0] == pytest.approx(sum(chosen) / len(chosen))
+
+
+def test_a_probe_is_judged_paired_on_its_items_where_both_evaluations_kept_them():
+    """Five of 50 items flip up, none down: +0.1, within the two means' own errors (1.0 of 2)
+    but 2.3 paired errors (the other 45 items did not move)."""
+    from areal_eval.estimates import mean_and_stderr
+    from areal_eval.scheduling.probes import ProbeJudge
+
+    before = [1.0] * 25 + [0.0] * 25
+    after = [1.0] * 30 + [0.0] * 20
+    items = {10: before, 20: after}
+
+    def summary(scores):
+        mean, stderr = mean_and_stderr(sum(scores), sum(v * v for v in scores), len(scores))
+        return {"accuracy": mean, "accuracy_stderr": stderr}
+
+    def judge(with_items: bool):
+        scores = (lambda step, metric: (dict(enumerate(items[step])), None)) if with_items else None
+        judge = ProbeJudge(ProbeSettings(0.2, 2.0), "accuracy", "accuracy_stderr", 0.01, scores)
+        judge.remember(10, "evaluated", summary(before))
+        return judge.judge(20, summary(after))
+
+    paired, unpaired = judge(True), judge(False)
+    assert paired[0] and "50 common items: 2.33 > 2 paired stderr" in paired[1]
+    assert not unpaired[0] and "1.00 <= 2 stderr" in unpaired[1]
+    # The same items, unchanged: held, whatever the errors.
+    items[20] = before
+    assert not judge(True)[0]
