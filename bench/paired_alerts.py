@@ -17,15 +17,16 @@ import random
 
 from common import emit
 
-RULES = [(3.0, None), (3.0, 2), (3.0, 3), (4.0, 3), (5.0, 3)]
-"""(stderrs, baseline_results) of the rules compared."""
+RULES = [(3.0, None, None), (3.0, 2, None), (3.0, 3, None), (4.0, 3, None), (5.0, 3, None), (2.0, 3, 2), (3.0, 3, 2)]
+"""(stderrs, baseline_results, consecutive) of the rules compared: ``consecutive`` 2 confirms a
+drop on the next result before it fires."""
 
 
-def judge(curves, stderrs: float, baseline: int | None) -> dict:
+def judge(curves, stderrs: float, baseline: int | None, consecutive: int | None = None) -> dict:
     from areal_eval.alerts import AlertRule
     from areal_eval.scheduling import replay
 
-    rule = AlertRule("rule", "regression", stderrs=stderrs, baseline_results=baseline)
+    rule = AlertRule("rule", "regression", stderrs=stderrs, baseline_results=baseline, consecutive=consecutive)
     every = [[(i, i) for i in range(len(c.points))] for c in curves]
     clean = sum(bool(replay.alerts_fired(c, e, rule)) for c, e in zip(curves, every, strict=True))
     detected = early = total = 0
@@ -52,9 +53,13 @@ def main() -> None:
     curves = [c for path in args.curves for c in read_curves(path)]
     bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
     out = {"benchmark": "paired_alerts", "curves": len(curves)}
-    for stderrs, baseline in RULES:
+    for stderrs, baseline, consecutive in RULES:
         name = f"stderrs {stderrs:g}" + (f", baseline_results {baseline}" if baseline else "")
-        out[name] = {"paired": judge(curves, stderrs, baseline), "unpaired": judge(bare, stderrs, baseline)}
+        name += f", consecutive {consecutive}" if consecutive else ""
+        out[name] = {
+            "paired": judge(curves, stderrs, baseline, consecutive),
+            "unpaired": judge(bare, stderrs, baseline, consecutive),
+        }
     emit(out)
 
 
