@@ -5,8 +5,10 @@ import sys
 
 import pytest
 
+from areal_eval.checkpoints.manifest import CheckpointEvent, describe_files
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.job_spec import EvalJobSpec, write_spec
+from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
 from areal_eval.evaluation.preflight import run_preflight
 from areal_eval.launcher import stay_offline
 
@@ -30,3 +32,15 @@ def test_in_a_process_of_its_own_a_bad_setting_is_refused_in_one_line_and_good_d
     bad.write_text(json.dumps({"prompt": "Q: 1 + 1", "answer": "2"}) + "\n" + json.dumps({"prompt": "Q"}) + "\n")
     refused = run_preflight(write_spec(tmp_path / "bad.json", EvalJobSpec(**{**spec, "data": str(bad)})), env, 120)
     assert refused.startswith(f"DataError: {bad}:2: no 'answer'")
+
+
+def test_settings_the_checkpoint_cannot_honour_are_refused_before_any_worker_starts(causal_checkpoint, tmp_path):
+    from areal_eval.evaluation.jobs import EvaluationConfigError
+
+    checkpoint, prompts = causal_checkpoint
+    event = CheckpointEvent("causal", str(checkpoint), 0, 0, 150, 0.0, {}, describe_files(checkpoint))
+    cfg = EvalConfig(nproc=1, evaluator="generation", generation=GenerationConfig(chat_template=True))
+    refused = "refused before any worker started: ConfigError: .*no chat template"
+    with pytest.raises(EvaluationConfigError, match=refused):
+        run_evaluation_job(event, prompts, cfg, tmp_path)
+    assert not list(tmp_path.glob("*.log"))
