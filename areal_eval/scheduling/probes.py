@@ -97,7 +97,8 @@ def paired_probe_verdict(probe: tuple[dict, dict | None], reference: tuple[dict,
     moved = gap > stderrs
     relation = ">" if moved else "<="
     return moved, (
-        f"probe {d.mean_b:.4g} vs {d.mean_a:.4g} on {d.n} common items: {gap:.2f} {relation} {stderrs:g} paired stderr"
+        f"probe {d.mean_b:.4g} vs {d.mean_a:.4g} on the subset: {gap:.2f} {relation} {stderrs:g} stderr, "
+        f"paired on {d.n} common items"
     )
 
 

@@ -104,7 +104,7 @@ def test_a_probe_is_judged_paired_on_its_items_where_both_evaluations_kept_them(
         return judge.judge(20, summary(after))
 
     paired, unpaired = judge(True), judge(False)
-    assert paired[0] and "50 common items: 2.33 > 2 paired stderr" in paired[1]
+    assert paired[0] and "2.33 > 2 stderr, paired on 50 common items" in paired[1]
     assert not unpaired[0] and "1.00 <= 2 stderr" in unpaired[1]
     # The same items, unchanged: held, whatever the errors.
     items[20] = before
