@@ -52,6 +52,11 @@ class AlertRule:
     """Noise-aware (threshold, regression): a breach also fires when this many evaluations in a
     row, in step order, breach the line, however small each breach. With ``stderrs`` unset and
     this unset, every breach fires."""
+    confirm: int | None = None
+    """With ``stderrs``: a breach of that many standard errors fires only once this many
+    evaluations in a row, in step order (this one the last), each breached by as many. A single
+    noisy result, or a spike that recovers at the next evaluation, does not fire; a lasting drop
+    fires at its ``confirm``-th evaluation. None: the first such breach fires."""
     stderr_metric: str = "{metric}_stderr"
     """Where ``metric``'s standard error is (``{metric}`` stands for the metric's name)."""
     stop_training: bool = False
@@ -66,12 +71,15 @@ class AlertRule:
         "stderrs": NON_NEGATIVE,
         "consecutive": AT_LEAST_1,
         "baseline_results": AT_LEAST_1,
+        "confirm": AT_LEAST_1,
     }
 
     def __post_init__(self):
         check_ranges(self, self.RANGES)
         if self.baseline_results is not None and self.kind != "regression":
             raise FieldError("baseline_results", f"is for regression rules, not {self.kind}")
+        if self.confirm is not None and self.stderrs is None:
+            raise FieldError("confirm", "confirms a breach of stderrs: set stderrs too")
 
     @property
     def noise_aware(self) -> bool:
@@ -202,7 +210,11 @@ class AlertEngine:
         if not rule.noise_aware:
             return message
         if rule.stderrs is not None and separated >= rule.stderrs:
-            return f"{message} ({separated:.1f} standard errors)"
+            if rule.confirm is None:
+                return f"{message} ({separated:.1f} standard errors)"
+            streak = self._streak(rule, step, rule.stderrs)
+            if streak + 1 >= rule.confirm:
+                return f"{message} ({separated:.1f} standard errors, {streak + 1} evaluations in a row)"
         if rule.consecutive is not None:
             streak = self._streak(rule, step)
             if streak + 1 >= rule.consecutive:
@@ -289,12 +301,14 @@ class AlertEngine:
     def _value_at(self, key: str, step: int | None) -> float | None:
         return next((v for s, v in self._results.get(key, ()) if s == step), None)
 
-    def _streak(self, rule: AlertRule, step: int) -> int:
-        """How many evaluations right before ``step`` (in step order) breached the rule."""
+    def _streak(self, rule: AlertRule, step: int, stderrs: float | None = None) -> int:
+        """How many evaluations right before ``step`` (in step order) breached the rule (by at
+        least ``stderrs`` standard errors, when given)."""
         streak = 0
         for s, v in reversed([(s, v) for s, v in self._results.get(rule.metric, ()) if rule.min_step <= s < step]):
             stderr = self._value_at(rule.stderr_metric.format(metric=rule.metric), s)
-            if self._breach(rule, s, v, stderr) is None:
+            breach = self._breach(rule, s, v, stderr)
+            if breach is None or (stderrs is not None and breach[1] < stderrs):
                 break
             streak += 1
         return streak

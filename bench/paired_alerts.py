@@ -17,16 +17,16 @@ import random
 
 from common import emit
 
-RULES = [(3.0, None, None), (3.0, 2, None), (3.0, 3, None), (4.0, 3, None), (5.0, 3, None), (2.0, 3, 2), (3.0, 3, 2)]
-"""(stderrs, baseline_results, consecutive) of the rules compared: ``consecutive`` 2 confirms a
-drop on the next result before it fires."""
+RULES = [(3.0, None, None), (3.0, 3, None), (5.0, 3, None), (1.5, 3, 2), (2.0, 3, 2), (2.0, 5, 2), (3.0, 3, 2)]
+"""(stderrs, baseline_results, confirm) of the rules compared: ``confirm`` 2 fires once the next
+result breaches too."""
 
 
-def judge(curves, stderrs: float, baseline: int | None, consecutive: int | None = None) -> dict:
+def judge(curves, stderrs: float, baseline: int | None, confirm: int | None = None) -> dict:
     from areal_eval.alerts import AlertRule
     from areal_eval.scheduling import replay
 
-    rule = AlertRule("rule", "regression", stderrs=stderrs, baseline_results=baseline, consecutive=consecutive)
+    rule = AlertRule("rule", "regression", stderrs=stderrs, baseline_results=baseline, confirm=confirm)
     every = [[(i, i) for i in range(len(c.points))] for c in curves]
     clean = sum(bool(replay.alerts_fired(c, e, rule)) for c, e in zip(curves, every, strict=True))
     detected = early = total = 0
@@ -53,12 +53,12 @@ def main() -> None:
     curves = [c for path in args.curves for c in read_curves(path)]
     bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
     out = {"benchmark": "paired_alerts", "curves": len(curves)}
-    for stderrs, baseline, consecutive in RULES:
+    for stderrs, baseline, confirm in RULES:
         name = f"stderrs {stderrs:g}" + (f", baseline_results {baseline}" if baseline else "")
-        name += f", consecutive {consecutive}" if consecutive else ""
+        name += f", confirm {confirm}" if confirm else ""
         out[name] = {
-            "paired": judge(curves, stderrs, baseline, consecutive),
-            "unpaired": judge(bare, stderrs, baseline, consecutive),
+            "paired": judge(curves, stderrs, baseline, confirm),
+            "unpaired": judge(bare, stderrs, baseline, confirm),
         }
     emit(out)
 

@@ -172,3 +172,24 @@ def test_where_a_step_kept_no_items_the_rule_falls_back_to_the_unpaired_errors()
     big = {"accuracy": metrics[1]["accuracy"] - 0.2, "accuracy_stderr": metrics[1]["accuracy_stderr"]}
     [alert] = e.check(4, big)
     assert "paired" not in alert.message
+
+
+def test_a_confirmed_rule_fires_on_a_lasting_drop_not_on_a_spike_that_recovers():
+    rule = AlertRule("reg", "regression", stderrs=3.0, baseline_results=2, confirm=2, throttle_secs=0)
+    e = engine(rule)
+    for step, value in ((1, 0.80), (2, 0.80), (3, 0.60), (4, 0.80), (5, 0.80)):
+        assert e.check(step, {"accuracy": value, "accuracy_stderr": 0.01}) == []  # 3: a spike, gone at 4
+    assert e.check(6, {"accuracy": 0.60, "accuracy_stderr": 0.01}) == []  # the drop's first result
+    [alert] = e.check(7, {"accuracy": 0.61, "accuracy_stderr": 0.01})  # confirmed by the next
+    assert "2 evaluations in a row" in alert.message
+    # A result in between that does not breach by stderrs breaks the run.
+    e = engine(rule)
+    for step, value in ((1, 0.80), (2, 0.80), (3, 0.60), (4, 0.795), (5, 0.60)):
+        assert e.check(step, {"accuracy": value, "accuracy_stderr": 0.01}) == []
+
+
+def test_confirm_needs_stderrs():
+    from areal_eval.config.parsing import FieldError
+
+    with pytest.raises(FieldError, match="confirm"):
+        AlertRule("reg", "regression", confirm=2)
