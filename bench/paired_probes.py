@@ -1,0 +1,54 @@
+"""Probes judged paired on their items against probes judged on the two subset means.
+
+    .venv/bin/python bench/paired_probes.py bench/curves/areal-demo.jsonl bench/curves/areal-demo-geometric.jsonl
+
+Replays the item-level curves with injected regressions (seeds 0-9) under the adaptive
+scheduler, without probes and with probes (``probe_fraction`` 0.2, ``probe_escalate_stderrs``
+2): once with the items (a probe is judged on the paired difference of its items against the
+same items of the last full evaluation, as the pipeline judges a run that keeps items) and once
+with them stripped (the recorded subset means and their own errors). Prints, per policy, the
+means over seeds of the replay's scores, as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+from common import emit
+
+PROBES = "adaptive:probe_fraction=0.2,probe_escalate_stderrs=2"
+KEEP = ("evaluations", "probes", "compute", "mean_tracking_error", "detection_delay", "frontier_ratio")
+
+
+def mean_scores(curves, spec: str) -> dict:
+    from areal_eval.scheduling import replay
+
+    runs = [
+        replay.replay(curves, [replay.parse_policy(spec)], regression=True, seed=s)["policies"][spec] for s in range(10)
+    ]
+    return {k: round(statistics.fmean(r[k] for r in runs), 3) for k in KEEP if k in runs[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("curves", nargs="+", help="item-level curves JSONL")
+    args = parser.parse_args()
+    from areal_eval.scheduling.curves import read_curves
+
+    curves = [c for path in args.curves for c in read_curves(path)]
+    bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
+    emit(
+        {
+            "benchmark": "paired_probes",
+            "curves": len(curves),
+            "adaptive, no probes": mean_scores(curves, "adaptive"),
+            "probes judged on subset means": mean_scores(bare, PROBES),
+            "probes judged paired on items": mean_scores(curves, PROBES),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
