@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from areal_eval import distributed
-
 
 class FrequencyControl:
     """AReaL's ``FrequencyControl(frequency_seconds, frequency_steps, initial_value, group)``.
@@ -86,6 +84,8 @@ class FrequencyControl:
             if self.frequency_steps is None and self.frequency_seconds is None:
                 return False
             if self.frequency_seconds is not None:
+                from areal_eval import distributed  # torch: not imported by the flows, which read the trainer's config
+
                 self._interval_seconds = distributed.all_reduce_max_scalar(self._interval_seconds, self.group)
                 if self._interval_seconds < self.frequency_seconds:
                     return False
