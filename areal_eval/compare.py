@@ -106,10 +106,19 @@ def versus_previous_best(evals_dir: str | Path, previous: int, step: int, metric
     except NoCommonItems:
         r = None
     if r is None:
-        return tags | {"vs_previous_best.distinguishable": "unknown"}
+        return tags | {
+            "vs_previous_best.distinguishable": "unknown",
+            "vs_previous_best": f"over the best before it (step {previous}): no items of {metric} to pair",
+        }
+    distinct = r.ci_low > 0 or r.ci_high < 0
+    verdict = "distinguishable" if distinct else "within the noise"
     return tags | {
         "vs_previous_best.difference": f"{r.difference:+.6g}",
         "vs_previous_best.paired_stderr": f"{r.stderr:.6g}",
         "vs_previous_best.ci95": f"[{r.ci_low:+.6g}, {r.ci_high:+.6g}]",
-        "vs_previous_best.distinguishable": str(r.ci_low > 0 or r.ci_high < 0).lower(),
+        "vs_previous_best.distinguishable": str(distinct).lower(),
+        "vs_previous_best": (
+            f"{r.difference:+.4g} (paired stderr {r.stderr:.2g}, on {r.n} items) over the best before it "
+            f"(step {previous}): {verdict}"
+        ),
     }

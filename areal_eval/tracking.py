@@ -270,9 +270,10 @@ class Tracker:
         }
         if current is not None and versus is not None and current.run_id == run_id:
             tags |= versus(int(current.tags["global_step"]))
-        version = self.client.create_model_version(
-            name, source, run_id=run_id, tags=tags, description=f"checkpoint at step {step}: {metric} = {value:.6g}"
-        )
+        description = f"checkpoint at step {step}: {metric} = {value:.6g}"
+        if "vs_previous_best" in tags:  # what the comparison says, where the model page shows it first
+            description += f"; {tags['vs_previous_best']}"
+        version = self.client.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
         self.client.set_registered_model_alias(name, BEST_ALIAS, version.version)
         return str(version.version)
 

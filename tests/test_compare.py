@@ -66,11 +66,10 @@ def test_a_new_best_says_whether_it_is_distinguishable_from_the_best_before_it(t
     assert float(clear["vs_previous_best.difference"]) == pytest.approx(0.8)
     close = versus_previous_best(tmp_path / "evals", 30, 20, "reward_model/accuracy")
     assert close["vs_previous_best.distinguishable"] == "false" and "[" in close["vs_previous_best.ci95"]
+    assert close["vs_previous_best"].endswith("over the best before it (step 30): within the noise")
     # No items kept for the metric (or at a step): said, not guessed.
-    assert versus_previous_best(tmp_path / "evals", 10, 99, "reward_model/accuracy") == {
-        "vs_previous_best.step": "10",
-        "vs_previous_best.distinguishable": "unknown",
-    }
+    unknown = versus_previous_best(tmp_path / "evals", 10, 99, "reward_model/accuracy")
+    assert unknown["vs_previous_best.distinguishable"] == "unknown" and "no items" in unknown["vs_previous_best"]
 
 
 def test_lm_eval_documents_are_paired_by_task_metric_and_doc_id(tmp_path):

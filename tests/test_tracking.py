@@ -141,9 +141,17 @@ def test_the_best_checkpoint_is_registered_and_the_alias_follows_improvements(tr
     )
     # A new best carries how it compares with the best it replaces (compare.versus_previous_best).
     versus = tracker.register_if_best(
-        name, run_id, 24, "/c24", {"accuracy": 0.9}, "accuracy", True, versus=lambda prev: {"vs.step": str(prev)}
+        name,
+        run_id,
+        24,
+        "/c24",
+        {"accuracy": 0.9},
+        "accuracy",
+        True,
+        versus=lambda prev: {"vs_previous_best": f"{prev}"},
     )
-    assert tracker.client.get_model_version(name, versus).tags["vs.step"] == "12"
+    version = tracker.client.get_model_version(name, versus)
+    assert version.tags["vs_previous_best"] == "12" and version.description.endswith("accuracy = 0.9; 12")
     assert tracker.register_if_best(name, run_id, 20, "/c", {"accuracy": float("nan")}, "accuracy", True) is None
     # Lower is better: the direction comes from the monitored metric.
     losses = [
