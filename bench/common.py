@@ -77,3 +77,18 @@ def emit(result: dict) -> None:
 
 
 median = statistics.median
+
+
+def item_curves_from_args(description: str) -> tuple[list, list]:
+    """The item-level curves named on the command line, and the same curves with their items
+    stripped (what a rule or a probe sees of a run that keeps no items)."""
+    import argparse
+    import dataclasses
+
+    from areal_eval.scheduling.curves import read_curves
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("curves", nargs="+", help="item-level curves JSONL")
+    curves = [c for path in parser.parse_args().curves for c in read_curves(path)]
+    bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
+    return curves, bare

@@ -11,11 +11,9 @@ an alert before the drop. Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import random
 
-from common import emit
+from common import emit, item_curves_from_args
 
 RULES = [(3.0, None, None), (3.0, 3, None), (5.0, 3, None), (1.5, 3, 2), (2.0, 3, 2), (2.0, 5, 2), (3.0, 3, 2)]
 """(stderrs, baseline_results, confirm) of the rules compared: ``confirm`` 2 fires once the next
@@ -45,13 +43,7 @@ def judge(curves, stderrs: float, baseline: int | None, confirm: int | None = No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("curves", nargs="+", help="item-level curves JSONL")
-    args = parser.parse_args()
-    from areal_eval.scheduling.curves import read_curves
-
-    curves = [c for path in args.curves for c in read_curves(path)]
-    bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
+    curves, bare = item_curves_from_args(__doc__.splitlines()[0])
     out = {"benchmark": "paired_alerts", "curves": len(curves)}
     for stderrs, baseline, confirm in RULES:
         name = f"stderrs {stderrs:g}" + (f", baseline_results {baseline}" if baseline else "")

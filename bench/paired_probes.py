@@ -12,11 +12,9 @@ means over seeds of the replay's scores, as one JSON line.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import statistics
 
-from common import emit
+from common import emit, item_curves_from_args
 
 PROBES = "adaptive:probe_fraction=0.2,probe_escalate_stderrs=2"
 KEEP = ("evaluations", "probes", "compute", "mean_tracking_error", "detection_delay", "frontier_ratio")
@@ -32,13 +30,7 @@ def mean_scores(curves, spec: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("curves", nargs="+", help="item-level curves JSONL")
-    args = parser.parse_args()
-    from areal_eval.scheduling.curves import read_curves
-
-    curves = [c for path in args.curves for c in read_curves(path)]
-    bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
+    curves, bare = item_curves_from_args(__doc__.splitlines()[0])
     emit(
         {
             "benchmark": "paired_probes",
