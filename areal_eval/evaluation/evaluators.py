@@ -39,6 +39,9 @@ class BaseEvaluator:
     dtype: str = "auto"
     """The dtype to load and run the model in (``eval.dtype``; set by :func:`make_evaluator`)."""
 
+    mp_size: int = 1
+    """Ranks per model-parallel group (``eval.mp_size``; set by :func:`make_evaluator`)."""
+
     supports_subsets = False
     """Its ``batches`` read :meth:`items`, so :meth:`select` works: probes need it."""
     _selected: list[int] | None = None
@@ -235,6 +238,7 @@ def make_evaluator(spec: str, settings) -> BaseEvaluator:
     parts = [evaluator_class(n).from_settings(settings) for n in evaluator_names(spec)]
     for part in parts:
         part.dtype = getattr(settings, "dtype", "auto")
+        part.mp_size = getattr(settings, "mp_size", 1)
     return parts[0] if len(parts) == 1 else CombinedEvaluator(parts)
 
 

@@ -33,18 +33,21 @@ from areal_eval.models import causal_lm
 CHAT_SETTING = "eval.generation.chat_template"
 
 
-def _vllm_decoder(checkpoint_dir, model, tokenizer, cfg, dtype):
+def _vllm_decoder(checkpoint_dir, model, tokenizer, cfg, dtype, mp_size):
     from areal_eval.evaluation.vllm_decoder import VLLMDecoder
 
-    return VLLMDecoder(checkpoint_dir, tokenizer, cfg, dtype)
+    return VLLMDecoder(checkpoint_dir, tokenizer, cfg, dtype, mp_size)
 
 
 DECODERS = {
-    "transformers": lambda checkpoint_dir, model, tokenizer, cfg, dtype: TransformersDecoder(model, tokenizer, cfg),
+    "transformers": lambda checkpoint_dir, model, tokenizer, cfg, dtype, mp_size: TransformersDecoder(
+        model, tokenizer, cfg
+    ),
     "vllm": _vllm_decoder,
 }
 """Generation backends, by ``eval.generation.backend``: ``vllm`` needs vLLM in the workers'
-interpreter (``eval.python``)."""
+interpreter (``eval.python``). A decoder's ``complete`` returns None on a rank that only lends
+its devices to its model-parallel group's engine (vLLM's tensor parallelism)."""
 
 
 @dataclasses.dataclass
@@ -197,7 +200,9 @@ class GenerationEvaluator(BaseEvaluator):
         ]
         self.prompt_ids = [ids[-self.max_prompt_tokens :] for ids in whole]
         self.truncated = [len(ids) > self.max_prompt_tokens for ids in whole]
-        self.decoder = DECODERS[self.cfg.backend](checkpoint_dir, self.model, self.tokenizer, self.cfg, self.dtype)
+        self.decoder = DECODERS[self.cfg.backend](
+            checkpoint_dir, self.model, self.tokenizer, self.cfg, self.dtype, self.mp_size
+        )
 
     def num_samples(self) -> int:
         return len(self.prompts)
@@ -229,6 +234,8 @@ class GenerationEvaluator(BaseEvaluator):
         per_prompt = self.answers_per_prompt
         seeds = [s for i in indices for s in self.answer_seeds(i)]
         completions = self.decoder.complete([self.prompt_ids[i] for i in indices for _ in range(per_prompt)], seeds)
+        if completions is None:  # the group's head decodes and counts this batch
+            return {}
         sums: dict[str, float] = {
             "n_prompts": float(len(indices)),
             "n_answers": float(len(seeds)),

@@ -92,7 +92,9 @@ class EvalConfig:
     """Evaluation ranks per node (torchrun --nproc-per-node); the node count comes from the
     work pool (``AREAL_EVAL_NNODES``, see ``infra/k8s``)."""
     mp_size: int = 1
-    """Ranks per model-parallel group; the data-parallel head broadcasts batches to it."""
+    """Ranks per model-parallel group; the data-parallel head broadcasts batches to it. With
+    ``generation.backend: vllm`` the group runs one engine, tensor-parallel over its ranks'
+    devices (a group must lie within a node)."""
     batch_size: int = 32
     """Examples per batch (pairs, texts, or generated answers)."""
     dtype: str = "auto"
@@ -179,8 +181,6 @@ class EvalConfig:
             raise FieldError("python", f"{self.python!r} is not an executable Python interpreter")
         if self.python is not None:
             check_interpreter(self.python, self.evaluator, self.generation)
-        if self.generation.backend == "vllm" and self.mp_size != 1:
-            raise FieldError("mp_size", "the vllm backend runs one engine per rank (mp_size 1)")
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
 

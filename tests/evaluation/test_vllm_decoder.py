@@ -72,9 +72,13 @@ def test_vllm_on_two_ranks_answers_as_the_transformers_backend_and_keeps_its_eng
             for i in range(2)
         ]
         stopped = run_evaluation_job(event, prompts, stopped_cfg, tmp_path / "stopped", workers=workers).metrics
+        tensor_parallel_cfg = dataclasses.replace(cfg, mp_size=2)
+        tensor_parallel = run_evaluation_job(event, prompts, tensor_parallel_cfg, tmp_path / "tp", workers=workers)
         assert workers.started_jobs == 1
     log = (tmp_path / "warm" / "warm-workers-1.log").read_text()
-    assert log.count("vllm engine started") == 2  # one engine per rank, kept for the five evaluations
+    assert log.count("vllm engine started in") == 3
+    assert log.count("(tensor parallel 1,") == 2  # one engine per rank, kept for the five evaluations
+    assert log.count("(tensor parallel 2,") == 1  # then one engine for the group of two ranks
     assert log.count("vllm weights reloaded") == 2 * 2  # each rank: the later checkpoint, then the first again
     # The later checkpoint's answers, not the first's: within the stated bounds of the transformers backend's.
     assert reloaded.metrics["response_length"] != greedy["response_length"]
@@ -88,11 +92,26 @@ def test_vllm_on_two_ranks_answers_as_the_transformers_backend_and_keeps_its_eng
     # A stop string cuts the answer where the transformers backend cuts it.
     stopped_reference = causal_metrics(checkpoint, prompts, generation=stopping)
     assert stopped["response_length"] == stopped_reference["response_length"] < greedy["response_length"]
+    # Tensor parallel over the two ranks' cores: every prompt once, the same answers within the bounds.
+    assert {c: tensor_parallel.metrics[c] for c in counts} == {c: reference[c] for c in counts}
+    assert abs(tensor_parallel.metrics["accuracy"] - reference["accuracy"]) <= 0.05
+    assert tensor_parallel.metrics["response_length"] == pytest.approx(reference["response_length"], rel=0.05)
 
 
-def test_vllm_with_model_parallel_ranks_is_refused_naming_the_field():
-    with pytest.raises(Exception, match="mp_size: the vllm backend runs one engine per rank"):
-        EvalConfig(nproc=2, mp_size=2, generation=GenerationConfig(backend="vllm"))
+def test_a_tensor_parallel_engine_takes_the_devices_of_its_group(monkeypatch):
+    from areal_eval.evaluation.vllm_decoder import core_share, group_devices
+
+    assert [core_share([4, 5, 6, 7, 8], 2, r) for r in range(2)] == [[4, 5, 6], [7, 8]]
+    assert [core_share([0, 1], 4, r) for r in range(4)] == [[0], [1], [0], [1]]
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    assert group_devices(2, on_gpu=False) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5|6,7"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert group_devices(2, on_gpu=True) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert group_devices(2, on_gpu=False) == {}  # the user's own binding stands
 
 
 def test_vllm_missing_from_the_workers_interpreter_is_a_config_error(causal_checkpoint):
