@@ -11,12 +11,13 @@ import dataclasses
 import functools
 import queue
 import threading
+import time
 from typing import Generic, TypeVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.lifecycle.followers import ManifestFollower
 from areal_eval.paired import ItemScores
-from areal_eval.runs.ledger import FINAL_STATES, RETRIED, Ledger
+from areal_eval.runs.ledger import FINAL_STATES, RETRIED, Ledger, LedgerEntry
 from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
 from areal_eval.scheduling.probes import ProbeJudge, ProbeSettings
 
@@ -104,23 +105,11 @@ class EvaluationPlanner:
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_name)
 
-    def _record(
-        self,
-        step: int,
-        uri: str,
-        status: str,
-        reason: str = "",
-        metrics: dict | None = None,
-        delivered: bool = False,
-        owner: str | None = None,
-        probe: str | None = None,
-        probe_metrics: dict | None = None,
-        attempts: list | None = None,
-    ) -> None:
-        entry = self.ledger.record(step, uri, status, reason, metrics, delivered, owner, probe, probe_metrics, attempts)
-        self._decisions.set(step, entry.history_entry(self.cfg.metric, self.cfg.stderr_name))
+    def _record(self, entry: LedgerEntry) -> None:
+        entry = self.ledger.append(entry)
+        self._decisions.set(entry.step, entry.history_entry(self.cfg.metric, self.cfg.stderr_name))
         if self.probes:
-            self.probes.remember(step, status, entry.probe_metrics)
+            self.probes.remember(entry.step, entry.status, entry.probe_metrics)
 
     @_locked
     def decide(self, event: CheckpointEvent) -> Decision:
@@ -138,7 +127,7 @@ class EvaluationPlanner:
         if not decision.evaluate and self.probes:  # compared when it is done, with the full result before it
             decision = Decision(True, f"probe: {decision.reason}", probe=True)
         status = "scheduled" if decision.evaluate else "skipped"
-        self._record(step, event.uri, status, decision.reason, probe="pending" if decision.probe else None)
+        self._record(LedgerEntry(step, event.uri, status, decision.reason, probe="pending" if decision.probe else None))
         return decision
 
     def is_probe(self, step: int) -> bool:
@@ -156,19 +145,16 @@ class EvaluationPlanner:
         skip_reason = scheduled.reason.removeprefix("probe: ") if scheduled else ""
         if moved:
             reason = f"escalated: {why}"
+            owner = scheduled.owner if scheduled else None
             self._record(
-                step,
-                event.uri,
-                "scheduled",
-                reason,
-                probe="escalated",
-                probe_metrics=probe_metrics,
-                owner=scheduled.owner if scheduled else None,
+                LedgerEntry(
+                    step, event.uri, "scheduled", reason, probe="escalated", probe_metrics=probe_metrics, owner=owner
+                )
             )
             self.queue.push(event, pinned=True)
             return Decision(True, reason, pinned=True)
         reason = f"{skip_reason}; {why}"
-        self._record(step, event.uri, "skipped", reason, probe="held", probe_metrics=probe_metrics)
+        self._record(LedgerEntry(step, event.uri, "skipped", reason, probe="held", probe_metrics=probe_metrics))
         return Decision(False, reason)
 
     @_locked
@@ -200,7 +186,7 @@ class EvaluationPlanner:
             if event is None:  # not offered in this process (cannot happen after a full re-read)
                 continue
             probed = self.ledger.latest(step).probe  # a held probe stays on record: it ran
-            self._record(step, event.uri, "scheduled", reason, owner=owner, probe=probed)
+            self._record(LedgerEntry(step, event.uri, "scheduled", reason, owner=owner, probe=probed))
             self.queue.push(event, pinned=True)
             queued.append(event)
         return queued
@@ -217,12 +203,8 @@ class EvaluationPlanner:
         return event
 
     def _supersede(self, old: CheckpointEvent, by: CheckpointEvent, why: str = "") -> None:
-        self._record(
-            old.global_step,
-            old.uri,
-            "superseded",
-            f"evaluation behind training: coalesced to step {by.global_step}{why}",
-        )
+        reason = f"evaluation behind training: coalesced to step {by.global_step}{why}"
+        self._record(LedgerEntry(old.global_step, old.uri, "superseded", reason))
 
     def _fall_back(self, failed: int) -> None:
         """The checkpoint waiting ones were coalesced to is bad: the newest of them is evaluated
@@ -237,7 +219,9 @@ class EvaluationPlanner:
             return
         newest = self._events[waiting[-1]]
         why = f" (step {failed} failed verification)"
-        self._record(newest.global_step, newest.uri, "scheduled", f"fallback: step {failed} failed verification")
+        self._record(
+            LedgerEntry(newest.global_step, newest.uri, "scheduled", f"fallback: step {failed} failed verification")
+        )
         self.queue.push(newest, pinned=True)
         for step in waiting[:-1]:
             self._supersede(self._events[step], newest, why)
@@ -262,15 +246,17 @@ class EvaluationPlanner:
         probe = scheduled.probe if scheduled and scheduled.status == "scheduled" else None
         attempts = [*(scheduled.attempts if scheduled else []), *(RETRIED + c for c in retried)]
         self._record(
-            event.global_step,
-            event.uri,
-            "evaluated",
-            reason,
-            metrics,
-            delivered,
-            probe=probe,
-            probe_metrics=probe_metrics,
-            attempts=attempts,
+            LedgerEntry(
+                event.global_step,
+                event.uri,
+                "evaluated",
+                reason,
+                dict(metrics),
+                delivered=delivered,
+                probe=probe,
+                probe_metrics=dict(probe_metrics or {}),
+                attempts=attempts,
+            )
         )
 
     @_locked
@@ -278,9 +264,7 @@ class EvaluationPlanner:
         """The result (or the probe) of ``step`` is in the tracker."""
         entry = self.ledger.latest(step)
         if entry is not None and entry.deliverable and not entry.delivered:
-            fields = dataclasses.asdict(entry)
-            del fields["time"]
-            self._record(**{**fields, "delivered": True})
+            self._record(dataclasses.replace(entry, delivered=True, time=time.time()))
 
     def undelivered(self) -> list:
         """Results (and probes) that never reached the tracker (before a restart)."""
@@ -292,11 +276,11 @@ class EvaluationPlanner:
         self._events[event.global_step] = event
         before = self.ledger.latest(event.global_step)  # a pending probe stays one; one that ran stays on record
         probe = before.probe if before else None
-        self._record(event.global_step, event.uri, "scheduled", reason, owner=owner, probe=probe)
+        self._record(LedgerEntry(event.global_step, event.uri, "scheduled", reason, owner=owner, probe=probe))
 
     @_locked
     def failed(self, event: CheckpointEvent, error: str) -> None:
-        self._record(event.global_step, event.uri, "failed", error)
+        self._record(LedgerEntry(event.global_step, event.uri, "failed", error))
 
     @_locked
     def attempt_failed(
@@ -318,12 +302,12 @@ class EvaluationPlanner:
         failed = sum(not a.startswith(RETRIED) for a in attempts)
         if permanent or failed >= max_attempts:
             reason = cause if failed == 1 else f"gave up after {failed} attempts: {cause}"
-            self._record(step, event.uri, "failed", reason, attempts=attempts)
+            self._record(LedgerEntry(step, event.uri, "failed", reason, attempts=attempts))
             if bad_checkpoint:
                 self._fall_back(step)
             return True
         reason, probe = (entry.reason, entry.probe) if entry else ("", None)
-        self._record(step, event.uri, "scheduled", reason, probe=probe, attempts=attempts)
+        self._record(LedgerEntry(step, event.uri, "scheduled", reason, probe=probe, attempts=attempts))
         self._events[step] = event
         self.queue.push(event, pinned=True)
         return False

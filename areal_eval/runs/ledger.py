@@ -94,41 +94,20 @@ class Ledger:
         if self.path.exists() and chunk.offset < self.path.stat().st_size:
             self.problems.append(f"{self.path}:{chunk.line}: skipped (torn or corrupt line): no end of line")
 
-    def record(
-        self,
-        step: int,
-        uri: str,
-        status: str,
-        reason: str = "",
-        metrics: dict | None = None,
-        delivered: bool = False,
-        owner: str | None = None,
-        probe: str | None = None,
-        probe_metrics: dict | None = None,
-        attempts: list | None = None,
-    ) -> LedgerEntry:
+    def append(self, entry: LedgerEntry) -> LedgerEntry:
+        """Write ``entry`` as its step's latest line. A step's failed attempts stay on record: an
+        entry that names none carries those of the step's entry before it."""
         with self._lock:
-            if attempts is None:  # the step's failed attempts stay on record
-                attempts = self._latest[step].attempts if step in self._latest else []
-            entry = LedgerEntry(
-                step,
-                uri,
-                status,
-                reason,
-                dict(metrics or {}),
-                delivered=delivered,
-                owner=owner,
-                probe=probe,
-                probe_metrics=dict(probe_metrics or {}),
-                attempts=list(attempts),
-            )
+            before = self._latest.get(entry.step)
+            if not entry.attempts and before is not None and before.attempts:
+                entry = dataclasses.replace(entry, attempts=list(before.attempts))
             row = dataclasses.asdict(entry)
             if entry.probe is None and not entry.probe_metrics:  # a run without probes: lines as before
                 del row["probe"], row["probe_metrics"]
             if not entry.attempts:
                 del row["attempts"]
             jsonl.append(self.path, row, sort_keys=True)
-            self._latest[step] = entry
+            self._latest[entry.step] = entry
         return entry
 
     def latest(self, step: int) -> LedgerEntry | None:

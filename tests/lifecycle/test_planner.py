@@ -2,7 +2,7 @@ import dataclasses
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.lifecycle.planner import CoalescingQueue, EvaluationPlanner
-from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from areal_eval.runs.ledger import FINAL_STATES, Ledger, LedgerEntry
 from areal_eval.scheduling.policy import SchedulerConfig
 
 
@@ -102,9 +102,9 @@ def test_restart_resumes_without_repeating_or_losing(tmp_path):
 
 def test_ledger_history_feeds_the_scheduler(tmp_path):
     ledger = Ledger(tmp_path / "l.jsonl")
-    ledger.record(0, "/a", "evaluated", metrics={"accuracy": 0.5, "accuracy_stderr": 0.02})
-    ledger.record(5, "/b", "skipped", "plateau")
-    ledger.record(10, "/c", "scheduled", "moving")
+    ledger.append(LedgerEntry(0, "/a", "evaluated", metrics={"accuracy": 0.5, "accuracy_stderr": 0.02}))
+    ledger.append(LedgerEntry(5, "/b", "skipped", "plateau"))
+    ledger.append(LedgerEntry(10, "/c", "scheduled", "moving"))
     hist = ledger.history("accuracy", "accuracy_stderr")
     assert [(h.step, h.metric, h.stderr) for h in hist] == [(0, 0.5, 0.02), (10, None, None)]
 
