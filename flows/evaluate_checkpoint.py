@@ -3,7 +3,7 @@
 Started by the deployment trigger on ``areal.checkpoint.saved`` (parameters templated from the
 event payload), by ``prefect deployment run``, by ``sweep-checkpoints``, or by
 ``train-and-evaluate`` dispatching to the evaluation pool. Flow runs of the same training run
-share its record (:class:`~areal_eval.lifecycle.record.RunRecord`): the same planner as the in-flow
+share its record (:class:`~areal_eval.lifecycle.shared_run.RunRecord`): the same planner as the in-flow
 loop decides every checkpoint once, in step order, and one flow run evaluates each chosen one.
 The flow run that finds the run over (final checkpoint and refinement evaluated) ends its MLflow
 run with the curve and the decision log, as ``train-and-evaluate`` does.
@@ -23,7 +23,7 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
 from areal_eval.lifecycle.outcome import Attempt, Outcome
-from areal_eval.lifecycle.record import Claim, RunRecord
+from areal_eval.lifecycle.shared_run import Claim, RunRecord
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config

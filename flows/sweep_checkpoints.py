@@ -16,7 +16,7 @@ from prefect.runtime import flow_run
 
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.checkpoints.store import S3Config, S3Store, is_s3, localize_manifest
-from areal_eval.lifecycle.record import RunRecord
+from areal_eval.lifecycle.shared_run import RunRecord
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config

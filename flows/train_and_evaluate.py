@@ -33,7 +33,7 @@ from areal_eval.evaluation.items import run_item_scores
 from areal_eval.launcher import TorchrunJob
 from areal_eval.lifecycle.follow_loop import FollowLoop, LoopConfig
 from areal_eval.lifecycle.planner import EvaluationPlanner
-from areal_eval.lifecycle.record import mark_over, read_state
+from areal_eval.lifecycle.shared_run import mark_over, read_state
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import check_inputs, total_train_steps

@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from areal_eval.compare import versus_previous_best
 from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
-from areal_eval.lifecycle.record import RunRecord
+from areal_eval.lifecycle.shared_run import RunRecord
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.redaction import recorded_config
 from areal_eval.runs.directory import RunDir, file_lock

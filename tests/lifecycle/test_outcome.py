@@ -8,7 +8,7 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.evaluation.jobs import CorruptCheckpoint, EvalResult, EvaluationDataError
 from areal_eval.lifecycle.outcome import Attempt, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
-from areal_eval.lifecycle.record import RunRecord
+from areal_eval.lifecycle.shared_run import RunRecord
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import SchedulerConfig
