@@ -3,7 +3,7 @@
 Started by the deployment trigger on ``areal.checkpoint.saved`` (parameters templated from the
 event payload), by ``prefect deployment run``, by ``sweep-checkpoints``, or by
 ``train-and-evaluate`` dispatching to the evaluation pool. Flow runs of the same training run
-share its record (:class:`~areal_eval.lifecycle.shared_run.RunRecord`): the same planner as the in-flow
+share the run (:class:`~areal_eval.lifecycle.shared_run.SharedRun`): the same planner as the in-flow
 loop decides every checkpoint once, in step order, and one flow run evaluates each chosen one.
 The flow run that finds the run over (final checkpoint and refinement evaluated) ends its MLflow
 run with the curve and the decision log, as ``train-and-evaluate`` does.
@@ -23,7 +23,7 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
 from areal_eval.lifecycle.outcome import Attempt, Outcome
-from areal_eval.lifecycle.shared_run import Claim, RunRecord
+from areal_eval.lifecycle.shared_run import Claim, SharedRun
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config
@@ -108,29 +108,29 @@ def evaluate_checkpoint(
     event = published.find(global_step)  # a missing manifest or step is named before anything is recorded
     if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
         raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
-    record = RunRecord(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id)
-    ctx, claim = claim_checkpoint(cfg, record, global_step, reason, data_path, gpu_slot)
+    shared = SharedRun(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id)
+    ctx, claim = claim_checkpoint(cfg, shared, global_step, reason, data_path, gpu_slot)
     summary, failures = evaluate_claimed(ctx, claim)
     return report(ctx, claim, summary, failures)
 
 
 def claim_checkpoint(
     cfg: PipelineConfig,
-    record: RunRecord,
+    shared: SharedRun,
     global_step: int,
     reason: str | None,
     data_path: str | None,
     gpu_slot: str | None,
 ) -> tuple[Evaluating, Claim]:
-    """Decide what is undecided in the run's record and claim ``global_step`` for this flow run."""
-    for problem in Ledger(record.run.ledger).problems:  # torn by a crash: skipped here as on every path
+    """Decide what is undecided in the shared run and claim ``global_step`` for this flow run."""
+    for problem in Ledger(shared.run.ledger).problems:  # torn by a crash: skipped here as on every path
         get_run_logger().warning(problem)
-    claim, _ = record.claim(global_step, this_flow_run(), reason, flow_run_alive)
+    claim, _ = shared.claim(global_step, this_flow_run(), reason, flow_run_alive)
     tag_flow_run(f"run:{claim.event.run_id}", f"evaluator:{cfg.eval.evaluator}")
-    mlflow_run_id = start_tracking_run(cfg, claim.event.run_id, str(record.run.root))
+    mlflow_run_id = start_tracking_run(cfg, claim.event.run_id, str(shared.run.root))
     verdict = "evaluate" if claim.evaluate else "nothing to do"
     get_run_logger().info("step %d: %s (%s)", global_step, verdict, claim.reason)
-    return Evaluating(cfg, record, record.run, mlflow_run_id, data_path, gpu_slot), claim
+    return Evaluating(cfg, shared, shared.run, mlflow_run_id, data_path, gpu_slot), claim
 
 
 def this_flow_run() -> str:
@@ -140,7 +140,7 @@ def this_flow_run() -> str:
 def evaluate_claimed(ctx: Evaluating, claim: Claim) -> tuple[dict, list[Exception]]:
     """Evaluate (or probe) what was claimed, then the refinements around the best once the run's
     checkpoints are handled. Failures are recorded already; they are returned, to raise once the
-    run's record is up to date."""
+    run's ledger is up to date."""
     event = claim.event
     summary = {"global_step": event.global_step, "evaluated": claim.evaluate, "reason": claim.reason, "refined": []}
     failures: list[Exception] = []
@@ -152,7 +152,7 @@ def evaluate_claimed(ctx: Evaluating, claim: Claim) -> tuple[dict, list[Exceptio
     except Exception as exc:  # noqa: BLE001 - a failed checkpoint does not keep the run from ending
         failures.append(exc)
     deleted = tracker_for(ctx.cfg).deleted_steps(ctx.mlflow_run_id)
-    for refined in ctx.record.refinements(this_flow_run(), deleted):
+    for refined in ctx.shared.refinements(this_flow_run(), deleted):
         reason_now = Ledger(ctx.run.ledger).latest(refined.global_step).reason
         get_run_logger().info("step %d: %s", refined.global_step, reason_now)
         try:
@@ -166,15 +166,15 @@ def evaluate_claimed(ctx: Evaluating, claim: Claim) -> tuple[dict, list[Exceptio
 def report(ctx: Evaluating, claim: Claim, summary: dict, failures: list[Exception]) -> dict:
     """End the run in MLflow if this flow run found it over, log the decisions it made and the
     published training metrics, and say how it went in one line (raising the first failure)."""
-    cfg, record, run, mlflow_run_id, event = ctx.cfg, ctx.record, ctx.run, ctx.mlflow_run_id, claim.event
-    if (ledger := record.finish()) is not None:  # this flow run found the run over: end it
-        status, failure = end_status(ledger, record.manifest.events())
+    cfg, shared, run, mlflow_run_id, event = ctx.cfg, ctx.shared, ctx.run, ctx.mlflow_run_id, claim.event
+    if (ledger := shared.finish()) is not None:  # this flow run found the run over: end it
+        status, failure = end_status(ledger, shared.manifest.events())
         summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, ledger, status, failure)
         get_run_logger().info("run %s is over: MLflow run %s ended %s", event.run_id, mlflow_run_id, status)
-    elif claim.evaluate and record.ended():  # a late evaluation (manual, sweep): counts and curve stay true
+    elif claim.evaluate and shared.ended():  # a late evaluation (manual, sweep): counts and curve stay true
         summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, Ledger(run.ledger), None)
-    log_decisions(cfg, mlflow_run_id, record.take_decided(), record)
-    log_published_train_metrics(cfg, mlflow_run_id, record)
+    log_decisions(cfg, mlflow_run_id, shared.take_decided(), shared)
+    log_published_train_metrics(cfg, mlflow_run_id, shared)
     if failures:  # one line, before Prefect's traceback
         announce_outcome(event.run_id, f"{event.run_id}@{event.global_step} failed: {failures[0]}", failed=True)
         raise failures[0]
@@ -230,10 +230,10 @@ def validation_data(data_path: str | None, event: CheckpointEvent, run: RunDir) 
     )
 
 
-def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[CheckpointEvent], record: RunRecord) -> None:
+def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[CheckpointEvent], shared: SharedRun) -> None:
     """The decisions this flow run made, whichever of its calls made them, as ``decision.<step>`` tags."""
     if decided:
-        entries = Ledger(record.run.ledger)
+        entries = Ledger(shared.run.ledger)
         tracker_for(cfg).set_tags(
             mlflow_run_id, {f"decision.{e.global_step}": entries.latest(e.global_step).reason for e in decided}
         )
@@ -251,7 +251,7 @@ class Evaluating:
     """What every evaluation of one flow run shares."""
 
     cfg: PipelineConfig
-    record: RunRecord
+    shared: SharedRun
     run: RunDir
     mlflow_run_id: str
     data_path: str | None
@@ -283,7 +283,7 @@ def probe_and_record(ctx: Evaluating, event: CheckpointEvent) -> dict:
         full = evaluate_and_record(ctx, event, decision.reason)
         return {"evaluated": True, "reason": decision.reason, "probe_metrics": probe_metrics, "metrics": full.metrics}
     log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, decision.reason)
-    ctx.record.delivered(event.global_step)
+    ctx.shared.delivered(event.global_step)
     return {"evaluated": False, "reason": decision.reason, "probe_metrics": probe_metrics}
 
 
@@ -309,7 +309,7 @@ def finish_attempt(ctx: Evaluating, attempt: Attempt, logged: bool) -> Outcome:
     """The one outcome step of every path (:func:`areal_eval.lifecycle.outcome.record_outcome`),
     then what this path does with it: failed attempts in MLflow, the alerts sent."""
     step = attempt.event.global_step
-    outcome = ctx.record.record_outcome(attempt, ctx.cfg.eval.max_attempts, logged_by_evaluator=logged)
+    outcome = ctx.shared.record_outcome(attempt, ctx.cfg.eval.max_attempts, logged_by_evaluator=logged)
     if attempt.error is not None or attempt.result.retried:
         try:
             log_failed_attempt(ctx.cfg, ctx.mlflow_run_id, Ledger(ctx.run.ledger), step)

@@ -7,7 +7,7 @@ flow (Prefect, MLflow, torch) and a fresh torchrun job. This process pays them o
 subscribes to the server's ``areal.checkpoint.saved`` events from publishers and runs
 ``evaluate-checkpoint`` in-process for each one (a flow run per checkpoint, in the UI as any
 other), ``eval.slots`` at a time, on warm worker groups kept for its whole life. Decisions go
-through the run's shared record, so the deployment trigger, the sweep and manual runs agree with
+through the shared run (its ledger under one lock), so the deployment trigger, the sweep and manual runs agree with
 it. Use it instead of the ``evaluate-published-checkpoint`` automation (pause that one), or beside
 it: then each checkpoint is evaluated once, by whichever flow run claims it first.
 

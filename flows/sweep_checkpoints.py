@@ -1,7 +1,7 @@
 """``sweep-checkpoints``: pick up what the event path lost, without undoing its decisions.
 
 Meant for a cron schedule. It finds manifests under ``store`` (a run directory, or a directory
-of run directories, or an S3 prefix of them) and, through each run's shared record, evaluates
+of run directories, or an S3 prefix of them) and, through each shared run, evaluates
 (as ``evaluate-checkpoint`` subflows) the checkpoints whose events were lost or whose flow run
 died. Idempotent: a second sweep finds nothing to do.
 """
@@ -16,7 +16,7 @@ from prefect.runtime import flow_run
 
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.checkpoints.store import S3Config, S3Store, is_s3, localize_manifest
-from areal_eval.lifecycle.shared_run import RunRecord
+from areal_eval.lifecycle.shared_run import SharedRun
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config
@@ -70,8 +70,8 @@ def sweep_run(
         logger.info("run %s: its train-and-evaluate flow is live and evaluates it", events[0].run_id)
         return []
     judged = run_evaluation_config(run, set_fields(params))  # the run's scheduler and rules, as evaluate-checkpoint's
-    record = RunRecord(run, Manifest(local), judged.scheduler, judged.alerts, events[0].run_id)
-    steps = record.unhandled(flow_run_alive) + (record.skipped() if reevaluate_skipped else [])
+    shared = SharedRun(run, Manifest(local), judged.scheduler, judged.alerts, events[0].run_id)
+    steps = shared.unhandled(flow_run_alive) + (shared.skipped() if reevaluate_skipped else [])
     steps = sorted(set(steps) - (tracker.deleted_steps(mlflow_run) if mlflow_run else set()))
     work = [(step, "sweep") for step in steps]
     finals = [e.global_step for e in events if e.final]

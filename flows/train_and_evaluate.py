@@ -44,7 +44,7 @@ from areal_eval.train import training_finished
 from flows.console import stop_cause, stop_line, stop_on_sigterm, tracebacks_to
 from flows.local_server import own_prefect_server
 from tasks.alerts import webhook_url
-from tasks.checkpoints import share_run_record
+from tasks.checkpoints import share_run_files
 from tasks.evaluation import warm_workers
 from tasks.loop_io import PrefectLoopIO
 from tasks.mlflow_logging import finish_tracking, start_tracking
@@ -133,7 +133,7 @@ def train_and_evaluate(
             try:
                 finish_tracking(cfg, mlflow_run_id, ledger, plot, "FINISHED")
                 mark_over(run)
-                share_run_record(cfg, run)
+                share_run_files(cfg, run)
                 summary = summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
             except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the run ends failed, as below
                 failure = exc

@@ -10,7 +10,7 @@ from prefect.events import emit_event
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, checkpoint_resource, event_payload
-from areal_eval.checkpoints.store import RUN_RECORD_FILES, open_store
+from areal_eval.checkpoints.store import SHARED_RUN_FILES, open_store
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
@@ -45,10 +45,10 @@ def apply_retention(
     return [e.global_step for e in doomed]
 
 
-def share_run_record(cfg: PipelineConfig, run: RunDir) -> None:
+def share_run_files(cfg: PipelineConfig, run: RunDir) -> None:
     """Mirror the run's ledger and record state beside its manifest on S3 (nothing to do for a
     local store), so a sweep elsewhere keeps this flow's decisions."""
     store = open_store(cfg.storage.run_root(run.run_id), cfg.storage.s3)
-    for name in RUN_RECORD_FILES:
+    for name in SHARED_RUN_FILES:
         if (run.root / name).exists():
             store.mirror(run.root / name, name)

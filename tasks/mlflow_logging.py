@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from areal_eval.compare import versus_previous_best
 from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
-from areal_eval.lifecycle.shared_run import RunRecord
+from areal_eval.lifecycle.shared_run import SharedRun
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.redaction import recorded_config
 from areal_eval.runs.directory import RunDir, file_lock
@@ -58,16 +58,16 @@ def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
     return start_tracking_run(cfg, run.run_id, str(run.root), reopen=True)
 
 
-def log_published_train_metrics(cfg: PipelineConfig, mlflow_run_id: str, record: RunRecord) -> int:
+def log_published_train_metrics(cfg: PipelineConfig, mlflow_run_id: str, shared: SharedRun) -> int:
     """The ``train_metrics`` a publisher passed with the run's checkpoints, each once, in step
     order: every flow run of the run calls it, whichever decided those checkpoints, and the run's
     tracking lock with the watermark read fresh keeps two flow runs from logging a step twice.
     A step published below one already logged is dropped (publish in step order)."""
-    events = record.manifest.read(run_id=record.run_id).events
+    events = shared.manifest.read(run_id=shared.run_id).events
     rows = [{"step": e.global_step, **e.train_metrics} for e in events if e.train_metrics]
     if not rows:
         return 0
-    with file_lock(record.run.tracking_lock):
+    with file_lock(shared.run.tracking_lock):
         return tracker_for(cfg).log_train_metrics(mlflow_run_id, rows, reread_watermark=True)
 
 

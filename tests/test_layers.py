@@ -128,7 +128,10 @@ def test_no_imports_go_round_in_a_cycle():
 @pytest.mark.parametrize(
     "graph, problem",
     [
-        ({"areal_eval.runs.ledger": {"areal_eval.lifecycle.shared_run"}, "areal_eval.lifecycle.shared_run": set()}, "upward"),
+        (
+            {"areal_eval.runs.ledger": {"areal_eval.lifecycle.shared_run"}, "areal_eval.lifecycle.shared_run": set()},
+            "upward",
+        ),
         (
             {
                 "areal_eval.scheduling.a": {"areal_eval.scheduling.b"},

@@ -286,14 +286,14 @@ def localize_manifest(manifest: str, s3: S3Config, work_dir: str | Path) -> Path
             store.download_file(relative, local / relative)
         except Exception as exc:
             raise CheckpointError(f"{root}/{relative}: cannot read the run's mirrored file: {exc}") from exc
-    for relative in RUN_RECORD_FILES:  # the record of the flow that owned the run, if it mirrored one
+    for relative in SHARED_RUN_FILES:  # the record of the flow that owned the run, if it mirrored one
         if not (local / relative).exists():
             with contextlib.suppress(Exception):
                 store.download_file(relative, local / relative)
     return local / "manifest.jsonl"
 
 
-RUN_RECORD_FILES = ("ledger.jsonl", "evaluation_state.json", "pipeline_config.json")
+SHARED_RUN_FILES = ("ledger.jsonl", "evaluation_state.json", "pipeline_config.json")
 """What a flow that owned an S3 run mirrors beside its manifest when it ends, so a sweep on
 another machine knows its decisions and judges the run by its settings (training mirrors the
 config at its start too). A local record, once there, is the one that counts."""

@@ -108,7 +108,7 @@ class LoopConfig:
     """Evaluation attempts of one checkpoint before a transient failure is recorded ``failed``
     (``eval.max_attempts``); a permanent failure is failed at once (``areal_eval.failures``)."""
     refined: bool = False
-    """The run was refined and ended before (its record says so) and no training can add to it:
+    """The run was refined and ended before (its evaluation state says so) and no training can add to it:
     a re-run only reports. Refining again could evaluate more, since a refined neighbour that ties
     the best becomes the best, with neighbours of its own; every other path refines once too."""
 

@@ -177,7 +177,7 @@ class EvaluationPlanner:
         (``scheduler.refine``), pinned so none is coalesced away. Returns them.
 
         ``deleted``: steps retention removed; they stay recorded as skipped. ``owner``: who
-        evaluates them (see :class:`~areal_eval.lifecycle.shared_run.RunRecord`).
+        evaluates them (see :class:`~areal_eval.lifecycle.shared_run.SharedRun`).
         """
         skipped = [e.step for e in self.ledger.entries() if e.status in ("skipped", "superseded")]
         queued = []

@@ -1,4 +1,4 @@
-"""One training run's evaluation record, shared by the flow runs that evaluate it from outside.
+"""One training run, shared by the flow runs that evaluate it from outside.
 
 ``train-and-evaluate`` owns its run for the whole run (:class:`~areal_eval.runs.directory.RunLock`) and
 decides in one process. A trainer that publishes on its own is evaluated by many short flow runs
@@ -11,7 +11,7 @@ lock (``decisions.lock``) with the same planner the in-flow loop uses. So:
 - a checkpoint scheduled for evaluation is claimed by one flow run (its ledger entry names it);
   the claim of a flow run that is no longer alive is taken over;
 - a result is judged by the alert rules against earlier steps only, and throttling lives in the
-  run's record, not in a process;
+  run directory (``evaluation_state.json``), not in a process;
 - after the final checkpoint and the refinement around the best, the run is ended once.
 """
 
@@ -46,7 +46,10 @@ class Claim:
     """Evaluate the probe subset only (a probe the scheduler chose; a forced evaluation is full)."""
 
 
-class RunRecord:
+class SharedRun:
+    """A run's ledger, alert state and decisions as a flow run from outside sees them: each call
+    reads them from the run directory and writes them back under the run's decisions lock."""
+
     def __init__(
         self,
         run: RunDir,
@@ -83,7 +86,7 @@ class RunRecord:
         return new
 
     def take_decided(self) -> list[CheckpointEvent]:
-        """The checkpoints this record decided since the last call, in the order decided."""
+        """The checkpoints this object decided since the last call, in the order decided."""
         decided, self._decided = self._decided, []
         return decided
 
@@ -135,7 +138,7 @@ class RunRecord:
     def record_outcome(self, attempt: Attempt, max_attempts: int = 1, logged_by_evaluator: bool = True) -> Outcome:
         """:func:`~areal_eval.lifecycle.outcome.record_outcome` under the run's lock, as the
         in-flow loop records its attempts: the alert rules judge a result against the earlier
-        steps of the ledger, and throttle across flow runs (the state is the run's record's)."""
+        steps of the ledger, and throttle across flow runs (the state is in the run directory)."""
         with self._locked() as planner:
             state = self._state()
             engine = AlertEngine(self.alerts, time.time, state.get("notified"), run_item_scores(self.run.evals))
@@ -193,9 +196,9 @@ def mark_over(run: RunDir) -> None:
 
 
 def read_state(run: RunDir) -> dict:
-    """The run's record state (alert throttling, refined, finished); empty before any."""
-    return jsonl.read_json(run.record_state, {})
+    """The run's evaluation state (alert throttling, refined, finished); empty before any."""
+    return jsonl.read_json(run.evaluation_state, {})
 
 
 def write_state(run: RunDir, state: dict) -> None:
-    jsonl.write_json(run.record_state, state)
+    jsonl.write_json(run.evaluation_state, state)

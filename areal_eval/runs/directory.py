@@ -44,7 +44,7 @@ class RunDir:
     """Held while a flow run compares its result with the registered best and moves the alias."""
     tracking_lock = property(lambda self: self.root / "tracking.lock")
     """Held while a flow run finds or creates the run's MLflow run: one MLflow run per run."""
-    record_state = property(lambda self: self.root / "evaluation_state.json")
+    evaluation_state = property(lambda self: self.root / "evaluation_state.json")
     """What those flow runs share beyond the ledger: alert throttling, refinement and the end."""
 
     @property

@@ -8,7 +8,7 @@ from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.evaluation.jobs import CorruptCheckpoint, EvalResult, EvaluationDataError
 from areal_eval.lifecycle.outcome import Attempt, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
-from areal_eval.lifecycle.shared_run import RunRecord
+from areal_eval.lifecycle.shared_run import SharedRun
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import SchedulerConfig
@@ -92,7 +92,7 @@ def test_an_attempt_has_a_result_or_an_error():
 
 def test_the_in_flow_loop_and_the_shared_record_come_to_the_same_outcomes(tmp_path):
     """The same attempts, recorded as the in-flow loop records them (one planner and alert engine
-    in memory) and as flow runs do (RunRecord, from the ledger on disk, one call each)."""
+    in memory) and as flow runs do (SharedRun, from the ledger on disk, one call each)."""
     attempts = [
         Attempt(ev(0), result=result(0, 0.8)),
         Attempt(ev(10), error=RuntimeError("rank 1 died")),
@@ -110,13 +110,13 @@ def test_the_in_flow_loop_and_the_shared_record_come_to_the_same_outcomes(tmp_pa
 
     shared = RunDir(tmp_path / "shared")
     manifest = Manifest(shared.root / "manifest.jsonl")
-    record, fired_shared = RunRecord(shared, manifest, EVERY, RULES, "r"), []
+    shared_run, fired_shared = SharedRun(shared, manifest, EVERY, RULES, "r"), []
     for attempt in attempts:  # each checkpoint published when the in-flow loop saw it
         if attempt.event not in manifest.events():
             manifest.append(attempt.event)
-        claim, _ = record.claim(attempt.event.global_step, "a")
+        claim, _ = shared_run.claim(attempt.event.global_step, "a")
         assert claim.evaluate
-        outcome = record.record_outcome(attempt, max_attempts=3, logged_by_evaluator=False)
+        outcome = shared_run.record_outcome(attempt, max_attempts=3, logged_by_evaluator=False)
         fired_shared += [(a.step, a.rule) for a in outcome.alerts]
 
     def ledger_of(path):

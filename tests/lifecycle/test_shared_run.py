@@ -10,7 +10,7 @@ from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Ma
 from areal_eval.evaluation.jobs import EvalResult, EvaluationDataError
 from areal_eval.lifecycle.outcome import Attempt
 from areal_eval.lifecycle.planner import EvaluationPlanner
-from areal_eval.lifecycle.shared_run import RunRecord
+from areal_eval.lifecycle.shared_run import SharedRun
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import SchedulerConfig
@@ -34,7 +34,7 @@ def result(event, metrics):
 
 
 def record(tmp_path, alerts=None, sched=SCHED):
-    return RunRecord(RunDir(tmp_path), Manifest(tmp_path / "manifest.jsonl"), sched, alerts or AlertsConfig(), "r")
+    return SharedRun(RunDir(tmp_path), Manifest(tmp_path / "manifest.jsonl"), sched, alerts or AlertsConfig(), "r")
 
 
 def test_a_burst_of_events_decides_as_the_in_flow_planner_does(tmp_path):
@@ -105,7 +105,7 @@ def test_alerts_judge_by_step_and_throttle_across_flow_runs(tmp_path):
     assert rec.record_outcome(result(events[10], {"accuracy": 0.7})).alerts == []
     fired = record(tmp_path, REGRESSION).record_outcome(result(events[20], {"accuracy": 0.6})).alerts
     assert [(a.step, a.throttled) for a in fired] == [(20, False)] and "best 0.7 before it" in fired[0].message
-    # Another flow run (a new RunRecord) sees the rule notified an hour's throttle ago.
+    # Another flow run (a new SharedRun) sees the rule notified an hour's throttle ago.
     fired = record(tmp_path, REGRESSION).record_outcome(result(events[30], {"accuracy": 0.5})).alerts
     assert [(a.step, a.throttled) for a in fired] == [(30, True)]
 
