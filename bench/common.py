@@ -14,14 +14,15 @@ from areal_eval.launcher import stay_offline  # noqa: E402 (after the path is se
 stay_offline()
 
 
-def prepared_run(name: str, work_dir: Path, **sections):
-    """A run directory (data, tokenizer, train spec) with the demo's model size."""
+def prepared_run(name: str, work_dir: Path, config: Path | None = None, **sections):
+    """A run directory (data, tokenizer, train spec) with the demo's model size, or the
+    ``config`` file's (a preset), with ``sections`` over it."""
     from areal_eval.config.parsing import merge
     from areal_eval.pipeline.config import load_pipeline_config
     from areal_eval.pipeline.setup import prepare_run
 
     params = merge({"run_name": name, "work_dir": str(work_dir)}, sections)
-    cfg = load_pipeline_config(params=params)
+    cfg = load_pipeline_config(config, params=params)
     return cfg, prepare_run(cfg)
 
 
@@ -79,16 +80,12 @@ def emit(result: dict) -> None:
 median = statistics.median
 
 
-def item_curves_from_args(description: str) -> tuple[list, list]:
-    """The item-level curves named on the command line, and the same curves with their items
-    stripped (what a rule or a probe sees of a run that keeps no items)."""
+def item_curves_from_args(description: str) -> list:
+    """The item-level curves named on the command line."""
     import argparse
-    import dataclasses
 
     from areal_eval.scheduling.curves import read_curves
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("curves", nargs="+", help="item-level curves JSONL")
-    curves = [c for path in parser.parse_args().curves for c in read_curves(path)]
-    bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
-    return curves, bare
+    return [c for path in parser.parse_args().curves for c in read_curves(path)]
