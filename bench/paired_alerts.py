@@ -4,7 +4,8 @@
 
 On item-level curves (every point keeps each item's score), each regression rule judges every
 checkpoint (``fixed:1``) twice: with the items (paired) and with them stripped (the two
-results' own errors combined). Reports, per rule, the clean curves it fires on, and over
+results' own errors combined); an injected drop lowers the items, so both judge the same drop.
+Reports, per rule, the clean curves it fires on, and over
 injected 5-stderr drops (seeds 0-9) the share detected within 2 checkpoints and the share with
 an alert before the drop. Prints one JSON line.
 """
@@ -20,17 +21,21 @@ RULES = [(3.0, None, None), (3.0, 3, None), (5.0, 3, None), (1.5, 3, 2), (2.0, 3
 result breaches too."""
 
 
-def judge(curves, stderrs: float, baseline: int | None, confirm: int | None = None) -> dict:
+def judge(curves, stderrs: float, baseline: int | None, confirm: int | None, paired: bool) -> dict:
+    """The rule over the item curves (``paired``) or over the same curves, each drop injected
+    into the items first, with the items stripped (so both judge the same drops)."""
     from areal_eval.alerts import AlertRule
     from areal_eval.scheduling import replay
 
+    seen = (lambda c: c) if paired else replay.without_items
     rule = AlertRule("rule", "regression", stderrs=stderrs, baseline_results=baseline, confirm=confirm)
     every = [[(i, i) for i in range(len(c.points))] for c in curves]
-    clean = sum(bool(replay.alerts_fired(c, e, rule)) for c, e in zip(curves, every, strict=True))
+    clean = sum(bool(replay.alerts_fired(seen(c), e, rule)) for c, e in zip(curves, every, strict=True))
     detected = early = total = 0
     for seed in range(10):
         for curve, evaluations in zip(curves, every, strict=True):
             hit, start = replay.inject_regression(curve, random.Random(f"{seed}:{curve.name}"))
+            hit = seen(hit)
             fired = replay.alerts_fired(hit, evaluations, rule)
             detected += any(i >= start and when <= start + 2 for i, when in fired)
             early += any(when < start for _, when in fired)
@@ -43,14 +48,14 @@ def judge(curves, stderrs: float, baseline: int | None, confirm: int | None = No
 
 
 def main() -> None:
-    curves, bare = item_curves_from_args(__doc__.splitlines()[0])
+    curves = item_curves_from_args(__doc__.splitlines()[0])
     out = {"benchmark": "paired_alerts", "curves": len(curves)}
     for stderrs, baseline, confirm in RULES:
         name = f"stderrs {stderrs:g}" + (f", baseline_results {baseline}" if baseline else "")
         name += f", confirm {confirm}" if confirm else ""
         out[name] = {
-            "paired": judge(curves, stderrs, baseline, confirm),
-            "unpaired": judge(bare, stderrs, baseline, confirm),
+            "paired": judge(curves, stderrs, baseline, confirm, paired=True),
+            "unpaired": judge(curves, stderrs, baseline, confirm, paired=False),
         }
     emit(out)
 

@@ -20,23 +20,22 @@ PROBES = "adaptive:probe_fraction=0.2,probe_escalate_stderrs=2"
 KEEP = ("evaluations", "probes", "compute", "mean_tracking_error", "detection_delay", "frontier_ratio")
 
 
-def mean_scores(curves, spec: str) -> dict:
+def mean_scores(curves, spec: str, use_items: bool = True) -> dict:
     from areal_eval.scheduling import replay
 
-    runs = [
-        replay.replay(curves, [replay.parse_policy(spec)], regression=True, seed=s)["policies"][spec] for s in range(10)
-    ]
+    policy = replay.parse_policy(spec)
+    runs = [replay.replay(curves, [policy], True, s, use_items=use_items)["policies"][spec] for s in range(10)]
     return {k: round(statistics.fmean(r[k] for r in runs), 3) for k in KEEP if k in runs[0]}
 
 
 def main() -> None:
-    curves, bare = item_curves_from_args(__doc__.splitlines()[0])
+    curves = item_curves_from_args(__doc__.splitlines()[0])
     emit(
         {
             "benchmark": "paired_probes",
             "curves": len(curves),
             "adaptive, no probes": mean_scores(curves, "adaptive"),
-            "probes judged on subset means": mean_scores(bare, PROBES),
+            "probes judged on subset means": mean_scores(curves, PROBES, use_items=False),
             "probes judged paired on items": mean_scores(curves, PROBES),
         }
     )

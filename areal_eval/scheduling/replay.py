@@ -108,7 +108,7 @@ def inject_regression(curve: Curve, rng: random.Random) -> tuple[Curve, int]:
     if curve.points[0].items is not None:  # which items regress first: the same at every point
         order = rng.sample(range(len(curve.points[0].items)), len(curve.points[0].items))
     points = tuple(
-        (lower_items(p, order, sign) if order is not None else dataclasses.replace(
+        _with_subset_moved(p, lower_items(p, order, sign) if order is not None else dataclasses.replace(
             p, value=p.value + sign * REGRESSION_STDERRS * p.stderr
         )) if i >= start else p
         for i, p in enumerate(curve.points)
@@ -116,25 +116,40 @@ def inject_regression(curve: Curve, rng: random.Random) -> tuple[Curve, int]:
     return dataclasses.replace(curve, points=points), start
 
 
+def _with_subset_moved(clean: Point, regressed: Point) -> Point:
+    """A recorded probe-subset value drops with the value: a probe sees the regression too."""
+    if clean.subset is None:
+        return regressed
+    value, stderr = clean.subset
+    return dataclasses.replace(regressed, subset=(value + regressed.value - clean.value, stderr))
+
+
 def lower_items(point: Point, order: list[int], sign: float) -> Point:
     """``point`` with its items made worse until their mean has moved ``REGRESSION_STDERRS``
     standard errors in the bad direction (``sign``): scores on a 0-1 scale (accuracy, ties ½)
-    flip to the worst score one item at a time in ``order``; other scores (a loss, a margin)
-    move by one amount on the first half of ``order``. The value moves with them."""
+    flip to the worst score one item at a time in ``order`` until the move is that many of the
+    clean result's stderrs and of the regressed one's (a result at its bound, 100% accuracy,
+    has a stderr of 0: its drop is sized by the error the regressed result has); other scores
+    (a loss, a margin) move by one amount on the first half of ``order``. The value moves with
+    them."""
     items, n = list(point.items), len(point.items)
-    target = REGRESSION_STDERRS * point.stderr * n  # the sum the items must move
     if set(items) <= {0.0, 0.5, 1.0}:
         worst, moved = (0.0 if sign < 0 else 1.0), 0.0
+        total, squares = sum(items), sum(x * x for x in items)
         for j in order:
-            if moved >= target:
+            variance = max(0.0, squares - total * total / n) / max(1, n - 1)
+            noise = max(point.stderr, (variance / n) ** 0.5)
+            if moved >= REGRESSION_STDERRS * noise * n:
                 break
             moved += abs(items[j] - worst)
+            total += worst - items[j]
+            squares += worst * worst - items[j] * items[j]
             items[j] = worst
     else:
         share = order[: max(1, n // 2)]
+        moved = REGRESSION_STDERRS * point.stderr * n  # the sum the items must move
         for j in share:
-            items[j] += sign * target / len(share)
-        moved = target
+            items[j] += sign * moved / len(share)
     return dataclasses.replace(point, value=point.value + sign * moved / n, items=tuple(items))
 
 
@@ -162,20 +177,25 @@ def replay(
     regression: bool = False,
     seed: int = 0,
     alert_rules: list[AlertRule] | None = None,
+    use_items: bool = True,
 ) -> dict:
     """Each policy's evaluations, ``compute`` (a full evaluation counts 1), tracking error, regret
     and, with ``regression``, detection delay; for every policy that is not ``fixed:K``, the
     compute the fixed-interval frontier needs for the same tracking error, and the ratio, and the
     least compute any policy could spend there (``oracle_compute``, see :mod:`.oracle`; left out
     for curves over ``MAX_CHECKPOINTS`` long) with its ratio to the frontier; and how each of
-    ``alert_rules`` (on the curve's metric) fired."""
-    results = {policy.name: _replay_one(curves, policy, regression, seed, alert_rules) for policy in policies}
+    ``alert_rules`` (on the curve's metric) fired. Without ``use_items`` the curves' items are
+    dropped after the regression is injected into them: the same curves as a run that keeps no
+    items would see them, so probes and alerts are judged unpaired on the same drops."""
+    results = {
+        policy.name: _replay_one(curves, policy, regression, seed, alert_rules, use_items) for policy in policies
+    }
     fixed: dict[int, dict] = {}
-    replayed = [curve for curve, _ in _as_replayed(curves, regression, seed)]
+    replayed = [curve for curve, _ in _as_replayed(curves, regression, seed, use_items)]
     for policy in policies:
         if not isinstance(policy, FixedEvery):
             row = results[policy.name]
-            frontier = fixed_frontier_compute(curves, row["mean_tracking_error"], regression, seed, fixed)
+            frontier = fixed_frontier_compute(curves, row["mean_tracking_error"], regression, seed, fixed, use_items)
             row["frontier_compute"] = round(frontier, 2)
             row["frontier_ratio"] = round(row["compute"] / frontier, 4)
             if max(len(c.points) for c in curves) <= MAX_CHECKPOINTS:  # else left out: too slow
@@ -186,7 +206,12 @@ def replay(
 
 
 def fixed_frontier_compute(
-    curves: list[Curve], tracking_error: float, regression: bool, seed: int, fixed: dict[int, dict]
+    curves: list[Curve],
+    tracking_error: float,
+    regression: bool,
+    seed: int,
+    fixed: dict[int, dict],
+    use_items: bool = True,
 ) -> float:
     """The compute of ``fixed:K`` at ``tracking_error``, interpolated linearly between the
     neighbouring K (``fixed`` caches their replays). Beyond the sparsest ``fixed:K`` (every curve
@@ -195,7 +220,7 @@ def fixed_frontier_compute(
     k = 1
     while True:
         if k not in fixed:
-            fixed[k] = _replay_one(curves, FixedEvery(k), regression, seed)  # no alert rules: compute only
+            fixed[k] = _replay_one(curves, FixedEvery(k), regression, seed, None, use_items)  # compute only
         if fixed[k]["mean_tracking_error"] >= tracking_error or k >= longest:
             break
         k += 1
@@ -229,22 +254,36 @@ def alerts_fired(curve: Curve, evaluations: list[tuple[int, int]], rule: AlertRu
     return fired
 
 
-def _as_replayed(curves: list[Curve], regression: bool, seed: int) -> list[tuple[Curve, int | None]]:
+def _as_replayed(
+    curves: list[Curve], regression: bool, seed: int, use_items: bool = True
+) -> list[tuple[Curve, int | None]]:
     """The curves as every policy sees them: with ``regression``, each with its injected drop
-    and where it starts (the same for every policy)."""
-    if not regression:
-        return [(curve, None) for curve in curves]
-    return [inject_regression(curve, random.Random(f"{seed}:{curve.name}")) for curve in curves]
+    and where it starts (the same for every policy); without ``use_items``, without items."""
+    if regression:
+        replayed = [inject_regression(curve, random.Random(f"{seed}:{curve.name}")) for curve in curves]
+    else:
+        replayed = [(curve, None) for curve in curves]
+    return replayed if use_items else [(without_items(curve), start) for curve, start in replayed]
+
+
+def without_items(curve: Curve) -> Curve:
+    """``curve`` as a run that keeps no items would have recorded it."""
+    return dataclasses.replace(curve, points=tuple(dataclasses.replace(p, items=None) for p in curve.points))
 
 
 def _replay_one(
-    curves: list[Curve], policy: Policy, regression: bool, seed: int, alert_rules: list[AlertRule] | None = None
+    curves: list[Curve],
+    policy: Policy,
+    regression: bool,
+    seed: int,
+    alert_rules: list[AlertRule] | None = None,
+    use_items: bool = True,
 ) -> dict:
     """One policy over every curve (with the same injected regressions for every policy)."""
     per_curve, delays, probes_run = [], [], 0
     false_alerts = {rule.name: 0 for rule in alert_rules or ()}
     detected = {rule.name: 0 for rule in alert_rules or ()}
-    for curve, start in _as_replayed(curves, regression, seed):
+    for curve, start in _as_replayed(curves, regression, seed, use_items):
         evaluations, probes = policy.select_and_probe(curve, str(seed))
         if 0 not in (i for i, _ in evaluations):
             evaluations.insert(0, (0, 0))  # every policy evaluates the first checkpoint

@@ -13,6 +13,8 @@ SHIPPED_CURVES = Path(__file__).resolve().parents[1] / "data" / "curves" / "pyth
 """Real Pythia learning curves, shipped with the tests (see tests/data/curves/README.md)."""
 DEMO_CURVES = Path(__file__).resolve().parents[2] / "bench" / "curves" / "areal-demo.jsonl"
 GEOMETRIC_CURVES = DEMO_CURVES.with_name("areal-demo-geometric.jsonl")
+GENERATION_CURVES = [DEMO_CURVES.with_name(f"sft-math{s}.jsonl") for s in ("", "-geometric")]
+"""Greedy math-verify accuracy of the sft-math preset's causal LM, kept out of all tuning."""
 
 
 def curve(values, steps=None, se=0.01, higher=True):
@@ -152,6 +154,18 @@ def test_compute_and_tracking_targets_on_our_own_curves(capsys, curves, frontier
     assert adaptive["mean_regret"] <= 0.005 and adaptive["detection_delay"] <= 1.0
 
 
+@pytest.mark.parametrize("curves", GENERATION_CURVES, ids=["even", "geometric"])
+def test_on_generation_curves_adaptive_tracks_closer_than_fixed_2_within_the_regret_target(capsys, curves):
+    """Held out: curves of another model and metric (0 to 99% accuracy, items of 401 problems).
+    What does not hold there is stated in docs/scheduling.md: the frontier ratio (0.75 even,
+    1.01 geometric) and the detection delay (1.5 checkpoints even)."""
+    assert all(p.items is not None and len(p.items) == 401 for c in read_curves(curves) for p in c.points)
+    policies = replay_against_fixed(curves, capsys)
+    adaptive = policies["adaptive"]
+    assert adaptive["mean_tracking_error"] < policies["fixed:2"]["mean_tracking_error"]
+    assert adaptive["mean_regret"] <= 0.005
+
+
 class EveryOther(replay.Policy):
     """Checkpoints 0, 2, 4, ... and the last: fixed:2 by another name, so it gets a frontier."""
 
@@ -246,10 +260,16 @@ def test_an_injected_regression_lowers_items_by_the_stated_stderrs_and_probes_sc
     hit, start = replay.inject_regression(curve, random.Random(0))
     for before, after in zip(curve.points[start:], hit.points[start:], strict=True):
         drop = before.value - after.value
-        assert replay.REGRESSION_STDERRS * before.stderr <= drop < replay.REGRESSION_STDERRS * before.stderr + 1 / 200
+        noise = max(before.stderr, statistics.stdev(after.items) / 200**0.5)  # of the clean and the regressed
+        assert replay.REGRESSION_STDERRS * noise <= drop < replay.REGRESSION_STDERRS * noise + 1 / 200
         assert after.value == pytest.approx(statistics.fmean(after.items))
         assert all(a <= b for a, b in zip(after.items, before.items, strict=True))  # items only got worse
     assert hit.points[:start] == curve.points[:start]
+    # A result at its bound (every answer right, stderr 0) still drops by 5 of the regressed stderrs.
+    perfect = Point(0, 1.0, 0.0, items=(1.0,) * 200)
+    lowered = replay.lower_items(perfect, list(range(200)), -1.0)
+    regressed_stderr = statistics.stdev(lowered.items) / 200**0.5
+    assert replay.REGRESSION_STDERRS * regressed_stderr <= 1.0 - lowered.value < 0.2
     value, _ = subset_result(curve, 2, 0.2, "0")
     assert value == statistics.fmean(binary[2][j] for j in probe_items(200, 0.2))
 
@@ -258,20 +278,33 @@ def test_paired_alerts_on_our_item_curves_see_injected_drops_the_unpaired_rule_m
     """The recorded curves keep every item's score: a regression rule judged by the paired error
     of the differences detects injected 5-stderr drops that the same rule judged by the two
     results' own errors misses, and fires on no more clean curves."""
-    import dataclasses
 
     from areal_eval.alerts import AlertRule
 
     curves = read_curves(DEMO_CURVES)
     assert all(p.items is not None for c in curves for p in c.points)
-    bare = [dataclasses.replace(c, points=tuple(dataclasses.replace(p, items=None) for p in c.points)) for c in curves]
     rule = AlertRule("noise_aware", "regression", stderrs=5.0, baseline_results=3)
     policies = [replay.parse_policy("fixed:1")]
     scores = {}
-    for name, cs in (("paired", curves), ("unpaired", bare)):
-        injected = [replay.replay(cs, policies, True, seed, [rule])["policies"]["fixed:1"] for seed in range(10)]
-        clean = replay.replay(cs, policies, False, 0, [rule])["policies"]["fixed:1"]
+    for name, use_items in (("paired", True), ("unpaired", False)):  # the same drops, with items and without
+        injected = [
+            replay.replay(curves, policies, True, seed, [rule], use_items)["policies"]["fixed:1"] for seed in range(10)
+        ]
+        clean = replay.replay(curves, policies, False, 0, [rule], use_items)["policies"]["fixed:1"]
         detected = statistics.fmean(r["alerts"]["noise_aware"]["detected_within_2"] for r in injected)
         scores[name] = detected, clean["alerts"]["noise_aware"]["false_alerts_per_100_curves"]
-    assert scores["paired"][0] >= 0.95 and scores["unpaired"][0] <= 0.1
+    # Measured: 1.0 of the drops paired, 0.36 unpaired (the same drops, injected into the items).
+    assert scores["paired"][0] >= 0.95 and scores["unpaired"][0] < 0.5
     assert scores["paired"][1] <= scores["unpaired"][1]
+
+
+def test_an_injected_drop_moves_a_recorded_probe_subset_with_the_value_with_items_or_without():
+    import random
+
+    points = tuple(Point(s, 0.8, 0.02, subset=(0.75, 0.04), items=(1.0,) * 80 + (0.0,) * 20) for s in range(6))
+    curve = Curve("c", True, points, subset_fraction=0.2)
+    for hit, start in (replay.inject_regression(curve, random.Random(0)), replay.inject_regression(
+        replay.without_items(curve), random.Random(0)
+    )):  # fmt: skip
+        after = hit.points[start]
+        assert after.value < 0.8 and after.subset == pytest.approx((0.75 - (0.8 - after.value), 0.04))
