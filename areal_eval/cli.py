@@ -1,6 +1,7 @@
 """``areal-eval``: command-line tools that need no orchestrator.
 
-areal-eval replay CURVES.jsonl [--policy adaptive] [--policy fixed:K ...] [--inject-regression] [--json]
+areal-eval replay CURVES.jsonl [--policy adaptive] [--policy fixed:K ...] [--inject-regression] [--without-items]
+    [--json]
 areal-eval follow-node [--cache-dir DIR] [--once]
 areal-eval compare RUN_DIR STEP_A STEP_B [--json]
 """
@@ -32,7 +33,9 @@ def _replay(args) -> int:
             baseline_results=args.alert_baseline_results,
         ),
     ]
-    result = replay_mod.replay(curves, policies, regression=args.inject_regression, seed=args.seed, alert_rules=rules)
+    result = replay_mod.replay(
+        curves, policies, args.inject_regression, args.seed, rules, use_items=not args.without_items
+    )
     if not args.json or sys.stdout.isatty():
         cols = ["evaluations", "mean_tracking_error", "mean_regret", "max_regret"] + (
             ["detection_delay"] if args.inject_regression else []
@@ -95,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         "--inject-regression", action="store_true", help="drop 5 stderr from a seeded checkpoint in the second half"
     )
     rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument(
+        "--without-items",
+        action="store_true",
+        help="judge probes and alerts unpaired: drop the curves' items once the regression is injected",
+    )
     rp.add_argument(
         "--alert-stderrs", type=float, default=3.0, help="the noise-aware regression rule's stderrs (AlertRule.stderrs)"
     )
