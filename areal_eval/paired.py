@@ -121,3 +121,24 @@ def mcnemar_exact(a: list[float], b: list[float]) -> float:
     top = max(logs)
     tail = math.exp(top + math.log(math.fsum(math.exp(v - top) for v in logs)) - n * math.log(2))
     return min(1.0, 2 * tail)
+
+
+def paired_stderrs(items: ItemScores, metric: str) -> Callable[[int, int], float | None]:
+    """(step_a, step_b) -> the paired standard error of ``metric``'s difference between two
+    evaluated steps, on the items both kept (None where either kept none, or none in common):
+    the scheduler's ``paired``. A pair once computed is kept (a step's items do not change)."""
+    known: dict[tuple[int, int], float] = {}
+
+    def paired(a: int, b: int) -> float | None:
+        if (a, b) in known:
+            return known[a, b]
+        first, second = items(a, metric), items(b, metric)
+        if not first or not second:
+            return None
+        try:
+            known[a, b] = paired_difference(first[0], second[0], clusters=first[1]).stderr
+        except NoCommonItems:
+            return None
+        return known[a, b]
+
+    return paired

@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.lifecycle.followers import ManifestFollower
-from areal_eval.paired import ItemScores
+from areal_eval.paired import ItemScores, paired_stderrs
 from areal_eval.runs.ledger import FINAL_STATES, RETRIED, Ledger, LedgerEntry
 from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
 from areal_eval.scheduling.probes import ProbeJudge, ProbeSettings
@@ -87,7 +87,8 @@ class EvaluationPlanner:
     checkpoints while the flow's loop takes work and records results."""
 
     def __init__(self, cfg: SchedulerConfig, ledger: Ledger, items: ItemScores | None = None):
-        """``items``: the run's per-item scores, so that probes are judged paired on them."""
+        """``items``: the run's per-item scores, so that probes, movement and regressions are
+        judged paired on them."""
         self._lock = threading.RLock()
         self.cfg = cfg
         self.ledger = ledger
@@ -97,6 +98,7 @@ class EvaluationPlanner:
         self._decisions = DecisionHistory(cfg.higher_is_better)
         probes = ProbeSettings.of(cfg)
         self.probes = ProbeJudge(probes, cfg.metric, cfg.stderr_name, cfg.default_stderr, items) if probes else None
+        self._paired = paired_stderrs(items, cfg.metric) if items is not None else None
         for entry in ledger.entries():
             self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_name))
             if self.probes:
@@ -123,7 +125,8 @@ class EvaluationPlanner:
             probe = self.ledger.latest(event.global_step).probe == "pending"
             return Decision(True, "resumed: scheduled before restart", pinned=True, probe=probe)
         step = event.global_step
-        decision = decide(event, self._decisions.view(), self.cfg, self._decisions.offered_before(step))
+        offered = self._decisions.offered_before(step)
+        decision = decide(event, self._decisions.view(), self.cfg, offered, self._paired)
         if not decision.evaluate and self.probes:  # compared when it is done, with the full result before it
             decision = Decision(True, f"probe: {decision.reason}", probe=True)
         status = "scheduled" if decision.evaluate else "skipped"

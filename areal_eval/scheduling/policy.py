@@ -8,7 +8,8 @@ The adaptive policy spends evaluations where they change what the dashboard show
 regression would hide, and where the best checkpoint may be:
 
 * movement: from the last two finished evaluations it estimates how fast the metric moves,
-  after subtracting their noise, and evaluates once the drift predicted since the last
+  after subtracting the noise of their difference (paired on their items, where both kept
+  them: see ``paired``), and evaluates once the drift predicted since the last
   evaluation reaches ``drift_tolerance`` standard errors, so it is dense while the metric
   moves, sparse on a plateau, and dense again after a regression;
 * growth: early in a run, where learning curves move per doubling of steps, it evaluates once
@@ -30,7 +31,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import ClassVar, Literal, Protocol
 
 from areal_eval.config.parsing import (
@@ -152,11 +153,22 @@ class SchedulerConfig:
             raise FieldError("max_interval_steps", f"must be >= min_interval_steps ({self.min_interval_steps})")
 
 
+PairedStderr = Callable[[int, int], "float | None"]
+"""(step_a, step_b) -> the paired standard error of the difference of the metric between two
+evaluated steps, on the items both scored (None: either kept none)."""
+
+
 def decide(
-    event: StepEvent, history: Sequence[HistoryEntry], cfg: SchedulerConfig, offered_steps: Sequence[int] = ()
+    event: StepEvent,
+    history: Sequence[HistoryEntry],
+    cfg: SchedulerConfig,
+    offered_steps: Sequence[int] = (),
+    paired: PairedStderr | None = None,
 ) -> Decision:
     """Evaluate this checkpoint? ``offered_steps``: every checkpoint offered before it, evaluated or
-    not (the cover bound counts those after the newest entry in ``history``)."""
+    not (the cover bound counts those after the newest entry in ``history``); ``paired``: where
+    two results kept their items, the error of their difference paired on them, which the
+    movement and regression tests then use instead of the two errors combined."""
     step = event.global_step
     if any(h.step == step for h in history):
         return Decision(False, f"step {step} already evaluated or queued")
@@ -181,7 +193,7 @@ def decide(
     since = checkpoints_since(last.step, step, offered_steps)
     if cfg.max_interval_checkpoints is not None and since >= cfg.max_interval_checkpoints:
         return Decision(True, f"checkpoint {since} since step {last.step} (max_interval_checkpoints)")
-    return _adaptive(step, last, history, cfg)
+    return _adaptive(step, last, history, cfg, paired)
 
 
 def checkpoints_since(last_step: int, step: int, offered_steps: Sequence[int]) -> int:
@@ -193,11 +205,20 @@ def _stderr(h: HistoryEntry, cfg: SchedulerConfig) -> float:
     return h.stderr if h.stderr and h.stderr > 0 else cfg.default_stderr
 
 
+def _difference_noise(a: HistoryEntry, b: HistoryEntry, cfg: SchedulerConfig, paired: PairedStderr | None) -> float:
+    """The standard error of ``a - b``: paired on their items where both kept them, else their
+    two errors combined as if independent."""
+    se = paired(a.step, b.step) if paired is not None else None
+    return se if se is not None and se > 0 else math.hypot(_stderr(a, cfg), _stderr(b, cfg))
+
+
 def _finished(history: Sequence[HistoryEntry]) -> list[HistoryEntry]:
     return sorted((h for h in history if h.metric is not None and math.isfinite(h.metric)), key=lambda h: h.step)
 
 
-def _adaptive(step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cfg: SchedulerConfig) -> Decision:
+def _adaptive(
+    step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cfg: SchedulerConfig, paired: PairedStderr | None
+) -> Decision:
     done = _finished(history)
     if len(done) < 2:
         return Decision(True, "too few results to estimate the trend")
@@ -205,15 +226,16 @@ def _adaptive(step: int, last: HistoryEntry, history: Sequence[HistoryEntry], cf
     latest, prev = done[-1], done[-2]
     best = max(done, key=lambda h: sign * h.metric)
     se_latest = _stderr(latest, cfg)
-    drop = sign * (best.metric - latest.metric)
-    noise_best = math.hypot(se_latest, _stderr(best, cfg))
-    prev_drop = sign * (best.metric - prev.metric)
-    newly_regressed = prev_drop <= cfg.regression_z * math.hypot(_stderr(prev, cfg), _stderr(best, cfg))
+    drop, prev_drop = sign * (best.metric - latest.metric), sign * (best.metric - prev.metric)
+
+    def regressed(h: HistoryEntry, below: float) -> bool:
+        return h is not best and below > cfg.regression_z * _difference_noise(h, best, cfg, paired)
+
     # A fresh regression is confirmed at once; after that the drop itself reads as movement.
-    if best is not latest and drop > cfg.regression_z * noise_best and newly_regressed:
+    if regressed(latest, drop) and not regressed(prev, prev_drop):
         return Decision(True, f"regression: {drop:.4g} below best at step {best.step} (> {cfg.regression_z} stderr)")
     change = abs(latest.metric - prev.metric)
-    noise = math.hypot(se_latest, _stderr(prev, cfg))
+    noise = _difference_noise(latest, prev, cfg, paired)
     rate = max(0.0, change - cfg.noise_discount * noise) / max(1, latest.step - prev.step)
     drift = rate * (step - last.step)
     if drift >= cfg.drift_tolerance * se_latest:

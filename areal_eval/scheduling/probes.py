@@ -168,9 +168,10 @@ def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> t
     index = DecisionHistory(cfg.higher_is_better)
     chosen, skipped, probes_run = [], [], 0
     reference = None  # (index, subset value, its stderr) of the newest full evaluation
+    paired = curve_paired_stderr(curve)
     for i, p in enumerate(points):
         event = _Event(p.step, i == len(points) - 1)
-        evaluate = decide(event, index.view(), cfg, index.offered_before(p.step)).evaluate
+        evaluate = decide(event, index.view(), cfg, index.offered_before(p.step), paired).evaluate
         if not evaluate and probes and reference is not None:
             probes_run += 1
             evaluate = probe_escalates(curve, i, reference, probes, seed)
@@ -186,6 +187,22 @@ def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> t
     at = {p.step: i for i, p in enumerate(points)}
     chosen += [(at[step], len(points) - 1) for step, _ in refine(history, skipped, cfg)]
     return chosen, probes_run
+
+
+def curve_paired_stderr(curve):
+    """The scheduler's ``paired`` on a curve whose points keep their items (None: they do not)."""
+    at = {p.step: p.items for p in curve.points if p.items is not None}
+    if not at:
+        return None
+    cache: dict[tuple[int, int], float | None] = {}
+
+    def paired(a: int, b: int) -> float | None:
+        if (a, b) not in cache:
+            ok = a in at and b in at
+            cache[a, b] = paired_difference(dict(enumerate(at[a])), dict(enumerate(at[b]))).stderr if ok else None
+        return cache[a, b]
+
+    return paired
 
 
 def probe_escalates(curve, i: int, reference: tuple[int, float, float], probes: ProbeSettings, seed: str) -> bool:

@@ -69,6 +69,21 @@ def test_slow_drift_is_evaluated_once_it_adds_up():
     assert decide(Ev(190), slow, ADAPTIVE).reason.startswith("moving")
 
 
+def test_movement_and_regressions_are_judged_paired_where_both_results_kept_items():
+    """0.800 to 0.815 is within the two results' own errors combined (0.014 each), but on the
+    same items their difference has a paired error of 0.003: the metric moves."""
+    plateau = [H(0, 0.800, se=0.014), H(50, 0.815, se=0.014)]
+    assert decide(Ev(110), plateau, ADAPTIVE).reason.startswith("plateau")
+    paired = {(50, 0): 0.003}
+    d = decide(Ev(110), plateau, ADAPTIVE, paired=lambda a, b: paired.get((a, b)))
+    assert d.reason.startswith("moving")
+    assert decide(Ev(110), plateau, ADAPTIVE, paired=lambda a, b: None).reason.startswith("plateau")  # no items
+    dip = [H(0, 0.5, se=0.014), H(100, 0.80, se=0.014), H(200, 0.775, se=0.014)]
+    assert not decide(Ev(210), dip, ADAPTIVE).reason.startswith("regression")  # 0.025 < 2 x 0.0198
+    d = decide(Ev(210), dip, ADAPTIVE, paired=lambda a, b: 0.004 if (a, b) == (200, 100) else None)
+    assert d.reason.startswith("regression")
+
+
 def test_regression_triggers_dense_evaluation_again():
     history = [H(0, 0.5), H(100, 0.8), H(200, 0.80), H(300, 0.74)]
     d = decide(Ev(310), history, ADAPTIVE)
