@@ -126,19 +126,24 @@ def mcnemar_exact(a: list[float], b: list[float]) -> float:
 def paired_stderrs(items: ItemScores, metric: str) -> Callable[[int, int], float | None]:
     """(step_a, step_b) -> the paired standard error of ``metric``'s difference between two
     evaluated steps, on the items both kept (None where either kept none, or none in common):
-    the scheduler's ``paired``. A pair once computed is kept (a step's items do not change)."""
-    known: dict[tuple[int, int], float] = {}
+    the scheduler's ``paired``. Each step's items are read once they exist (they do not change)."""
+    read: dict[int, tuple] = {}
+
+    def scores(step: int):
+        if step not in read:
+            found = items(step, metric)
+            if not found:
+                return None
+            read[step] = found
+        return read[step]
 
     def paired(a: int, b: int) -> float | None:
-        if (a, b) in known:
-            return known[a, b]
-        first, second = items(a, metric), items(b, metric)
-        if not first or not second:
+        first, second = scores(a), scores(b)
+        if first is None or second is None:
             return None
         try:
-            known[a, b] = paired_difference(first[0], second[0], clusters=first[1]).stderr
+            return paired_difference(first[0], second[0], clusters=first[1]).stderr
         except NoCommonItems:
             return None
-        return known[a, b]
 
     return paired

@@ -70,7 +70,7 @@ def test_only_common_items_are_paired_and_none_in_common_is_refused_by_name():
     assert same.stderr == 0 and same.z == 0 and same.mcnemar_p == 1.0
 
 
-def test_paired_stderrs_reads_each_pair_once_and_says_none_where_items_are_missing():
+def test_paired_stderrs_reads_each_step_once_and_says_none_where_items_are_missing():
     from areal_eval.paired import paired_stderrs
 
     scores = {0: {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0}, 5: {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.0}, 9: {7: 1.0}}
@@ -82,7 +82,7 @@ def test_paired_stderrs_reads_each_pair_once_and_says_none_where_items_are_missi
 
     paired = paired_stderrs(items, "accuracy")
     expected = paired_difference(scores[5], scores[0]).stderr
-    assert paired(5, 0) == expected == paired(5, 0) and reads == [5, 0]
+    assert paired(5, 0) == expected == paired(5, 0) == paired(0, 5) and reads == [5, 0]
     assert paired(5, 3) is None  # step 3 kept no items
     assert paired(5, 9) is None  # no item in common
     assert paired_stderrs(items, "loss")(5, 0) is None
