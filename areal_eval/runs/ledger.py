@@ -99,8 +99,10 @@ class Ledger:
         entry that names none carries those of the step's entry before it."""
         with self._lock:
             before = self._latest.get(entry.step)
-            if not entry.attempts and before is not None and before.attempts:
-                entry = dataclasses.replace(entry, attempts=list(before.attempts))
+            attempts = entry.attempts or (before.attempts if before is not None else [])
+            entry = dataclasses.replace(  # its own copies: a caller's dicts may change later
+                entry, metrics=dict(entry.metrics), probe_metrics=dict(entry.probe_metrics), attempts=list(attempts)
+            )
             row = dataclasses.asdict(entry)
             if entry.probe is None and not entry.probe_metrics:  # a run without probes: lines as before
                 del row["probe"], row["probe_metrics"]
