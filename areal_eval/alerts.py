@@ -54,9 +54,10 @@ class AlertRule:
     this unset, every breach fires."""
     confirm: int | None = None
     """With ``stderrs``: a breach of that many standard errors fires only once this many
-    evaluations in a row, in step order (this one the last), each breached by as many. A single
-    noisy result, or a spike that recovers at the next evaluation, does not fire; a lasting drop
-    fires at its ``confirm``-th evaluation. None: the first such breach fires."""
+    evaluations in a row, in step order (this one the last), each lie as many past the baseline
+    from before the first of them. A single noisy result, or a spike that recovers at the next
+    evaluation, does not fire; a lasting drop fires at its ``confirm``-th evaluation. None: the
+    first such breach fires."""
     stderr_metric: str = "{metric}_stderr"
     """Where ``metric``'s standard error is (``{metric}`` stands for the metric's name)."""
     stop_training: bool = False
@@ -203,27 +204,48 @@ class AlertEngine:
         value = metrics.get(rule.metric)
         if value is None or not math.isfinite(value):
             return None
+        if rule.confirm is not None:
+            confirmed = self._confirmed(rule, step, value, metrics)
+            if confirmed is not None:
+                return confirmed
         breach = self._breach(rule, step, value, metrics.get(rule.stderr_metric.format(metric=rule.metric)))
         if breach is None:
             return None
         message, separated = breach
         if not rule.noise_aware:
             return message
-        if rule.stderrs is not None and separated >= rule.stderrs:
-            if rule.confirm is None:
-                return f"{message} ({separated:.1f} standard errors)"
-            streak = self._streak(rule, step, rule.stderrs)
-            if streak + 1 >= rule.confirm:
-                return f"{message} ({separated:.1f} standard errors, {streak + 1} evaluations in a row)"
+        if rule.stderrs is not None and rule.confirm is None and separated >= rule.stderrs:
+            return f"{message} ({separated:.1f} standard errors)"
         if rule.consecutive is not None:
             streak = self._streak(rule, step)
             if streak + 1 >= rule.consecutive:
                 return f"{message} ({streak + 1} evaluations in a row)"
         return None
 
-    def _breach(self, rule: AlertRule, step: int, value: float, stderr: float | None) -> tuple[str, float] | None:
+    def _confirmed(self, rule: AlertRule, step: int, value: float, metrics: dict) -> str | None:
+        """The message when ``step`` is the ``confirm``-th result in a row (in step order) to lie
+        ``stderrs`` past the baseline from before the first of them, else None. One baseline for
+        the whole run of results: a baseline that moved on with each would take in the drop it
+        is confirming."""
+        stderr_key = rule.stderr_metric.format(metric=rule.metric)
+        earlier = [(s, v) for s, v in self._results.get(rule.metric, ()) if rule.min_step <= s < step]
+        run = earlier[len(earlier) - (rule.confirm - 1) :] if rule.confirm > 1 else []
+        if len(run) < rule.confirm - 1:
+            return None
+        since = run[0][0] if run else step
+        breaches = [self._breach(rule, s, v, self._value_at(stderr_key, s), since=since) for s, v in run]
+        breaches.append(self._breach(rule, step, value, metrics.get(stderr_key), since=since))
+        if any(b is None or b[1] < rule.stderrs for b in breaches):
+            return None
+        message, separated = breaches[-1]
+        return f"{message} ({separated:.1f} standard errors, {rule.confirm} evaluations in a row)"
+
+    def _breach(
+        self, rule: AlertRule, step: int, value: float, stderr: float | None, since: int | None = None
+    ) -> tuple[str, float] | None:
         """(message, how many standard errors past the line) when ``value`` at ``step`` breaches
-        the rule's line, else None."""
+        the rule's line (a regression: its baseline from before ``since``, by default ``step``),
+        else None."""
         if rule.kind == "threshold":
             crossed = value < rule.value if rule.op == "<" else value > rule.value
             if not crossed:
@@ -232,7 +254,7 @@ class AlertEngine:
                 abs(value - rule.value), stderr
             )
         if rule.kind == "regression":
-            baseline = self._baseline(rule, step)
+            baseline = self._baseline(rule, step if since is None else since)
             if baseline is None:
                 return None
             level, level_stderr, what, steps = baseline
