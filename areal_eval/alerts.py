@@ -323,14 +323,12 @@ class AlertEngine:
     def _value_at(self, key: str, step: int | None) -> float | None:
         return next((v for s, v in self._results.get(key, ()) if s == step), None)
 
-    def _streak(self, rule: AlertRule, step: int, stderrs: float | None = None) -> int:
-        """How many evaluations right before ``step`` (in step order) breached the rule (by at
-        least ``stderrs`` standard errors, when given)."""
+    def _streak(self, rule: AlertRule, step: int) -> int:
+        """How many evaluations right before ``step`` (in step order) breached the rule."""
         streak = 0
         for s, v in reversed([(s, v) for s, v in self._results.get(rule.metric, ()) if rule.min_step <= s < step]):
             stderr = self._value_at(rule.stderr_metric.format(metric=rule.metric), s)
-            breach = self._breach(rule, s, v, stderr)
-            if breach is None or (stderrs is not None and breach[1] < stderrs):
+            if self._breach(rule, s, v, stderr) is None:
                 break
             streak += 1
         return streak
