@@ -311,6 +311,36 @@ def test_paired_alerts_on_our_item_curves_see_injected_drops_the_unpaired_rule_m
     assert scores["paired"][1] <= scores["unpaired"][1]
 
 
+def test_a_confirmed_rule_and_one_that_fires_at_once_on_our_item_curves():
+    """Paired, on the reward-model item curves with every checkpoint judged: a rule confirmed by
+    the next result fires on no clean curve, and with a second rule that fires at once on a drop
+    of the injected size (a drop at the last checkpoint has no next result) the pair detects 95%
+    of injected drops within 2 checkpoints."""
+    import random
+
+    from areal_eval.alerts import AlertRule
+
+    curves = read_curves(DEMO_CURVES) + read_curves(GEOMETRIC_CURVES)
+    confirmed = AlertRule("confirmed", "regression", stderrs=2.0, baseline_results=3, confirm=2)
+    at_once = AlertRule("at_once", "regression", stderrs=5.0, baseline_results=3)
+    assert not any(replay.alerts_fired(c, [(i, i) for i in range(len(c.points))], confirmed) for c in curves)
+    detected = {"confirmed": [], "pair": []}
+    for seed in range(10):
+        for curve in curves:
+            hit, start = replay.inject_regression(curve, random.Random(f"{seed}:{curve.name}"))
+            evaluations = [(i, i) for i in range(len(curve.points))]
+            seen = {
+                rule.name: any(
+                    i >= start and when <= start + 2 for i, when in replay.alerts_fired(hit, evaluations, rule)
+                )
+                for rule in (confirmed, at_once)
+            }
+            detected["confirmed"].append(seen["confirmed"])
+            detected["pair"].append(seen["confirmed"] or seen["at_once"])
+    # Measured: 0.914 confirmed alone, 0.971 the pair.
+    assert statistics.fmean(detected["confirmed"]) >= 0.9 and statistics.fmean(detected["pair"]) >= 0.95
+
+
 def test_an_injected_drop_moves_a_recorded_probe_subset_with_the_value_with_items_or_without():
     import random
 
