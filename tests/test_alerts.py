@@ -191,7 +191,7 @@ def test_a_confirmed_rule_fires_on_a_lasting_drop_not_on_a_spike_that_recovers()
 def test_a_confirming_result_is_measured_from_the_baseline_before_the_drop():
     # Against the mean of the 3 results before it, 0.70 at step 5 is 0.70 vs 0.733 (the drop at
     # step 4 is in that mean): under 3 standard errors. From the level before the drop, 0.80, it
-    # is 8.7, as is step 4's.
+    # is 8.7 (step 4's is 17).
     rule = AlertRule("reg", "regression", stderrs=3.0, baseline_results=3, confirm=2, throttle_secs=0)
     e = engine(rule)
     for step, value in ((1, 0.80), (2, 0.80), (3, 0.80), (4, 0.60)):
