@@ -58,6 +58,10 @@ class AlertRule:
     from before the first of them. A single noisy result, or a spike that recovers at the next
     evaluation, does not fire; a lasting drop fires at its ``confirm``-th evaluation. None: the
     first such breach fires."""
+    at_once_stderrs: float | None = None
+    """With ``confirm``: a breach of this many standard errors fires at once, unconfirmed. A
+    drop at the newest checkpoint has no next result to confirm it until the next evaluation,
+    which may be long coming; a drop this large is not noise. None: every breach waits."""
     stderr_metric: str = "{metric}_stderr"
     """Where ``metric``'s standard error is (``{metric}`` stands for the metric's name)."""
     stop_training: bool = False
@@ -73,6 +77,7 @@ class AlertRule:
         "consecutive": AT_LEAST_1,
         "baseline_results": AT_LEAST_1,
         "confirm": AT_LEAST_1,
+        "at_once_stderrs": NON_NEGATIVE,
     }
 
     def __post_init__(self):
@@ -81,6 +86,8 @@ class AlertRule:
             raise FieldError("baseline_results", f"is for regression rules, not {self.kind}")
         if self.confirm is not None and self.stderrs is None:
             raise FieldError("confirm", "confirms a breach of stderrs: set stderrs too")
+        if self.at_once_stderrs is not None and self.confirm is None:
+            raise FieldError("at_once_stderrs", "skips the confirmation of confirm: set confirm too")
 
     @property
     def noise_aware(self) -> bool:
@@ -216,6 +223,8 @@ class AlertEngine:
             return message
         if rule.stderrs is not None and rule.confirm is None and separated >= rule.stderrs:
             return f"{message} ({separated:.1f} standard errors)"
+        if rule.at_once_stderrs is not None and separated >= rule.at_once_stderrs:
+            return f"{message} ({separated:.1f} standard errors, unconfirmed)"
         if rule.consecutive is not None:
             streak = self._streak(rule, step)
             if streak + 1 >= rule.consecutive:
@@ -282,7 +291,8 @@ class AlertEngine:
 
     def _paired_drop(self, rule: AlertRule, step: int, steps: list[int]) -> tuple[float, float, int] | None:
         """(drop, its paired standard error, common items) of ``step`` against the baseline
-        ``steps`` (their items' mean), where every one of them kept its items; else None."""
+        ``steps`` (their items' mean), where every one of them kept its items; else None. The
+        error is the guarded one: an alert should not fire on four items out of four hundred."""
         current = self._item_scores(step, rule.metric)
         bases = [self._item_scores(s, rule.metric) for s in steps]
         if current is None or not bases or any(b is None for b in bases):
@@ -294,7 +304,7 @@ class AlertEngine:
         except NoCommonItems:
             return None
         drop = -paired.difference if rule.higher_is_better else paired.difference
-        return drop, paired.stderr, paired.n
+        return drop, paired.guarded_stderr, paired.n
 
     def _baseline(self, rule: AlertRule, step: int) -> tuple[float, float | None, str, list[int]] | None:
         """What a regression at ``step`` is measured from: (level, its standard error, its name,

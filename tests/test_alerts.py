@@ -205,3 +205,48 @@ def test_confirm_needs_stderrs():
 
     with pytest.raises(FieldError, match="confirm"):
         AlertRule("reg", "regression", confirm=2)
+
+
+def test_a_confirmed_rule_fires_at_once_on_a_breach_of_at_once_stderrs():
+    rule = AlertRule(
+        "reg", "regression", stderrs=2.0, baseline_results=3, confirm=2, at_once_stderrs=5.0, throttle_secs=0
+    )
+    e = engine(rule)
+    for step in (1, 2, 3):
+        assert e.check(step, {"accuracy": 0.80, "accuracy_stderr": 0.01}) == []
+    assert e.check(4, {"accuracy": 0.765, "accuracy_stderr": 0.01}) == []  # 2.5 combined errors: waits
+    [alert] = e.check(5, {"accuracy": 0.70, "accuracy_stderr": 0.01})  # 9 from the level before step 4
+    assert "2 evaluations in a row" in alert.message
+    e = engine(rule)
+    for step in (1, 2, 3):
+        assert e.check(step, {"accuracy": 0.80, "accuracy_stderr": 0.01}) == []
+    [alert] = e.check(4, {"accuracy": 0.70, "accuracy_stderr": 0.01})  # 8.7: no waiting
+    assert "unconfirmed" in alert.message
+
+
+def test_at_once_stderrs_needs_confirm():
+    from areal_eval.config.parsing import FieldError
+
+    with pytest.raises(FieldError, match="at_once_stderrs"):
+        AlertRule("reg", "regression", stderrs=3.0, at_once_stderrs=5.0)
+
+
+def test_a_paired_rule_does_not_fire_on_a_handful_of_items_lost():
+    # 4 of 400 items lost at two steps in a row, none gained: the plain paired error calls each
+    # 2 standard errors, yet McNemar's p is 0.125. The rule measures in the guarded error.
+    scores = {1: [1.0] * 400, 2: [1.0] * 400, 3: [1.0] * 400, 4: [0.0] * 4 + [1.0] * 396}
+    scores[5] = scores[4]
+
+    def items(step, metric):
+        return ({j: v for j, v in enumerate(scores[step])}, None)
+
+    rule = AlertRule("reg", "regression", stderrs=2.0, baseline_results=3, confirm=2, throttle_secs=0)
+    e = AlertEngine(AlertsConfig(rules=[rule]), clock=Clock(), items=items)
+    for step, values in scores.items():
+        mean = sum(values) / 400
+        assert e.check(step, {"accuracy": mean, "accuracy_stderr": (mean * (1 - mean) / 400) ** 0.5}) == []
+    scores[6] = scores[7] = [0.0] * 30 + [1.0] * 370  # 30 lost twice: a drop, confirmed
+    lower = {"accuracy": 370 / 400, "accuracy_stderr": (370 * 30 / 400**3) ** 0.5}
+    assert e.check(6, lower) == []
+    [alert] = e.check(7, lower)
+    assert "paired on 400 items" in alert.message

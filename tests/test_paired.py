@@ -86,3 +86,32 @@ def test_paired_stderrs_reads_each_step_once_and_says_none_where_items_are_missi
     assert paired(5, 3) is None  # step 3 kept no items
     assert paired(5, 9) is None  # no item in common
     assert paired_stderrs(items, "loss")(5, 0) is None
+
+
+def test_the_guarded_error_adds_one_item_changed_by_the_largest_change_either_way():
+    a, b = correlated(57, 3, lift=0.1)
+    got = paired_difference(a, b)
+    d = np.array([b[i] - a[i] for i in range(57)])
+    squares = np.sum((d - d.mean()) ** 2) + np.abs(d).max() ** 2
+    assert got.guarded_stderr == pytest.approx(math.sqrt(squares / (57 * 58)), rel=1e-12)
+    # Four of 400 lost, none gained: the plain error says 2 standard errors; McNemar says it is
+    # an even split's 1 in 8. The guarded error does not call it 2.
+    a = {i: 1.0 for i in range(400)}
+    b = {i: 0.0 if i < 4 else 1.0 for i in range(400)}
+    few = paired_difference(a, b)
+    assert few.z == pytest.approx(-2.0, abs=0.01) and few.mcnemar_p == pytest.approx(0.125)
+    assert abs(few.difference) / few.guarded_stderr < 1.85
+    # Where many items change it is within a few percent of the plain error.
+    many = paired_difference(*correlated(400, 4, lift=0.1))
+    assert 1.0 < many.guarded_stderr / many.stderr < 1.03
+
+
+def test_a_clustered_guarded_error_moves_one_more_cluster_by_the_largest_cluster_change():
+    a, b = correlated(60, 5, lift=0.2)
+    clusters = {i: i // 3 for i in range(60)}
+    got = paired_difference(a, b, clusters)
+    d = np.array([b[i] - a[i] for i in range(60)]).reshape(20, 3)
+    sums, deviations = d.sum(axis=1), (d - d.mean()).sum(axis=1)
+    expected = math.sqrt(21 / 20 * (np.sum(deviations**2) + np.abs(sums).max() ** 2)) / 60
+    assert got.guarded_stderr == pytest.approx(expected, rel=1e-12)
+    assert got.guarded_stderr > got.stderr
