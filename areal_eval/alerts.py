@@ -94,6 +94,12 @@ class AlertRule:
         return self.stderrs is not None or self.consecutive is not None
 
 
+NOISE_AWARE_REGRESSION = {"stderrs": 2.0, "baseline_results": 3, "confirm": 2, "at_once_stderrs": 5.0}
+"""The regression rule we measure best on clean and regressed curves, paired and unpaired
+(docs/performance.md): 2 standard errors below the mean of the 3 results before, confirmed by
+the next result, or 5 at once. Replay's ``noise_aware`` rule by default."""
+
+
 @dataclasses.dataclass
 class AlertsConfig:
     rules: list[AlertRule] = dataclasses.field(default_factory=list)

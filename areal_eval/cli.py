@@ -14,9 +14,17 @@ import subprocess
 import sys
 import time
 
-from areal_eval.alerts import AlertRule
+from areal_eval.alerts import NOISE_AWARE_REGRESSION, AlertRule
 from areal_eval.scheduling import replay as replay_mod
 from areal_eval.scheduling.curves import read_curves
+
+
+def _baseline_results(text: str) -> int | None:
+    return None if text == "best" else int(text)
+
+
+def _confirm(text: str) -> int | None:
+    return None if text == "none" else int(text)
 
 
 def _replay(args) -> int:
@@ -31,6 +39,8 @@ def _replay(args) -> int:
             stderrs=args.alert_stderrs,
             consecutive=args.alert_consecutive,
             baseline_results=args.alert_baseline_results,
+            confirm=args.alert_confirm,
+            at_once_stderrs=args.alert_at_once_stderrs if args.alert_confirm else None,
         ),
     ]
     result = replay_mod.replay(
@@ -104,16 +114,32 @@ def main(argv: list[str] | None = None) -> int:
         help="judge probes and alerts unpaired: drop the curves' items once the regression is injected",
     )
     rp.add_argument(
-        "--alert-stderrs", type=float, default=3.0, help="the noise-aware regression rule's stderrs (AlertRule.stderrs)"
-    )
-    rp.add_argument(
-        "--alert-consecutive", type=int, default=None, help="... and its consecutive (AlertRule.consecutive)"
+        "--alert-stderrs",
+        type=float,
+        default=NOISE_AWARE_REGRESSION["stderrs"],
+        help="the noise-aware regression rule's stderrs (AlertRule.stderrs; default %(default)s)",
     )
     rp.add_argument(
         "--alert-baseline-results",
-        type=int,
-        default=None,
-        help="... measured from the mean of this many recent results, not the best (AlertRule.baseline_results)",
+        type=_baseline_results,
+        default=NOISE_AWARE_REGRESSION["baseline_results"],
+        help="... measured from the mean of this many recent results, or 'best' (AlertRule.baseline_results; "
+        "default %(default)s)",
+    )
+    rp.add_argument(
+        "--alert-confirm",
+        type=_confirm,
+        default=NOISE_AWARE_REGRESSION["confirm"],
+        help="... confirmed by this many results in a row, or 'none' (AlertRule.confirm; default %(default)s)",
+    )
+    rp.add_argument(
+        "--alert-at-once-stderrs",
+        type=float,
+        default=NOISE_AWARE_REGRESSION["at_once_stderrs"],
+        help="... unconfirmed past this many (AlertRule.at_once_stderrs, with --alert-confirm; default %(default)s)",
+    )
+    rp.add_argument(
+        "--alert-consecutive", type=int, default=None, help="... and its consecutive (AlertRule.consecutive)"
     )
     rp.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     rp.set_defaults(run=_replay)
