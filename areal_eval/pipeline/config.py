@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from areal_eval.alerts import AlertRule, AlertsConfig
+from areal_eval.alerts import NOISE_AWARE_REGRESSION, AlertRule, AlertsConfig
 from areal_eval.checkpoints.store import StorageConfig
 from areal_eval.config.parsing import (
     POSITIVE,
@@ -57,7 +57,9 @@ def _default_rules() -> list[AlertRule]:
     return [
         AlertRule(name="eval-failed", kind="eval_failed", throttle_secs=0),
         AlertRule(name="nonfinite-metric", kind="nonfinite", stop_training=True, throttle_secs=0),
-        AlertRule(name="accuracy-regression", kind="regression", metric="accuracy", tolerance=0.08, min_step=1),
+        AlertRule(
+            name="accuracy-regression", kind="regression", metric="accuracy", min_step=1, **NOISE_AWARE_REGRESSION
+        ),
     ]
 
 
