@@ -108,8 +108,10 @@ class SchedulerConfig:
     """Adaptive, after the final checkpoint: evaluate a skipped neighbour of the best result when its
     value interpolated from the evaluations around it is within this many stderr of the best.
     None: no refinement."""
-    regression_z: float = 3.0
-    """A result this many (combined) stderr below the best is a regression."""
+    regression_z: float = 2.0
+    """Adaptive: a result this many standard errors of the difference below the best is a
+    suspected regression, and the next checkpoint is evaluated, so that an alert rule confirming
+    at that many (the default regression rule does, at 2) can confirm it there."""
     default_stderr: float = 0.01
     """Noise assumed when an evaluation reports none."""
     queue_capacity: int = 2

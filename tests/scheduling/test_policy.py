@@ -228,3 +228,12 @@ def test_decision_history_decides_as_the_full_history(seed, higher_is_better):
             else:
                 full[target] = entry
             index.set(target, entry)
+
+
+def test_a_result_two_errors_below_the_best_gets_the_next_checkpoint_evaluated():
+    """By default a suspected regression is 2 errors of the difference below the best: the line
+    the default alert rule confirms at, so its confirming result is the next checkpoint."""
+    cfg = SchedulerConfig(min_interval_steps=0, max_interval_checkpoints=None, max_interval_growth=None)
+    history = [H(0, 0.8), H(100, 0.8), H(200, 0.765)]  # 0.035 below: 2.5 combined errors
+    assert decide(Ev(210), history, cfg).reason.startswith("regression")
+    assert decide(Ev(210), history, dataclasses.replace(cfg, regression_z=3.0)).reason.startswith("plateau")
