@@ -53,7 +53,7 @@ class PairedDifference:
     either direction alike: Agresti and Min's half an item in each discordant cell, for any
     scores. Where only a handful of items changed, ``stderr`` comes from those few and is too
     small to trust (four of 400 items lost, none gained, is 2.0 of it, yet McNemar's p is 0.125);
-    this one is 1.7 there and within a few percent of ``stderr`` once many items change."""
+    this one is 1.8 there and within a few percent of ``stderr`` once many items change."""
 
     @property
     def z(self) -> float:
