@@ -166,6 +166,10 @@ def test_on_generation_curves_adaptive_tracks_closer_than_fixed_2_within_the_reg
     assert adaptive["mean_regret"] <= 0.005
 
 
+BEST_AT_ONCE = ["--alert-baseline-results", "best", "--alert-confirm", "none", "--json"]
+"""The noise-aware rule measured from the best result, firing at once."""
+
+
 def test_paired_errors_see_a_real_dip_of_a_generation_curve_the_unpaired_errors_cannot(capsys):
     """Seed 1 of the sft-math curves drops from 0.165 to 0.107 at step 90: 23 more of the same
     401 problems answered wrong. Paired on the items, the 3-stderr rule sees it; unpaired
@@ -186,10 +190,6 @@ def test_paired_errors_see_a_real_dip_of_a_generation_curve_the_unpaired_errors_
         row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policies"]["fixed:1"]
         fired[bool(flag)] = row["alerts"]["noise_aware"]["false_alerts_per_100_curves"]
     assert fired == {False: 25.0, True: 0.0}  # 1 of the 4 even curves, paired; none unpaired
-
-
-BEST_AT_ONCE = ["--alert-baseline-results", "best", "--alert-confirm", "none", "--json"]
-"""The noise-aware rule measured from the best result, firing at once."""
 
 
 class EveryOther(replay.Policy):
