@@ -19,12 +19,18 @@ from areal_eval.scheduling import replay as replay_mod
 from areal_eval.scheduling.curves import read_curves
 
 
-def _baseline_results(text: str) -> int | None:
-    return None if text == "best" else int(text)
+def _count_or(word: str):
+    """An argparse type: a whole number, or ``word`` for None."""
 
+    def parse(text: str) -> int | None:
+        if text == word:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor {word!r}") from None
 
-def _confirm(text: str) -> int | None:
-    return None if text == "none" else int(text)
+    return parse
 
 
 def _replay(args) -> int:
@@ -121,14 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     rp.add_argument(
         "--alert-baseline-results",
-        type=_baseline_results,
+        type=_count_or("best"),
         default=NOISE_AWARE_REGRESSION["baseline_results"],
         help="... measured from the mean of this many recent results, or 'best' (AlertRule.baseline_results; "
         "default %(default)s)",
     )
     rp.add_argument(
         "--alert-confirm",
-        type=_confirm,
+        type=_count_or("none"),
         default=NOISE_AWARE_REGRESSION["confirm"],
         help="... confirmed by this many results in a row, or 'none' (AlertRule.confirm; default %(default)s)",
     )

@@ -80,6 +80,17 @@ def test_bad_curve_file_names_the_line(tmp_path):
     assert cli.main(["replay", str(tmp_path / "missing.jsonl")]) == 2
 
 
+def test_bad_alert_flags_are_refused_naming_the_flag(capsys):
+    for flag, value in (("--alert-baseline-results", "foo"), ("--alert-confirm", "1.5")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["replay", str(DEMO_CURVES), flag, value])
+        assert (
+            exit_.value.code == 2 and f"argument {flag}: {value!r} is neither a whole number" in capsys.readouterr().err
+        )
+    assert cli.main(["replay", str(DEMO_CURVES), "--alert-baseline-results", "0"]) == 2
+    assert "baseline_results: must be >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "point", [{"value": "NaN"}, {"value": "Infinity"}, {"stderr": -0.01}, {"stderr": "NaN"}], ids=str
 )
