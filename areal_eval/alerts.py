@@ -54,10 +54,10 @@ class AlertRule:
     this unset, every breach fires."""
     confirm: int | None = None
     """With ``stderrs``: a breach of that many standard errors fires only once this many
-    evaluations in a row, in step order (this one the last), each lie as many past the baseline
-    from before the first of them. A single noisy result, or a spike that recovers at the next
-    evaluation, does not fire; a lasting drop fires at its ``confirm``-th evaluation. None: the
-    first such breach fires."""
+    evaluations in a row, in step order (this one among them, whatever order they arrived in),
+    each lie as many past the baseline from before the first of them. A single noisy result, or
+    a spike that recovers at the next evaluation, does not fire; a lasting drop fires at its
+    ``confirm``-th evaluation. None: the first such breach fires."""
     at_once_stderrs: float | None = None
     """With ``confirm``: a breach of this many standard errors fires at once, unconfirmed. A
     drop at the newest checkpoint has no next result to confirm it until the next evaluation,
@@ -238,22 +238,27 @@ class AlertEngine:
         return None
 
     def _confirmed(self, rule: AlertRule, step: int, value: float, metrics: dict) -> str | None:
-        """The message when ``step`` is the ``confirm``-th result in a row (in step order) to lie
-        ``stderrs`` past the baseline from before the first of them, else None. One baseline for
-        the whole run of results: a baseline that moved on with each would take in the drop it
-        is confirming."""
+        """The message when ``step`` completes a run of ``confirm`` results in a row, in step
+        order, that each lie ``stderrs`` past the baseline from before the first of them, else
+        None. The run may hold results of later steps that arrived first (two slots, a sweep):
+        the order results arrive in changes nothing. One baseline for the whole run: a baseline
+        that moved on with each would take in the drop it is confirming."""
         stderr_key = rule.stderr_metric.format(metric=rule.metric)
-        earlier = [(s, v) for s, v in self._results.get(rule.metric, ()) if rule.min_step <= s < step]
-        run = earlier[len(earlier) - (rule.confirm - 1) :] if rule.confirm > 1 else []
-        if len(run) < rule.confirm - 1:
-            return None
-        since = run[0][0] if run else step
-        breaches = [self._breach(rule, s, v, self._value_at(stderr_key, s), since=since) for s, v in run]
-        breaches.append(self._breach(rule, step, value, metrics.get(stderr_key), since=since))
-        if any(b is None or b[1] < rule.stderrs for b in breaches):
-            return None
-        message, separated = breaches[-1]
-        return f"{message} ({separated:.1f} standard errors, {rule.confirm} evaluations in a row)"
+        known = [(s, v) for s, v in self._results.get(rule.metric, ()) if s >= rule.min_step and s != step]
+        at = bisect.bisect_left(known, (step,))
+        near = known[max(0, at - rule.confirm + 1) : at + rule.confirm - 1]  # every run holding step
+        results = [(s, v, self._value_at(stderr_key, s)) for s, v in near]
+        at -= max(0, at - rule.confirm + 1)
+        results.insert(at, (step, value, metrics.get(stderr_key)))
+        for first in range(max(0, at - rule.confirm + 1), at + 1):
+            run = results[first : first + rule.confirm]
+            if len(run) < rule.confirm:
+                break
+            breaches = [self._breach(rule, s, v, stderr, since=run[0][0]) for s, v, stderr in run]
+            if all(b is not None and b[1] >= rule.stderrs for b in breaches):
+                message, separated = breaches[-1]
+                return f"{message} ({separated:.1f} standard errors, {rule.confirm} evaluations in a row)"
+        return None
 
     def _breach(
         self, rule: AlertRule, step: int, value: float, stderr: float | None, since: int | None = None

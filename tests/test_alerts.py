@@ -250,3 +250,19 @@ def test_a_paired_rule_does_not_fire_on_a_handful_of_items_lost():
     assert e.check(6, lower) == []
     [alert] = e.check(7, lower)
     assert "paired on 400 items" in alert.message
+
+
+def test_a_run_is_confirmed_whatever_order_its_results_arrive_in():
+    # Step 5 finishes before step 4 (two slots): when 4 arrives, 4 and 5 are a run of two drops.
+    rule = AlertRule("reg", "regression", stderrs=3.0, baseline_results=3, confirm=2, throttle_secs=0)
+    e = engine(rule)
+    for step in (1, 2, 3):
+        assert e.check(step, {"accuracy": 0.80, "accuracy_stderr": 0.01}) == []
+    assert e.check(5, {"accuracy": 0.60, "accuracy_stderr": 0.01}) == []  # 3 and 5 in a row: 3 is no drop
+    [alert] = e.check(4, {"accuracy": 0.61, "accuracy_stderr": 0.01})
+    assert "at step 5" in alert.message and "2 evaluations in a row" in alert.message
+    # A later result that does not breach leaves the earlier one unconfirmed.
+    e = engine(rule)
+    for step, value in ((1, 0.80), (2, 0.80), (3, 0.80), (5, 0.80)):
+        assert e.check(step, {"accuracy": value, "accuracy_stderr": 0.01}) == []
+    assert e.check(4, {"accuracy": 0.60, "accuracy_stderr": 0.01}) == []
