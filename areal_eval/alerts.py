@@ -40,9 +40,10 @@ class AlertRule:
     stderrs: float | None = None
     """Noise-aware (threshold, regression): a breach fires when the result lies this many
     standard errors past the line (a regression: past its baseline; where both kept their
-    items, in the paired standard error of the difference on their common items, else their
-    two errors combined; a threshold: past ``value``). A result without a standard error counts
-    as past. None: the noise is not looked at."""
+    items, paired on their common items, by McNemar's exact test where every score is 0 or 1,
+    else in the guarded paired error; without items, their two errors combined; a threshold:
+    past ``value``). A result without a standard error counts as past. None: the noise is not
+    looked at."""
     baseline_results: int | None = None
     """Regression: compare with the mean of this many most recent results before the step
     (their errors averaged too) instead of the best. The best of several noisy results sits
@@ -302,8 +303,9 @@ class AlertEngine:
 
     def _paired_drop(self, rule: AlertRule, step: int, steps: list[int]) -> tuple[float, float, int] | None:
         """(drop, its paired standard error, common items) of ``step`` against the baseline
-        ``steps`` (their items' mean), where every one of them kept its items; else None. The
-        error is the guarded one: an alert should not fire on four items out of four hundred."""
+        ``steps`` (their items' mean), where every one of them kept its items; else None. Where
+        every score is 0 or 1 the error is the one that gives McNemar's exact test, elsewhere the
+        guarded one: an alert should not fire on four items lost out of four hundred."""
         current = self._item_scores(step, rule.metric)
         bases = [self._item_scores(s, rule.metric) for s in steps]
         if current is None or not bases or any(b is None for b in bases):
@@ -315,6 +317,8 @@ class AlertEngine:
         except NoCommonItems:
             return None
         drop = -paired.difference if rule.higher_is_better else paired.difference
+        if paired.mcnemar_z is not None and drop > 0:  # 0/1 scores: the exact test says how far
+            return drop, drop / paired.mcnemar_z if paired.mcnemar_z else math.inf, paired.n
         return drop, paired.guarded_stderr, paired.n
 
     def _baseline(self, rule: AlertRule, step: int) -> tuple[float, float | None, str, list[int]] | None:

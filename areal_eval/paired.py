@@ -56,6 +56,17 @@ class PairedDifference:
     this one is 1.8 there and within a few percent of ``stderr`` once many items change."""
 
     @property
+    def mcnemar_z(self) -> float | None:
+        """McNemar's exact p as the normal deviate with the same two-sided tail (None: not every
+        score is 0 or 1). Where few items changed it is below ``z``; where many changed one way,
+        above it."""
+        if self.mcnemar_p is None:
+            return None
+        if self.mcnemar_p >= 1.0:
+            return 0.0
+        return -NormalDist().inv_cdf(self.mcnemar_p / 2) if self.mcnemar_p > 0 else math.inf
+
+    @property
     def z(self) -> float:
         """The difference in paired standard errors (inf for a change without spread)."""
         if self.stderr > 0:

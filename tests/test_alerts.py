@@ -231,11 +231,14 @@ def test_at_once_stderrs_needs_confirm():
         AlertRule("reg", "regression", stderrs=3.0, at_once_stderrs=5.0)
 
 
-def test_a_paired_rule_does_not_fire_on_a_handful_of_items_lost():
+@pytest.mark.parametrize("tie", [False, True], ids=["0/1 scores: McNemar", "a tie: the guarded error"])
+def test_a_paired_rule_does_not_fire_on_a_handful_of_items_lost(tie):
     # 4 of 400 items lost at two steps in a row, none gained: the plain paired error calls each
-    # 2 standard errors, yet McNemar's p is 0.125. The rule measures in the guarded error.
-    scores = {1: [1.0] * 400, 2: [1.0] * 400, 3: [1.0] * 400, 4: [0.0] * 4 + [1.0] * 396}
-    scores[5] = scores[4]
+    # 2 standard errors, yet McNemar's p is 0.125. Where every score is 0 or 1 the rule measures
+    # by McNemar's exact test; with a tie (a score of 0.5) in the guarded error.
+    last = [0.5] if tie else [1.0]
+    scores = {1: [1.0] * 399 + last, 2: [1.0] * 399 + last, 3: [1.0] * 399 + last}
+    scores[4] = scores[5] = [0.0] * 4 + [1.0] * 395 + last
 
     def items(step, metric):
         return ({j: v for j, v in enumerate(scores[step])}, None)
@@ -245,11 +248,27 @@ def test_a_paired_rule_does_not_fire_on_a_handful_of_items_lost():
     for step, values in scores.items():
         mean = sum(values) / 400
         assert e.check(step, {"accuracy": mean, "accuracy_stderr": (mean * (1 - mean) / 400) ** 0.5}) == []
-    scores[6] = scores[7] = [0.0] * 30 + [1.0] * 370  # 30 lost twice: a drop, confirmed
+    scores[6] = scores[7] = [0.0] * 30 + [1.0] * 369 + last  # 30 lost twice: a drop, confirmed
     lower = {"accuracy": 370 / 400, "accuracy_stderr": (370 * 30 / 400**3) ** 0.5}
     assert e.check(6, lower) == []
     [alert] = e.check(7, lower)
     assert "paired on 400 items" in alert.message
+
+
+def test_a_drop_from_100_percent_is_seen_at_once_by_the_exact_test():
+    # 24 of 400 lost from 100%: 5.05 plain paired errors, 4.95 guarded ones, 5.3 by McNemar's
+    # exact test, which is the one that holds for 0/1 scores.
+    scores = {1: [1.0] * 400, 2: [1.0] * 400, 3: [1.0] * 400, 4: [0.0] * 24 + [1.0] * 376}
+
+    def items(step, metric):
+        return ({j: v for j, v in enumerate(scores[step])}, None)
+
+    rule = AlertRule("reg", "regression", stderrs=2.0, baseline_results=3, confirm=2, at_once_stderrs=5.0)
+    e = AlertEngine(AlertsConfig(rules=[rule]), clock=Clock(), items=items)
+    for step in (1, 2, 3):
+        assert e.check(step, {"accuracy": 1.0, "accuracy_stderr": 0.0}) == []
+    [alert] = e.check(4, {"accuracy": 0.94, "accuracy_stderr": (0.94 * 0.06 / 400) ** 0.5})
+    assert "unconfirmed" in alert.message and "paired on 400 items" in alert.message
 
 
 def test_a_run_is_confirmed_whatever_order_its_results_arrive_in():

@@ -115,3 +115,17 @@ def test_a_clustered_guarded_error_moves_one_more_cluster_by_the_largest_cluster
     expected = math.sqrt(21 / 20 * (np.sum(deviations**2) + np.abs(sums).max() ** 2)) / 60
     assert got.guarded_stderr == pytest.approx(expected, rel=1e-12)
     assert got.guarded_stderr > got.stderr
+
+
+def test_mcnemar_z_is_the_normal_deviate_of_the_exact_p():
+    a = {i: 1.0 for i in range(400)}
+    for lost in (4, 24):
+        b = {i: 0.0 if i < lost else 1.0 for i in range(400)}
+        got = paired_difference(a, b)
+        assert got.mcnemar_z == pytest.approx(stats.norm.isf(got.mcnemar_p / 2), rel=1e-9)
+    # Four lost: below the plain z (2.0); 24 lost, none gained: above it (5.05).
+    assert paired_difference(a, {i: 0.0 if i < 4 else 1.0 for i in range(400)}).mcnemar_z < 1.6
+    many = paired_difference(a, {i: 0.0 if i < 24 else 1.0 for i in range(400)})
+    assert abs(many.z) < many.mcnemar_z and many.mcnemar_z > 5.2
+    assert paired_difference(a, a).mcnemar_z == 0.0
+    assert paired_difference({0: 0.5, 1: 1.0}, {0: 1.0, 1: 1.0}).mcnemar_z is None  # a tie is no 0/1 score
