@@ -247,11 +247,10 @@ class AlertEngine:
         stderr_key = rule.stderr_metric.format(metric=rule.metric)
         known = [(s, v) for s, v in self._results.get(rule.metric, ()) if s >= rule.min_step and s != step]
         at = bisect.bisect_left(known, (step,))
-        near = known[max(0, at - rule.confirm + 1) : at + rule.confirm - 1]  # every run holding step
-        results = [(s, v, self._value_at(stderr_key, s)) for s, v in near]
-        at -= max(0, at - rule.confirm + 1)
-        results.insert(at, (step, value, metrics.get(stderr_key)))
-        for first in range(max(0, at - rule.confirm + 1), at + 1):
+        lo = max(0, at - rule.confirm + 1)
+        results = [(s, v, self._value_at(stderr_key, s)) for s, v in known[lo : at + rule.confirm - 1]]
+        results.insert(at - lo, (step, value, metrics.get(stderr_key)))
+        for first in range(at - lo + 1):  # each run of confirm results that holds step
             run = results[first : first + rule.confirm]
             if len(run) < rule.confirm:
                 break
