@@ -47,7 +47,8 @@ class PairedDifference:
     clusters: int | None = None
     """Clusters the error was computed over (None: every item its own)."""
     mcnemar_p: float | None = None
-    """McNemar's exact two-sided p-value, where every common score is 0 or 1."""
+    """McNemar's exact two-sided p-value, where every common score is 0 or 1 and no two share a
+    cluster (the test holds for independent pairs: a prompt's samples are not)."""
     guarded_stderr: float = 0.0
     """``stderr`` as if one more item (or cluster) had changed by the largest change seen, in
     either direction alike: Agresti and Min's half an item in each discordant cell, for any
@@ -121,7 +122,7 @@ def paired_difference(
         ci_high=mean_d + half,
         unpaired_stderr=unpaired,
         clusters=groups,
-        mcnemar_p=mcnemar_exact(xs, ys) if binary else None,
+        mcnemar_p=mcnemar_exact(xs, ys) if binary and groups in (None, n) else None,
         guarded_stderr=guarded,
     )
 

@@ -129,3 +129,6 @@ def test_mcnemar_z_is_the_normal_deviate_of_the_exact_p():
     assert abs(many.z) < many.mcnemar_z and many.mcnemar_z > 5.2
     assert paired_difference(a, a).mcnemar_z == 0.0
     assert paired_difference({0: 0.5, 1: 1.0}, {0: 1.0, 1: 1.0}).mcnemar_z is None  # a tie is no 0/1 score
+    a, b = {i: 1.0 for i in range(6)}, {i: 0.0 if i < 3 else 1.0 for i in range(6)}
+    assert paired_difference(a, b, {i: i // 3 for i in range(6)}).mcnemar_z is None  # one prompt's samples
+    assert paired_difference(a, b, {i: i for i in range(6)}).mcnemar_p == pytest.approx(0.25)  # singletons
