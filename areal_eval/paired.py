@@ -58,9 +58,9 @@ class PairedDifference:
 
     @property
     def mcnemar_z(self) -> float | None:
-        """McNemar's exact p as the normal deviate with the same two-sided tail (None: not every
-        score is 0 or 1). Where few items changed it is below ``z``; where many changed one way,
-        above it."""
+        """McNemar's exact p as the normal deviate with the same two-sided tail (None where
+        ``mcnemar_p`` is: a score not 0 or 1, or clustered items). Where few items changed it is
+        below ``z``; where many changed one way, above it."""
         if self.mcnemar_p is None:
             return None
         if self.mcnemar_p >= 1.0:
