@@ -36,6 +36,19 @@ def engine_shape(checkpoint_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def engine_dtype(checkpoint_dir: Path, dtype: str) -> str:
+    """The dtype an engine runs ``eval.dtype`` ``dtype`` in, as the transformers backend does:
+    ``auto`` is the checkpoint's own. vLLM's own ``auto`` would turn a float32 checkpoint into
+    bfloat16 or float16, so the two backends would answer in different precisions."""
+    from transformers import AutoConfig
+
+    from areal_eval import distributed
+    from areal_eval.checkpoints.loading import resolve_dtype
+
+    config = AutoConfig.from_pretrained(str(checkpoint_dir))
+    return str(resolve_dtype(dtype, config, distributed.device())).removeprefix("torch.")
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -107,6 +120,7 @@ class VLLMDecoder:
             )
         self.tokenizer, self.cfg = tokenizer, cfg
         self.llm = None
+        dtype = engine_dtype(checkpoint_dir, dtype)
         if distributed.rank() % mp_size:  # the group's head runs the engine on this rank's devices too
             shutdown_engines()
             return
@@ -116,9 +130,10 @@ class VLLMDecoder:
             shutdown_engines()
             started = time.monotonic()
             engine = _engines[key] = [self._start(checkpoint_dir, dtype, mp_size), str(checkpoint_dir)]
+            runs_in = str(engine[0].model_config.dtype).removeprefix("torch.")
             print(
                 f"vllm engine started in {time.monotonic() - started:.1f} s "
-                f"(tensor parallel {mp_size}, {checkpoint_dir})",
+                f"(tensor parallel {mp_size}, {runs_in}, {checkpoint_dir})",
                 flush=True,
             )
         elif engine[1] != str(checkpoint_dir):  # the same model's next checkpoint: new weights, same engine

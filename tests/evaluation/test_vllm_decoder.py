@@ -77,8 +77,8 @@ def test_vllm_on_two_ranks_answers_as_the_transformers_backend_and_keeps_its_eng
         assert workers.started_jobs == 1
     log = (tmp_path / "warm" / "warm-workers-1.log").read_text()
     assert log.count("vllm engine started in") == 3
-    assert log.count("(tensor parallel 1,") == 2  # one engine per rank, kept for the five evaluations
-    assert log.count("(tensor parallel 2,") == 1  # then one engine for the group of two ranks
+    assert log.count("(tensor parallel 1, float32,") == 2  # one engine per rank, kept for the five evaluations
+    assert log.count("(tensor parallel 2, float32,") == 1  # then one engine for the group of two ranks
     assert log.count("vllm weights reloaded") == 2 * 2  # each rank: the later checkpoint, then the first again
     # The later checkpoint's answers, not the first's: within the stated bounds of the transformers backend's.
     assert reloaded.metrics["response_length"] != greedy["response_length"]
@@ -112,6 +112,23 @@ def test_a_tensor_parallel_engine_takes_the_devices_of_its_group(monkeypatch):
     assert group_devices(2, on_gpu=True) == {"CUDA_VISIBLE_DEVICES": "6,7"}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
     assert group_devices(2, on_gpu=False) == {}  # the user's own binding stands
+
+
+def test_the_engine_runs_in_the_checkpoints_own_dtype_as_the_transformers_backend(causal_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from areal_eval.evaluation.vllm_decoder import engine_dtype
+
+    checkpoint, _ = causal_checkpoint
+    assert engine_dtype(checkpoint, "auto") == "float32"  # vLLM's own auto would be bfloat16 here
+    assert engine_dtype(checkpoint, "bfloat16") == "bfloat16"
+    half = shutil.copytree(checkpoint, tmp_path / "half")
+    config = json.loads((half / "config.json").read_text())
+    (half / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert engine_dtype(half, "auto") == "bfloat16"
+    with pytest.raises(ConfigError, match="eval.dtype: 'fp8' is not one of"):
+        engine_dtype(checkpoint, "fp8")
 
 
 def test_vllm_missing_from_the_workers_interpreter_is_a_config_error(causal_checkpoint):
