@@ -11,17 +11,22 @@ verifies the files when ``store`` is an ``s3://`` prefix, appends the checkpoint
 Plain HTTP: the training process needs no Prefect client and starts no temporary server. A
 deployment trigger on that event starts ``evaluate-checkpoint``.
 
-The manifest is the source of truth, the event only a fast path: an event API that is down or
-slow is a warning, never an error raised into the trainer. The evaluation service's catch-up and
-the cron sweep evaluate every checkpoint of the manifest whose event was lost.
+The manifest is the source of truth, the event only a fast path: events go out from a thread
+of their own, in publish order, so an event API that is down, slow or hung never holds up the
+trainer, and a failed one is a warning, never an error raised into the trainer. At exit the
+process waits at most one event timeout for events not yet sent. The evaluation service's
+catch-up and the cron sweep evaluate every checkpoint of the manifest whose event was lost.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import datetime
 import json
 import logging
 import os
+import threading
 import time
 import urllib.request
 import uuid
@@ -76,6 +81,79 @@ def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeo
             raise RuntimeError(f"Prefect API {api_url} refused the event: HTTP {response.status}")
 
 
+class EventSender:
+    """Posts events from a daemon thread, one after another in the order they were sent."""
+
+    def __init__(self):
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)  # a forked child has no sending thread
+
+    def reset(self) -> None:
+        self._changed = threading.Condition()
+        self._waiting: collections.deque = collections.deque()
+        self._unsent = 0
+        self._longest = 0.0
+        """The longest event timeout asked for: how long the process waits at exit."""
+        self._owner: int | None = None
+        """The process whose thread sends."""
+
+    def send(self, api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float) -> None:
+        with self._changed:
+            if self._owner != os.getpid():
+                self._owner = os.getpid()
+                threading.Thread(target=self._run, name="checkpoint-events", daemon=True).start()
+                atexit.register(self._at_exit, os.getpid())
+            self._waiting.append((api_url, event, manifest, timeout_s))
+            self._unsent += 1
+            self._longest = max(self._longest, timeout_s)
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._waiting)
+                api_url, event, manifest, timeout_s = self._waiting.popleft()
+            try:
+                post_event(api_url, event, manifest, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a side fault: training goes on, the manifest has the checkpoint
+                logger.warning(
+                    "checkpoint step %d is in the manifest, but its event did not reach %s (%r): the evaluation "
+                    "service's catch-up or sweep-checkpoints evaluates it from the manifest",
+                    event.global_step,
+                    api_url,
+                    exc,
+                )
+            with self._changed:
+                self._unsent -= 1
+                self._changed.notify_all()
+
+    def flush(self, timeout_s: float = EVENT_TIMEOUT_S) -> int:
+        """Wait until every event sent so far is posted or has failed, at most ``timeout_s``;
+        returns how many are still unsent."""
+        with self._changed:
+            if self._owner != os.getpid():
+                return 0
+            self._changed.wait_for(lambda: self._unsent == 0, timeout_s)
+            return self._unsent
+
+    def _at_exit(self, pid: int) -> None:
+        if pid == os.getpid() and (left := self.flush(self._longest)):
+            logger.warning(
+                "%d checkpoint event(s) not sent before exit: the evaluation service's catch-up or "
+                "sweep-checkpoints evaluates their checkpoints from the manifest",
+                left,
+            )
+
+
+_events = EventSender()
+
+
+def flush_events(timeout_s: float = EVENT_TIMEOUT_S) -> int:
+    """Wait, at most ``timeout_s``, for the events :func:`publish_checkpoint` has not posted yet
+    (posted or failed); returns how many are still unsent. The process does this at exit."""
+    return _events.flush(timeout_s)
+
+
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.distcp")
 """Model weight files: ``save_pretrained`` (whole or sharded) and torch.distributed.checkpoint."""
 
@@ -112,7 +190,9 @@ def publish_checkpoint(
     not a file is refused here, before anything is written.
 
     Bad arguments raise; a fault of the event API (down, slow, refusing) only warns: the manifest
-    line stands, and ``event_timeout_s`` bounds how long training waits for it.
+    line stands. The event is posted from a thread of its own (training does not wait for it),
+    each waited for at most ``event_timeout_s``; :func:`flush_events` waits for those not yet
+    posted, as the process does at exit and a ``final`` publish does before it returns.
     """
     directory = Path(checkpoint_dir).resolve()
     if not directory.is_dir():
@@ -139,14 +219,7 @@ def publish_checkpoint(
     checkpoint_store.mirror(Path(manifest), "manifest.jsonl")
     api_url = api_url or os.environ.get("PREFECT_API_URL")
     if api_url:
-        try:
-            post_event(api_url, event, f"{root}/manifest.jsonl" if root else manifest, event_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a side fault: training goes on, the manifest has the checkpoint
-            logger.warning(
-                "checkpoint step %d is in the manifest, but its event did not reach %s (%r): the evaluation "
-                "service's catch-up or sweep-checkpoints evaluates it from the manifest",
-                global_step,
-                api_url,
-                exc,
-            )
+        _events.send(api_url, event, f"{root}/manifest.jsonl" if root else manifest, event_timeout_s)
+        if final:  # training is over: wait here, since some launchers end a process without its exit hooks
+            flush_events(event_timeout_s)
     return event

@@ -4,7 +4,7 @@ event posted over HTTP (to a loopback receiver standing where the Prefect API wo
 import boto3
 
 from areal_eval.checkpoints.manifest import Manifest
-from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, publish_checkpoint
+from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, flush_events, publish_checkpoint
 from areal_eval.checkpoints.store import S3Config
 
 
@@ -29,6 +29,7 @@ def test_publish_local_appends_the_manifest_then_posts_the_event(tmp_path, webho
         api_url=webhook.url,
     )
     assert Manifest(tmp_path / "manifest.jsonl").events() == [event]
+    assert flush_events() == 0
     assert event.uri == str(directory) and {f.name: f.size for f in event.files} == {
         "config.json": 2,
         "model.safetensors": 700,
@@ -60,6 +61,7 @@ def test_publish_to_s3_uploads_verifies_and_mirrors_the_manifest(s3_server, s3_b
         "ckpts/run-7/step-40/config.json",
         "ckpts/run-7/manifest.jsonl",
     }
+    assert flush_events() == 0
     assert webhook.requests[0]["json"][0]["payload"]["manifest"] == f"s3://{s3_bucket}/ckpts/run-7/manifest.jsonl"
 
 
@@ -104,7 +106,61 @@ def test_an_event_api_that_is_down_or_hangs_is_a_warning_and_the_manifest_line_s
             directory, tmp_path / "manifest.jsonl", "run-7", step, api_url=api_url, event_timeout_s=1
         )
         assert event.global_step == step
+    assert flush_events(10) == 0  # each posted, or failed within its timeout
     hanging.close()
     assert [e.global_step for e in Manifest(tmp_path / "manifest.jsonl").events()] == [40, 80]
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 2 and all("is in the manifest, but its event did not reach" in w for w in warned), warned
+
+
+def test_training_does_not_wait_for_an_event_api_that_hangs(tmp_path, caplog):
+    """The event is posted from a thread of its own: publish returns while the API still holds the
+    request, and the event arrives once the API answers. A publish that waited for the answer
+    would give up after its timeout and warn."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answer, received = threading.Event(), []
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            answer.wait(120)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    api_url = f"http://127.0.0.1:{server.server_address[1]}/api"
+    directory = written_checkpoint(tmp_path)
+    for step in (40, 80):
+        publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", step, api_url=api_url, event_timeout_s=60)
+    assert not answer.is_set() and [e.global_step for e in Manifest(tmp_path / "manifest.jsonl").events()] == [40, 80]
+    answer.set()
+    assert flush_events(60) == 0
+    server.shutdown()
+    assert [r[0]["payload"]["global_step"] for r in received] == [40, 80]  # in publish order
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_the_final_publish_waits_for_its_event_even_where_exit_hooks_never_run(tmp_path, webhook):
+    """A child forked by multiprocessing ends without running exit hooks: its final publish
+    posts the event before it returns."""
+    import multiprocessing
+
+    directory = written_checkpoint(tmp_path)
+    publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 40, api_url=webhook.url)
+    assert flush_events() == 0  # the parent's sending thread is up before the fork
+
+    def trainer():
+        publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 80, final=True, api_url=webhook.url)
+
+    child = multiprocessing.get_context("fork").Process(target=trainer)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert [r["json"][0]["payload"]["global_step"] for r in webhook.requests] == [40, 80]
