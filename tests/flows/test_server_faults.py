@@ -131,14 +131,21 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
         publish(300, env["PREFECT_API_URL"])
         assert Manifest(manifest).find(300).global_step == 300
         # An evaluation that wants its concurrency slot now waits for the server, it does not fail.
+        waiter_log = tmp_path / "slot-waiter.log"
         waiting = subprocess.Popen(
-            [sys.executable, "-c", SLOT_WAITER], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            [sys.executable, "-c", SLOT_WAITER],
+            cwd=REPO,
+            env=env,
+            stdout=waiter_log.open("w"),
+            stderr=subprocess.STDOUT,
         )
+        deadline = time.monotonic() + 120
+        while "not acquired" not in waiter_log.read_text():  # it waits for the server, and says so
+            assert waiting.poll() is None and time.monotonic() < deadline, waiter_log.read_text()[-3000:]
+            time.sleep(0.2)
         # Back on the same port and database: the service reconnects and catches up from the manifest.
         server = start_server(env, home)
-        said_by_waiter = waiting.communicate(timeout=120)[0].decode()
-        assert waiting.returncode == 0 and "held gpu:0" in said_by_waiter, said_by_waiter[-3000:]
-        assert "not acquired" in said_by_waiter, said_by_waiter[-3000:]  # it waited, and said so
+        assert waiting.wait(timeout=120) == 0 and "held gpu:0" in waiter_log.read_text(), waiter_log.read_text()[-3000:]
         deadline = time.monotonic() + 240
         while Ledger(run_dir / "ledger.jsonl").status(300) in (None, "scheduled"):
             assert service.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
