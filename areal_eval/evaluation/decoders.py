@@ -80,34 +80,51 @@ class TransformersDecoder:
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         device = distributed.device()
-        eos = tok.eos_token_id
+        ends = end_token_ids(tok, self.model.generation_config)
         settings = HFGenerationConfig(
             max_new_tokens=cfg.max_new_tokens,
             do_sample=False,
             num_beams=1,
             pad_token_id=tok.pad_token_id,
-            eos_token_id=eos,
+            eos_token_id=list(ends),
             stop_strings=cfg.stop or None,
         )
         processors = LogitsProcessorList()
         if any(s is not None for s in seeds):
             processors.append(SeededSampler(seeds, cfg.temperature, cfg.top_p))
-        out = self.model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            generation_config=settings,
-            logits_processor=processors,
-            tokenizer=tok if cfg.stop else None,
-        )
-        return [completion_from(tok, cfg, row[width:].tolist()) for row in out.cpu()]
+        checkpoints_own, self.model.generation_config = self.model.generation_config, HFGenerationConfig()
+        try:  # the evaluation's settings alone decide, as on vLLM: none of the checkpoint's (a repetition penalty)
+            out = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=settings,
+                logits_processor=processors,
+                tokenizer=tok if cfg.stop else None,
+            )
+        finally:
+            self.model.generation_config = checkpoints_own
+        return [completion_from(tok, cfg, row[width:].tolist(), ends) for row in out.cpu()]
 
 
-def completion_from(tok, cfg: Decoding, generated: list[int]) -> Completion:
+def end_token_ids(tok, generation_config) -> tuple[int, ...]:
+    """The tokens that end an answer: the tokenizer's end-of-sequence token, then those the
+    checkpoint's generation config names (Llama 3 and Qwen chat models name more than one), as
+    ``generate`` and vLLM each stop on by default."""
+    named = getattr(generation_config, "eos_token_id", None)
+    named = [named] if isinstance(named, int) else list(named or [])
+    ends = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    return tuple(ends + [i for i in named if i not in ends])
+
+
+def completion_from(tok, cfg: Decoding, generated: list[int], ends: tuple[int, ...] | None = None) -> Completion:
     """An answer from the tokens a decoder generated, by the same rules on every backend: it ends
-    at the end-of-sequence token or a stop string, and one that ended neither way is truncated."""
-    ended = tok.eos_token_id in generated
+    at the first of the ``ends`` tokens (default: the tokenizer's end-of-sequence token) or a stop
+    string, and one that ended neither way is truncated."""
+    ends = set(ends if ends is not None else (tok.eos_token_id,))
+    at = next((i for i, t in enumerate(generated) if t in ends), None)
+    ended = at is not None
     if ended:
-        generated = generated[: generated.index(tok.eos_token_id)]
+        generated = generated[:at]
     while generated and generated[-1] == tok.pad_token_id:  # rows that stopped early are padded
         generated = generated[:-1]
         ended = True

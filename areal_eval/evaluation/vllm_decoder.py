@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from areal_eval.config.parsing import ConfigError
+from areal_eval.evaluation.decoders import completion_from, end_token_ids
 
 _engines: dict = {}
 """The engine this rank keeps, by (checkpoint directory, settings): one at a time."""
@@ -47,6 +48,17 @@ def engine_dtype(checkpoint_dir: Path, dtype: str) -> str:
 
     config = AutoConfig.from_pretrained(str(checkpoint_dir))
     return str(resolve_dtype(dtype, config, distributed.device())).removeprefix("torch.")
+
+
+def checkpoint_generation_config(checkpoint_dir: Path):
+    """The checkpoint's generation config, as ``from_pretrained`` gives a model: its
+    ``generation_config.json``, else one made from its ``config.json``."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(checkpoint_dir))
+    except OSError:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(checkpoint_dir)))
 
 
 def vllm_available() -> bool:
@@ -119,6 +131,7 @@ class VLLMDecoder:
                 "environment that has it (bash scripts/setup.sh --vllm, then eval.python: .venv-vllm/bin/python)"
             )
         self.tokenizer, self.cfg = tokenizer, cfg
+        self.ends = end_token_ids(tokenizer, checkpoint_generation_config(checkpoint_dir))
         self.llm = None
         dtype = engine_dtype(checkpoint_dir, dtype)
         if distributed.rank() % mp_size:  # the group's head runs the engine on this rank's devices too
@@ -172,8 +185,6 @@ class VLLMDecoder:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from areal_eval.evaluation.decoders import completion_from
-
         cfg = self.cfg
         params = [
             SamplingParams(
@@ -182,10 +193,11 @@ class VLLMDecoder:
                 seed=seed,
                 max_tokens=cfg.max_new_tokens,
                 stop=cfg.stop or None,
+                stop_token_ids=list(self.ends),
                 skip_special_tokens=True,
             )
             for seed in seeds
         ]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [completion_from(self.tokenizer, cfg, list(out.outputs[0].token_ids)) for out in outputs]
+        return [completion_from(self.tokenizer, cfg, list(out.outputs[0].token_ids), self.ends) for out in outputs]

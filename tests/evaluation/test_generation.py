@@ -237,3 +237,49 @@ def test_a_probe_subset_and_the_rest_add_up_to_the_whole_set_sampled_answers_inc
     assert metrics == pytest.approx(whole, rel=1e-6)
     assert probe["generation/n_prompts"] == probe["lm_loss/n_texts"] == 10  # a quarter of 41 prompts
     assert compute_with_probe(evaluator, layout, 7, 0.25, probe_only=True) == ({}, probe)
+
+
+def copy_with_generation_config(checkpoint, target, **settings):
+    import shutil
+
+    copy = shutil.copytree(checkpoint, target)
+    (copy / "generation_config.json").write_text(json.dumps(settings))
+    return copy
+
+
+def test_the_checkpoints_own_generation_settings_do_not_change_the_answers(causal_checkpoint, tmp_path):
+    """A chat model's generation_config.json carries its sampling preferences (Qwen's a repetition
+    penalty); the evaluation's settings alone decide, on both backends."""
+    checkpoint, prompts = causal_checkpoint
+    own = copy_with_generation_config(
+        checkpoint, tmp_path / "own", repetition_penalty=10.0, no_repeat_ngram_size=1, do_sample=True, top_k=1
+    )
+    greedy = GenerationConfig(max_new_tokens=16)
+    for decoding in (greedy, SAMPLING):
+        expected, expected_items = causal_metrics(checkpoint, prompts, items=True, generation=decoding)
+        got, got_items = causal_metrics(own, prompts, items=True, generation=decoding)
+        assert got == expected and got_items == expected_items
+
+
+def test_an_answer_ends_at_any_end_token_the_generation_config_names(causal_checkpoint, tmp_path):
+    """Llama 3 and Qwen chat models name more than one end token there; generate and vLLM stop on
+    each of them, and the answer ends there, not truncated."""
+    from collections import Counter
+
+    from areal_eval.evaluation.decoders import completion_from, end_token_ids
+    from areal_eval.models import causal_lm
+
+    checkpoint, prompts = causal_checkpoint
+    tok = causal_lm.load_tokenizer(checkpoint)
+    greedy = GenerationConfig(max_new_tokens=16)
+    plain, rows = causal_metrics(checkpoint, prompts, items=True, generation=greedy)
+    answers = [r["answer"] for r in rows["generation"] if r["greedy"]]
+    [(common, _)] = Counter(t for a in answers for t in tok(a, add_special_tokens=False)["input_ids"]).most_common(1)
+    ended = copy_with_generation_config(checkpoint, tmp_path / "ended", eos_token_id=[tok.eos_token_id, common])
+    cut, _ = causal_metrics(ended, prompts, items=True, generation=greedy)
+    assert cut["truncation_rate"] == plain["truncation_rate"] == 0.0
+    assert cut["response_length"] < plain["response_length"] and cut["n_answers"] == plain["n_answers"]
+    ends = end_token_ids(tok, causal_lm.load_model(ended).generation_config)
+    assert ends == (tok.eos_token_id, common)
+    answer = completion_from(tok, greedy, [5, common, 7, tok.eos_token_id], ends)
+    assert answer.token_ids == [5] and not answer.truncated
