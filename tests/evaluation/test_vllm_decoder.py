@@ -3,7 +3,9 @@ made by ``bash scripts/setup.sh --vllm``; CI makes it).
 
 Bounds stated here: greedy answers differ from the transformers backend's on at most 5% of the
 prompts, and greedy accuracy by at most 0.05 (float kernels differ between the two; on the test
-checkpoint they agree on every answer). Counts are equal."""
+checkpoint they agree on every answer). Counts and the truncation rate are equal. The test
+checkpoint carries a generation config as chat models do (a second end token, a repetition
+penalty)."""
 
 import dataclasses
 from pathlib import Path
@@ -39,8 +41,25 @@ def perturbed_copy(checkpoint: Path, out: Path) -> Path:
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.02)
     model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(checkpoint / name, out / name)
+    return out
+
+
+def with_chat_model_generation_config(checkpoint: Path, out: Path) -> Path:
+    """The checkpoint with a generation_config.json as chat models carry one: a second end token
+    (a digit, which some answers hold) and a repetition penalty. Both backends end answers at
+    either token and leave the penalty alone."""
+    import json
+    import shutil
+
+    from areal_eval.models import causal_lm
+
+    shutil.copytree(checkpoint, out)
+    tok = causal_lm.load_tokenizer(out)
+    [digit] = tok("3", add_special_tokens=False)["input_ids"]
+    settings = {"eos_token_id": [tok.eos_token_id, digit], "repetition_penalty": 10.0}
+    (out / "generation_config.json").write_text(json.dumps(settings))
     return out
 
 
@@ -48,6 +67,7 @@ def perturbed_copy(checkpoint: Path, out: Path) -> Path:
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: bash scripts/setup.sh --vllm")
 def test_vllm_on_two_ranks_answers_as_the_transformers_backend_and_keeps_its_engine(causal_checkpoint, tmp_path):
     checkpoint, prompts = causal_checkpoint
+    checkpoint = with_chat_model_generation_config(checkpoint, tmp_path / "chat")
     reference = causal_metrics(checkpoint, prompts, generation=GREEDY)
     cfg = EvalConfig(
         nproc=2, evaluator="generation", python=str(VLLM_PYTHON), generation=dataclasses.replace(GREEDY, backend="vllm")
@@ -87,6 +107,7 @@ def test_vllm_on_two_ranks_answers_as_the_transformers_backend_and_keeps_its_eng
     counts = ("n_prompts", "n_answers", "truncated_prompts", "reward_errors")
     assert {c: greedy[c] for c in counts} == {c: reference[c] for c in counts}
     assert abs(greedy["accuracy"] - reference["accuracy"]) <= 0.05
+    assert greedy["truncation_rate"] == reference["truncation_rate"]  # an answer that ended at the digit ended
     assert sampled[0] == sampled[1]  # each sample's own seed: the same answers again
     assert sampled[0]["n_answers"] == 2 * 41 and sampled[0]["truncation_rate"] < 1.0
     # A stop string cuts the answer where the transformers backend cuts it.
