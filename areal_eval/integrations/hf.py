@@ -6,14 +6,17 @@ Trainer saves is published to the pipeline, and a stop request from the pipeline
 On each save, the evaluation files of ``output_dir/checkpoint-N`` (weights, config, tokenizer)
 are linked into ``run_dir/checkpoints/global_step_N`` and published with their sizes and
 sha256: to the run's manifest, to ``store`` when it is ``s3://``, and as an event when a Prefect
-API is given. Optimizer, scheduler, RNG and trainer state stay behind: evaluation never needs
-them, and they are pickles.
+API is given. Hashing, uploading and publishing run in a thread of their own, one checkpoint
+after another, so training does not wait for them; the final checkpoint's are waited for.
+Optimizer, scheduler, RNG and trainer state stay behind: evaluation never needs them, and they
+are pickles.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -84,6 +87,9 @@ class PublishCheckpoints(TrainerCallback):
         self.stop = StopSignal(self.run.stop_file) if self.run else None
         self.published: list[int] = []
         """Global steps published so far (by the main process)."""
+        self._publisher: ThreadPoolExecutor | None = None
+        """Hashes and publishes saved checkpoints off the training loop, one at a time, in order."""
+        self._publishing: list[Future] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.run is None:  # now, not at the first save, hours into training
@@ -105,27 +111,56 @@ class PublishCheckpoints(TrainerCallback):
             raise ValueError(f"{self.run.run_id_file} says run id {self.run.run_id!r}, not {self.run_id!r}")
 
     def on_save(self, args, state, control, **kwargs):
+        """Link the checkpoint's evaluation files (the Trainer may rotate its own copy away), then
+        hash and publish them in a thread of their own while training goes on. A publish that
+        failed raises here, at the next save; the final one is waited for."""
         if not state.is_world_process_zero:
             return control
+        self._raise_failed()
         source = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         target = self.run.checkpoints / checkpoint_name(state.global_step)
         link_or_copy(evaluation_files(source), target)
         # The loss logged at this very step, if any: a metric lands at the step it belongs to.
         loss = next((r["loss"] for r in state.log_history if "loss" in r and r.get("step") == state.global_step), None)
+        final = state.global_step >= state.max_steps or bool(control.should_training_stop)
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-checkpoints")
+        self._publishing.append(
+            self._publisher.submit(self._publish, target, state.global_step, int(state.epoch or 0), loss, final)
+        )
+        if final:
+            self.wait()
+        return control
+
+    def _publish(self, target: Path, step: int, epoch: int, loss: float | None, final: bool) -> None:
         publish_checkpoint(
             target,
             self.run.manifest,
             self.run_id,
-            state.global_step,
-            epoch=int(state.epoch or 0),
+            step,
+            epoch=epoch,
             train_metrics={"loss": loss} if loss is not None else None,
-            final=state.global_step >= state.max_steps or bool(control.should_training_stop),
+            final=final,
             api_url=self.api_url,
             store=self.store,
             s3=self.s3,
             valid_data=self.valid_data,
         )
-        self.published.append(state.global_step)
+        self.published.append(step)
+
+    def _raise_failed(self) -> None:
+        for future in [f for f in self._publishing if f.done()]:
+            self._publishing.remove(future)
+            future.result()  # raises what the publish raised
+
+    def wait(self) -> None:
+        """Wait until every checkpoint saved so far is published; raises the first that failed."""
+        while self._publishing:
+            self._publishing.pop(0).result()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.wait()
         return control
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -117,3 +117,44 @@ def test_a_callback_without_a_run_directory_fails_when_training_begins(tmp_path,
     ):
         trainer.train()
     assert not list((tmp_path / "trainer").glob("checkpoint-*"))  # before any step or save
+
+
+def test_training_goes_on_while_a_saved_checkpoint_is_hashed_and_published(tmp_path, monkeypatch):
+    """The publish of step 8 is held until training has reached step 10: a callback that
+    published in on_save would wait there for good (here: give up after a minute)."""
+    import threading
+
+    from transformers import TrainerCallback
+
+    from areal_eval.integrations import hf
+
+    reached, held_too_long, publish = threading.Event(), [], hf.publish_checkpoint
+
+    def held_publish(checkpoint_dir, manifest, run_id, global_step, **kwargs):
+        if global_step == 8:
+            held_too_long.append(not reached.wait(60))
+        return publish(checkpoint_dir, manifest, run_id, global_step, **kwargs)
+
+    class Reach10(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 10:
+                reached.set()
+
+    monkeypatch.setattr(hf, "publish_checkpoint", held_publish)
+    callback = PublishCheckpoints(tmp_path / "run", api_url=None)
+    trainer, _ = hf_trainer(tmp_path, [Reach10(), callback], max_steps=16)
+    trainer.train()
+    assert held_too_long == [False]
+    assert [(e.global_step, e.final) for e in Manifest(tmp_path / "run" / "manifest.jsonl").events()] == [
+        (8, False),
+        (16, True),
+    ]
+    assert callback.published == [8, 16]
+
+
+def test_a_publish_that_fails_raises_into_training(tmp_path):
+    callback = PublishCheckpoints(tmp_path / "run", api_url=None, valid_data=tmp_path / "nowhere.jsonl")
+    trainer, _ = hf_trainer(tmp_path, [callback], max_steps=16)
+    with pytest.raises(FileNotFoundError, match="valid_data: .*nowhere.jsonl: no such validation data file"):
+        trainer.train()
+    assert not (tmp_path / "run" / "manifest.jsonl").exists()
