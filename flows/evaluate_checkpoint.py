@@ -130,7 +130,8 @@ def claim_checkpoint(
     mlflow_run_id = start_tracking_run(cfg, claim.event.run_id, str(shared.run.root))
     verdict = "evaluate" if claim.evaluate else "nothing to do"
     get_run_logger().info("step %d: %s (%s)", global_step, verdict, claim.reason)
-    return Evaluating(cfg, shared, shared.run, mlflow_run_id, data_path, gpu_slot), claim
+    deleted = frozenset(tracker_for(cfg).deleted_steps(mlflow_run_id))
+    return Evaluating(cfg, shared, shared.run, mlflow_run_id, data_path, gpu_slot, deleted), claim
 
 
 def this_flow_run() -> str:
@@ -138,11 +139,12 @@ def this_flow_run() -> str:
 
 
 def evaluate_claimed(ctx: Evaluating, claim: Claim) -> tuple[dict, list[Exception]]:
-    """Evaluate (or probe) what was claimed, then the refinements around the best once the run's
-    checkpoints are handled. Failures are recorded already; they are returned, to raise once the
-    run's ledger is up to date."""
+    """Evaluate (or probe) what was claimed, then the skipped checkpoint its result looked back
+    at, if any, then the refinements around the best once the run's checkpoints are handled.
+    Failures are recorded already; they are returned, to raise once the run's ledger is up to
+    date."""
     event = claim.event
-    summary = {"global_step": event.global_step, "evaluated": claim.evaluate, "reason": claim.reason, "refined": []}
+    summary = {"global_step": event.global_step, "evaluated": claim.evaluate, "reason": claim.reason}
     failures: list[Exception] = []
     try:
         if claim.evaluate and claim.probe:
@@ -151,16 +153,24 @@ def evaluate_claimed(ctx: Evaluating, claim: Claim) -> tuple[dict, list[Exceptio
             summary["metrics"] = evaluate_and_record(ctx, event, claim.reason).metrics
     except Exception as exc:  # noqa: BLE001 - a failed checkpoint does not keep the run from ending
         failures.append(exc)
-    deleted = tracker_for(ctx.cfg).deleted_steps(ctx.mlflow_run_id)
-    for refined in ctx.shared.refinements(this_flow_run(), deleted):
-        reason_now = Ledger(ctx.run.ledger).latest(refined.global_step).reason
-        get_run_logger().info("step %d: %s", refined.global_step, reason_now)
-        try:
-            evaluate_and_record(ctx, refined, reason_now)
-            summary["refined"].append(refined.global_step)
-        except Exception as exc:  # noqa: BLE001 - the other neighbours are still evaluated
-            failures.append(exc)
+    summary["looked_back"] = evaluate_more(ctx, list(ctx.looked_back), failures)  # they look back at none
+    summary["refined"] = evaluate_more(ctx, ctx.shared.refinements(this_flow_run(), ctx.deleted), failures)
     return summary, failures
+
+
+def evaluate_more(ctx: Evaluating, events: list[CheckpointEvent], failures: list[Exception]) -> list[int]:
+    """Evaluate checkpoints scheduled for this flow run (a look-back, refinements), each with the
+    reason in the ledger; returns the steps evaluated, and adds what failed to ``failures``."""
+    done = []
+    for event in events:
+        reason = Ledger(ctx.run.ledger).latest(event.global_step).reason
+        get_run_logger().info("step %d: %s", event.global_step, reason)
+        try:
+            evaluate_and_record(ctx, event, reason)
+            done.append(event.global_step)
+        except Exception as exc:  # noqa: BLE001 - the others are still evaluated
+            failures.append(exc)
+    return done
 
 
 def report(ctx: Evaluating, claim: Claim, summary: dict, failures: list[Exception]) -> dict:
@@ -257,6 +267,11 @@ class Evaluating:
     data_path: str | None
     """The ``data_path`` parameter (None: the published or default validation data)."""
     gpu_slot: str | None
+    deleted: frozenset[int] = frozenset()
+    """Steps retention deleted (``deleted.<step>`` tags): never looked back at or refined."""
+    looked_back: list[CheckpointEvent] = dataclasses.field(default_factory=list)
+    """Skipped checkpoints this flow run's results looked back at (``scheduler.look_back``),
+    claimed for it: it evaluates them after what it claimed."""
 
     def attempt(self, event: CheckpointEvent, probe: bool = False) -> Attempt:
         """Evaluate ``event`` (its probe subset, with ``probe``): its result, or the error."""
@@ -309,7 +324,10 @@ def finish_attempt(ctx: Evaluating, attempt: Attempt, logged: bool) -> Outcome:
     """The one outcome step of every path (:func:`areal_eval.lifecycle.outcome.record_outcome`),
     then what this path does with it: failed attempts in MLflow, the alerts sent."""
     step = attempt.event.global_step
-    outcome = ctx.shared.record_outcome(attempt, ctx.cfg.eval.max_attempts, logged_by_evaluator=logged)
+    outcome = ctx.shared.record_outcome(
+        attempt, ctx.cfg.eval.max_attempts, logged_by_evaluator=logged, deleted=ctx.deleted, owner=this_flow_run()
+    )
+    ctx.looked_back.extend(outcome.looked_back)
     if attempt.error is not None or attempt.result.retried:
         try:
             log_failed_attempt(ctx.cfg, ctx.mlflow_run_id, Ledger(ctx.run.ledger), step)

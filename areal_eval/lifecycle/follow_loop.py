@@ -266,8 +266,15 @@ class FollowLoop:
         except Exception as exc:  # noqa: BLE001 - recorded, alerted once failed for good, the loop goes on
             attempt = Attempt(done.event, error=exc, probe=done.probe)
         outcome = record_outcome(
-            self.planner, attempt, self.alerts, self.cfg.max_attempts, self.cfg.results_logged_by_evaluator
+            self.planner,
+            attempt,
+            self.alerts,
+            self.cfg.max_attempts,
+            self.cfg.results_logged_by_evaluator,
+            deleted=self.deleted,
         )
+        for event in outcome.looked_back:  # queued: the loop starts it next
+            self._log_decision(event, Decision(True, self.planner.ledger.latest(event.global_step).reason))
         if attempt.error is not None:
             self.notifier.call(
                 f"failed attempt of step {step} not recorded in the tracker", self.io.log_failed_attempt, step

@@ -11,6 +11,7 @@ another attempt).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from areal_eval.alerts import Alert, AlertEngine
 from areal_eval.checkpoints.manifest import CheckpointEvent
@@ -46,6 +47,9 @@ class Outcome:
     """A transient failure, left scheduled for another attempt: its cause."""
     decision: Decision | None = None
     """A probe's verdict: held (skipped), or escalated to a full evaluation queued next."""
+    looked_back: list[CheckpointEvent] = dataclasses.field(default_factory=list)
+    """A skipped checkpoint this result made worth a look (``scheduler.look_back``), scheduled
+    for the caller's ``owner`` and queued: the caller evaluates it next."""
 
 
 def record_outcome(
@@ -54,6 +58,8 @@ def record_outcome(
     alerts: AlertEngine,
     max_attempts: int = 1,
     logged_by_evaluator: bool = False,
+    deleted: Collection[int] = (),
+    owner: str | None = None,
 ) -> Outcome:
     """Record ``attempt`` and judge it.
 
@@ -61,7 +67,9 @@ def record_outcome(
     (``areal_eval.failures``), and only then alerted on; before that it is queued again. A probe
     is held or escalated (no alert judges a probe). A result is judged against earlier steps.
     ``logged_by_evaluator``: the evaluation logged its own metrics (a dispatched deployment run,
-    ``evaluate-checkpoint``), so there is nothing left to deliver.
+    ``evaluate-checkpoint``), so there is nothing left to deliver. A result that looks back
+    (:meth:`EvaluationPlanner.evaluated`) schedules that checkpoint for ``owner``, unless
+    retention ``deleted`` it.
     """
     event, step = attempt.event, attempt.event.global_step
     if attempt.error is not None:
@@ -79,5 +87,14 @@ def record_outcome(
         if logged_by_evaluator:
             planner.delivered(step)
         return Outcome([], deliver=not logged_by_evaluator, decision=decision)
-    planner.evaluated(event, result.metrics, logged_by_evaluator, result.probe_metrics, result.notes, result.retried)
-    return Outcome(alerts.check(step, result.metrics), deliver=not logged_by_evaluator)
+    looked_back = planner.evaluated(
+        event,
+        result.metrics,
+        logged_by_evaluator,
+        result.probe_metrics,
+        result.notes,
+        result.retried,
+        deleted=deleted,
+        owner=owner,
+    )
+    return Outcome(alerts.check(step, result.metrics), deliver=not logged_by_evaluator, looked_back=looked_back)

@@ -12,13 +12,15 @@ import functools
 import queue
 import threading
 import time
+from collections.abc import Collection
 from typing import Generic, TypeVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.lifecycle.followers import ManifestFollower
 from areal_eval.paired import ItemScores, paired_stderrs
 from areal_eval.runs.ledger import FINAL_STATES, RETRIED, Ledger, LedgerEntry
-from areal_eval.scheduling.policy import Decision, DecisionHistory, SchedulerConfig, decide, refine
+from areal_eval.scheduling.decision_history import DecisionHistory
+from areal_eval.scheduling.policy import Decision, SchedulerConfig, decide, look_back, refine
 from areal_eval.scheduling.probes import ProbeJudge, ProbeSettings
 
 T = TypeVar("T")
@@ -96,22 +98,28 @@ class EvaluationPlanner:
         self._events: dict[int, CheckpointEvent] = {}
         # What decide() reads, kept per record: a decision costs the same at any run length.
         self._decisions = DecisionHistory(cfg.higher_is_better)
+        self._skipped: set[int] = set()
+        """Steps skipped or superseded now: what a look-back may evaluate."""
         probes = ProbeSettings.of(cfg)
         self.probes = ProbeJudge(probes, cfg.metric, cfg.stderr_name, cfg.default_stderr, items) if probes else None
         self._paired = paired_stderrs(items, cfg.metric) if items is not None else None
         for entry in ledger.entries():
-            self._decisions.set(entry.step, entry.history_entry(cfg.metric, cfg.stderr_name))
-            if self.probes:
-                self.probes.remember(entry.step, entry.status, entry.probe_metrics)
+            self._index(entry)
+
+    def _index(self, entry: LedgerEntry) -> None:
+        self._decisions.set(entry.step, entry.history_entry(self.cfg.metric, self.cfg.stderr_name))
+        if entry.status in ("skipped", "superseded"):
+            self._skipped.add(entry.step)
+        else:
+            self._skipped.discard(entry.step)
+        if self.probes:
+            self.probes.remember(entry.step, entry.status, entry.probe_metrics)
 
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_name)
 
     def _record(self, entry: LedgerEntry) -> None:
-        entry = self.ledger.append(entry)
-        self._decisions.set(entry.step, entry.history_entry(self.cfg.metric, self.cfg.stderr_name))
-        if self.probes:
-            self.probes.remember(entry.step, entry.status, entry.probe_metrics)
+        self._index(self.ledger.append(entry))
 
     @_locked
     def decide(self, event: CheckpointEvent) -> Decision:
@@ -238,11 +246,17 @@ class EvaluationPlanner:
         probe_metrics: dict | None = None,
         notes: list[str] = (),
         retried: list[str] = (),
-    ) -> None:
+        deleted: Collection[int] = (),
+        owner: str | None = None,
+    ) -> list[CheckpointEvent]:
         """Record a result, with the reason it was scheduled for and the evaluation's ``notes``
         (what went wrong without failing it); ``retried``: the causes of the tries that failed
         before it (kept as attempts); ``delivered``: already in the tracker; ``probe_metrics``:
-        its subset part, with probes."""
+        its subset part, with probes.
+
+        Returns the skipped checkpoint the result makes worth a look now (``scheduler.look_back``,
+        none or one), scheduled for ``owner`` and queued pinned; ``deleted``: steps retention
+        removed, never looked back at."""
         scheduled = self.ledger.latest(event.global_step)
         reason = scheduled.reason if scheduled and scheduled.status == "scheduled" else ""
         reason = "; ".join([reason, *notes]) if reason and notes else reason or "; ".join(notes)
@@ -261,6 +275,15 @@ class EvaluationPlanner:
                 attempts=attempts,
             )
         )
+        step = event.global_step
+        looked_back = []
+        for earlier, why in look_back(self._decisions.view(), step, self._skipped, self.cfg, self._paired, deleted):
+            if (skipped := self._events.get(earlier)) is not None:  # offered in this process
+                probed = self.ledger.latest(earlier).probe  # a held probe stays on record: it ran
+                self._record(LedgerEntry(earlier, skipped.uri, "scheduled", why, owner=owner, probe=probed))
+                self.queue.push(skipped, pinned=True)
+                looked_back.append(skipped)
+        return looked_back
 
     @_locked
     def delivered(self, step: int) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from areal_eval import jsonl
 from areal_eval.alerts import AlertEngine, AlertsConfig
@@ -135,17 +135,26 @@ class SharedRun:
         """Steps the scheduler skipped or superseded (a sweep re-evaluates them only when asked)."""
         return [e.step for e in Ledger(self.run.ledger).entries() if e.status in ("skipped", "superseded")]
 
-    def record_outcome(self, attempt: Attempt, max_attempts: int = 1, logged_by_evaluator: bool = True) -> Outcome:
+    def record_outcome(
+        self,
+        attempt: Attempt,
+        max_attempts: int = 1,
+        logged_by_evaluator: bool = True,
+        deleted: Collection[int] = (),
+        owner: str | None = None,
+    ) -> Outcome:
         """:func:`~areal_eval.lifecycle.outcome.record_outcome` under the run's lock, as the
         in-flow loop records its attempts: the alert rules judge a result against the earlier
-        steps of the ledger, and throttle across flow runs (the state is in the run directory)."""
+        steps of the ledger, and throttle across flow runs (the state is in the run directory).
+        A checkpoint the result looks back at is claimed for ``owner``, who evaluates it next."""
         with self._locked() as planner:
+            self._decide_all(planner)  # as the in-flow planner, which decides each checkpoint once published
             state = self._state()
             engine = AlertEngine(self.alerts, time.time, state.get("notified"), run_item_scores(self.run.evals))
             for entry in planner.ledger.entries():
                 if entry.status == "evaluated" and entry.step != attempt.event.global_step:
                     engine.remember(entry.step, entry.metrics)
-            outcome = record_outcome(planner, attempt, engine, max_attempts, logged_by_evaluator)
+            outcome = record_outcome(planner, attempt, engine, max_attempts, logged_by_evaluator, deleted, owner)
             if engine.notified != state.get("notified", {}):
                 self._save_state({**state, "notified": engine.notified})
         return outcome

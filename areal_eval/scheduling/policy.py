@@ -1,5 +1,6 @@
-"""Which checkpoints to evaluate: pure decisions, ``decide(event, history) -> Decision`` and, once
-the run is over, ``refine(history, skipped) -> steps``.
+"""Which checkpoints to evaluate: pure decisions, ``decide(event, history) -> Decision``, after a
+suspicious result ``look_back(history, step, skipped) -> steps`` and, once the run is over,
+``refine(history, skipped) -> steps``.
 
 History is the evaluations so far (step, time, metric, stderr; metric None while pending), so
 the scheduler keeps no state of its own: a restarted flow rebuilds it from the ledger.
@@ -18,6 +19,8 @@ regression would hide, and where the best checkpoint may be:
   unevaluated, since a regression on a plateau shows no movement beforehand and is seen only by
   looking; counting checkpoints (not step gaps against a typical gap) keeps the bound blind to
   the schedule's shape, so a geometric, bursty or resumed schedule forces nothing by itself;
+* look-back: when a result falls ``regression_z`` below the best, the newest checkpoint skipped
+  before it is evaluated too, so that a drop is confirmed by two results in a row at once;
 * refinement: after the final checkpoint, the skipped neighbours of the best result whose
   interpolated value comes close to it are evaluated, because the best checkpoint is most often
   a peak that the sparse evaluations stepped over.
@@ -28,7 +31,6 @@ and it always evaluates the first and the final checkpoint.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Sequence
@@ -112,6 +114,10 @@ class SchedulerConfig:
     """Adaptive: a result this many standard errors of the difference below the best is a
     suspected regression, and the next checkpoint is evaluated, so that an alert rule confirming
     at that many (the default regression rule does, at 2) can confirm it there."""
+    look_back: bool = True
+    """Adaptive: when a result is a fresh suspected regression (``regression_z``), also evaluate
+    the newest checkpoint skipped just before it, so that a drop that began there is confirmed by
+    two results in a row at once rather than at the next evaluated checkpoint."""
     default_stderr: float = 0.01
     """Noise assumed when an evaluation reports none."""
     queue_capacity: int = 2
@@ -224,18 +230,11 @@ def _adaptive(
     done = _finished(history)
     if len(done) < 2:
         return Decision(True, "too few results to estimate the trend")
-    sign = 1.0 if cfg.higher_is_better else -1.0
     latest, prev = done[-1], done[-2]
-    best = max(done, key=lambda h: sign * h.metric)
     se_latest = _stderr(latest, cfg)
-    drop, prev_drop = sign * (best.metric - latest.metric), sign * (best.metric - prev.metric)
-
-    def regressed(h: HistoryEntry, below: float) -> bool:
-        return h is not best and below > cfg.regression_z * _difference_noise(h, best, cfg, paired)
-
     # A fresh regression is confirmed at once; after that the drop itself reads as movement.
-    if regressed(latest, drop) and not regressed(prev, prev_drop):
-        return Decision(True, f"regression: {drop:.4g} below best at step {best.step} (> {cfg.regression_z} stderr)")
+    if suspected := _fresh_regression(done, cfg, paired):
+        return Decision(True, f"regression: {suspected}")
     change = abs(latest.metric - prev.metric)
     noise = _difference_noise(latest, prev, cfg, paired)
     rate = max(0.0, change - cfg.noise_discount * noise) / max(1, latest.step - prev.step)
@@ -243,6 +242,52 @@ def _adaptive(
     if drift >= cfg.drift_tolerance * se_latest:
         return Decision(True, f"moving: predicted drift {drift:.3g} >= {cfg.drift_tolerance} stderr ({se_latest:.3g})")
     return Decision(False, f"plateau: predicted drift {drift:.3g} < {cfg.drift_tolerance} stderr ({se_latest:.3g})")
+
+
+def _fresh_regression(done: list[HistoryEntry], cfg: SchedulerConfig, paired: PairedStderr | None) -> str | None:
+    """Is the newest of the finished results ``done`` (in step order) ``regression_z`` errors of
+    the difference below the best, where the one before it was not? How far, if so."""
+    if len(done) < 2:
+        return None
+    sign = 1.0 if cfg.higher_is_better else -1.0
+    best = max(done, key=lambda h: sign * h.metric)
+
+    def below(h: HistoryEntry) -> float:
+        return sign * (best.metric - h.metric)
+
+    def regressed(h: HistoryEntry) -> bool:
+        return h is not best and below(h) > cfg.regression_z * _difference_noise(h, best, cfg, paired)
+
+    if regressed(done[-1]) and not regressed(done[-2]):
+        return f"{below(done[-1]):.4g} below best at step {best.step} (> {cfg.regression_z} stderr)"
+    return None
+
+
+def look_back(
+    history: Sequence[HistoryEntry],
+    step: int,
+    skipped_steps: Collection[int],
+    cfg: SchedulerConfig,
+    paired: PairedStderr | None = None,
+    deleted_steps: Collection[int] = (),
+) -> list[tuple[int, str]]:
+    """The result of ``step`` is in: the skipped checkpoint to evaluate now, with its reason.
+
+    Where that result is the newest and a fresh suspected regression (``regression_z``), the
+    newest checkpoint skipped between it and the result before is evaluated at once
+    (``look_back``): a drop that began there shows in two results in a row now, where an alert
+    rule confirming on two (the default does) would otherwise wait for the next checkpoint. A
+    result that is not the newest (a look-back, a refinement) looks back at nothing.
+    """
+    if cfg.policy != "adaptive" or not cfg.look_back:
+        return []
+    done = _finished(history)
+    if not done or done[-1].step != step or not (suspected := _fresh_regression(done, cfg, paired)):
+        return []
+    before = [s for s in skipped_steps if done[-2].step < s < step and s not in deleted_steps]
+    if not before:
+        return []
+    return [(max(before), f"look back: step {step} is {suspected}")]
 
 
 def refine(
@@ -285,83 +330,3 @@ def refine(
                 )
             )
     return out
-
-
-class DecisionHistory:
-    """The part of a run's history that :func:`decide` reads, kept up to date entry by entry.
-
-    ``decide`` looks at the newest entry, the last two finished results, the best result and the
-    cadence of the last few checkpoints. Rebuilding the whole history for every checkpoint made a
-    decision cost grow with the run (2.5 ms at 3,000 checkpoints); this index answers with the
-    same few entries at any length, so ``decide(event, h.view(), cfg, h.offered_before(step))``
-    equals ``decide`` on the full history.
-    """
-
-    def __init__(self, higher_is_better: bool = True):
-        self._sign = 1.0 if higher_is_better else -1.0
-        self._entries: dict[int, HistoryEntry] = {}
-        self._steps: list[int] = []
-        """Sorted steps in the history (queued or finished)."""
-        self._finished: list[int] = []
-        """Sorted steps with a finite result."""
-        self._best: HistoryEntry | None = None
-        self._offered: list[int] = []
-        """Sorted steps of every checkpoint offered, whatever became of it."""
-
-    def __len__(self) -> int:
-        return len(self._steps)
-
-    def offer(self, step: int) -> None:
-        i = bisect.bisect_left(self._offered, step)
-        if i == len(self._offered) or self._offered[i] != step:
-            self._offered.insert(i, step)
-
-    def offered_before(self, step: int, window: int = COVER_WINDOW) -> list[int]:
-        """The steps offered before ``step`` and after the newest entry (at most ``window``): all
-        that the cover bound counts."""
-        i = bisect.bisect_left(self._offered, step)
-        j = bisect.bisect_right(self._offered, self._steps[-1]) if self._steps else i
-        return self._offered[max(j, i - window) : i]
-
-    def set(self, step: int, entry: HistoryEntry | None) -> None:
-        """``step``'s entry is now ``entry`` (None: not in the history, e.g. superseded or failed)."""
-        self.offer(step)
-        old = self._entries.pop(step, None)
-        if old is not None:
-            _remove(self._steps, step)
-            if _is_finished(old):
-                _remove(self._finished, step)
-        if entry is not None:
-            self._entries[step] = entry
-            bisect.insort(self._steps, step)
-            if _is_finished(entry):
-                bisect.insort(self._finished, step)
-        if old is not None and self._best is old:
-            self._best = max(map(self._entries.get, self._finished), key=self._score, default=None)
-        elif entry is not None and _is_finished(entry) and (self._best is None or self._beats(entry, self._best)):
-            self._best = entry
-
-    def _score(self, h: HistoryEntry) -> float:
-        return self._sign * h.metric
-
-    def _beats(self, a: HistoryEntry, b: HistoryEntry) -> bool:
-        """``a`` is the best rather than ``b``; on a tie the earlier step, as ``max`` picks."""
-        return self._score(a) > self._score(b) or (self._score(a) == self._score(b) and a.step < b.step)
-
-    def view(self) -> list[HistoryEntry]:
-        """The entries ``decide`` reads, in step order."""
-        picked = {self._steps[-1]} if self._steps else set()
-        picked |= set(self._finished[-2:])
-        if self._best is not None:
-            picked.add(self._best.step)
-        return [self._entries[s] for s in sorted(picked)]
-
-
-def _is_finished(h: HistoryEntry) -> bool:
-    return h.metric is not None and math.isfinite(h.metric)
-
-
-def _remove(ordered: list[int], value: int) -> None:
-    i = bisect.bisect_left(ordered, value)
-    if i < len(ordered) and ordered[i] == value:
-        del ordered[i]

@@ -32,7 +32,8 @@ import random
 
 from areal_eval.estimates import mean_and_stderr
 from areal_eval.paired import ItemScores, NoCommonItems, paired_difference
-from areal_eval.scheduling.policy import DecisionHistory, HistoryEntry, decide, refine
+from areal_eval.scheduling.decision_history import DecisionHistory
+from areal_eval.scheduling.policy import COVER_WINDOW, HistoryEntry, decide, look_back, refine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,7 @@ class ProbeJudge:
 
 
 def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> tuple[list[tuple[int, int]], int]:
-    """The production scheduler (``decide``, ``refine``), with ``probes`` a probe wherever it
+    """The production scheduler (``decide``, ``look_back``, ``refine``), with ``probes`` a probe wherever it
     skips: the evaluations ``(index, when)`` as ``replay.Policy.select`` gives them, and the
     number of probes run."""
     points = curve.points
@@ -169,6 +170,7 @@ def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> t
     chosen, skipped, probes_run = [], [], 0
     reference = None  # (index, subset value, its stderr) of the newest full evaluation
     paired = curve_paired_stderr(curve)
+    at = {p.step: i for i, p in enumerate(points)}
     for i, p in enumerate(points):
         event = _Event(p.step, i == len(points) - 1)
         evaluate = decide(event, index.view(), cfg, index.offered_before(p.step), paired).evaluate
@@ -181,10 +183,15 @@ def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> t
             index.set(p.step, history[-1])
             if probes:  # its own subset result: what a probe here saw (a full result contains it)
                 reference = (i, *subset_result(curve, i, probes.fraction, seed))
+            for step, _ in look_back(index.view(), p.step, skipped[-COVER_WINDOW:], cfg, paired):
+                j = at[step]  # evaluated now, with this checkpoint the newest
+                chosen.append((j, i))
+                history.append(HistoryEntry(step, float(step), points[j].value, points[j].stderr))
+                index.set(step, history[-1])
+                skipped.remove(step)
         else:
             skipped.append(p.step)
             index.offer(p.step)
-    at = {p.step: i for i, p in enumerate(points)}
     chosen += [(at[step], len(points) - 1) for step, _ in refine(history, skipped, cfg)]
     return chosen, probes_run
 

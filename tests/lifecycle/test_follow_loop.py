@@ -109,6 +109,7 @@ def run_loop(
     cfg=None,
     refined=False,
     max_attempts=1,
+    external_timeout_s=None,
 ):
     alerts = alerts or AlertsConfig()
     if not (tmp_path / "manifest.jsonl").exists():
@@ -129,12 +130,53 @@ def run_loop(
             delivery_timeout_s=delivery_timeout_s,
             refined=refined,
             max_attempts=max_attempts,
+            external_timeout_s=external_timeout_s,
         ),
     )
     try:
         return loop.run()
     finally:
         io.stop.set()
+
+
+def test_a_suspected_regression_looks_back_and_the_confirming_alert_fires_on_that_result(tmp_path):
+    # Flat, then down from step 140 (skipped): 160's result is the first to show it and looks
+    # back at 150; the default rule, confirming on two results in a row, fires at once.
+    from areal_eval.alerts import NOISE_AWARE_REGRESSION
+
+    io = ReversingIO(metric=lambda step: 0.8 if step < 140 else 0.75)
+    rules = AlertsConfig(rules=[AlertRule(name="drop", kind="regression", **NOISE_AWARE_REGRESSION)])
+    cfg = SchedulerConfig(max_interval_growth=None, refine_stderrs=None)
+    steps = list(range(0, 200, 10))
+    write_run(tmp_path, steps)
+    published = (tmp_path / "manifest.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "manifest.jsonl").write_text(published[0])
+
+    def handled(step):
+        ledger = Ledger(tmp_path / "ledger.jsonl")
+        return ledger.status(step) in ("evaluated", "skipped") and all(
+            e.status != "scheduled" for e in ledger.entries()
+        )
+
+    def train():  # the next checkpoint once every one so far is handled, as a slow trainer saves
+        for line, step in zip(published[1:], steps, strict=False):
+            while not handled(step):
+                time.sleep(0.005)
+            with open(tmp_path / "manifest.jsonl", "a") as f:
+                f.write(line)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    ledger = run_loop(tmp_path, io, slots=1, alerts=rules, cfg=cfg, external_timeout_s=60)
+    trainer.join(10)
+    evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
+    # 170 too when it is decided before 150's result is in (160 is then a fresh regression).
+    assert evaluated[:8] == [0, 10, 40, 70, 100, 130, 150, 160] and evaluated[-1] == 190
+    assert ledger.latest(150).reason.startswith("look back: step 160 is 0.05 below best")
+    # Fired once 150's result, the second in a row, is in (without it, at 170's).
+    first = io.alerts[0]
+    assert first.rule == "drop" and first.step == 150
+    assert "at step 160" in first.message and "2 evaluations in a row" in first.message
 
 
 def test_two_slots_with_out_of_order_completions_land_at_their_own_step(tmp_path):

@@ -1,14 +1,13 @@
 import dataclasses
-import random
 from dataclasses import dataclass
 
 import pytest
 
 from areal_eval.scheduling.policy import (
-    DecisionHistory,
     HistoryEntry,
     SchedulerConfig,
     decide,
+    look_back,
     refine,
 )
 
@@ -198,38 +197,6 @@ def test_refine_in_the_metric_direction():
     assert [s for s, _ in refine(loss, [20, 40], cfg)] == [40]  # 0.403 within 1 stderr of 0.40; 20: 0.50
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("higher_is_better", [True, False])
-def test_decision_history_decides_as_the_full_history(seed, higher_is_better):
-    # Random runs with uneven spacing, ties, NaNs, pending, superseded and re-evaluated entries:
-    # the index's few entries give the decision the whole history gives, at every checkpoint.
-    rng = random.Random(seed)
-    cfg = dataclasses.replace(SchedulerConfig(max_interval_checkpoints=3.0), higher_is_better=higher_is_better)
-    index, full, offered, step = DecisionHistory(higher_is_better), {}, [], 0
-    for i in range(300):
-        step += rng.choice([1, 1, 5, 10, 50])
-        event = Ev(step, final=i == 299)
-        expected = decide(event, sorted(full.values(), key=lambda h: h.step), cfg, offered)
-        assert decide(event, index.view(), cfg, index.offered_before(step)) == expected
-        offered.append(step)
-        index.offer(step)
-        for target in [step] + rng.sample(offered, min(2, len(offered))):
-            roll = rng.random()
-            metric = rng.choice([0.5, 0.6, 0.6, rng.random(), float("nan")])
-            entry = (
-                HistoryEntry(target, float(target), metric, rng.choice([None, 0.01, 0.02]))
-                if roll < 0.5
-                else HistoryEntry(target, float(target), None)
-                if roll < 0.7
-                else None
-            )
-            if entry is None:
-                full.pop(target, None)
-            else:
-                full[target] = entry
-            index.set(target, entry)
-
-
 def test_a_result_two_errors_below_the_best_gets_the_next_checkpoint_evaluated():
     """By default a suspected regression is 2 errors of the difference below the best: the line
     the default alert rule confirms at, so its confirming result is the next checkpoint."""
@@ -237,3 +204,31 @@ def test_a_result_two_errors_below_the_best_gets_the_next_checkpoint_evaluated()
     history = [H(0, 0.8), H(100, 0.8), H(200, 0.765)]  # 0.035 below: 2.5 combined errors
     assert decide(Ev(210), history, cfg).reason.startswith("regression")
     assert decide(Ev(210), history, dataclasses.replace(cfg, regression_z=3.0)).reason.startswith("plateau")
+
+
+def test_look_back_at_the_newest_skipped_checkpoint_after_a_fresh_suspected_regression():
+    cfg = SchedulerConfig()
+    # 60 lies 4.2 errors of the difference below the best (step 0); 30 was level with it.
+    history = [H(0, 0.80), H(30, 0.80), H(60, 0.74)]
+    [(step, reason)] = look_back(history, 60, [10, 20, 40, 50], cfg)
+    assert step == 50 and reason == "look back: step 60 is 0.06 below best at step 0 (> 2.0 stderr)"
+    assert [s for s, _ in look_back(history, 60, [10, 20, 40, 50], cfg, deleted_steps={50})] == [40]
+    assert look_back(history + [H(90, None)], 60, [40, 50], cfg) != []  # a newer one still pending
+    assert look_back(history, 30, [10, 20], cfg) == []  # not the newest result: a look-back's own
+    assert look_back(history, 60, [10, 20], cfg) == []  # nothing skipped since the result before
+    assert look_back([H(0, 0.80), H(30, 0.74), H(60, 0.74)], 60, [40, 50], cfg) == []  # not fresh
+    assert look_back([H(0, 0.80), H(30, 0.80), H(60, 0.78)], 60, [40, 50], cfg) == []  # within its noise
+    loss = SchedulerConfig(higher_is_better=False)
+    assert [s for s, _ in look_back([H(0, 0.5), H(30, 0.5), H(60, 0.56)], 60, [40, 50], loss)] == [50]
+    assert look_back(history, 60, [40, 50], dataclasses.replace(cfg, look_back=False)) == []
+    assert look_back(history, 60, [40, 50], dataclasses.replace(cfg, policy="fixed")) == []
+
+
+def test_look_back_judges_by_the_paired_error_where_both_results_kept_items():
+    history = [H(0, 0.80, 0.02), H(30, 0.80, 0.02), H(60, 0.76, 0.02)]  # 1.4 errors combined: no
+    assert look_back(history, 60, [40, 50], SchedulerConfig()) == []
+
+    def paired(a, b):  # on the same items their difference has 0.01 of noise, not 0.028: 4 errors
+        return 0.01
+
+    assert [s for s, _ in look_back(history, 60, [40, 50], SchedulerConfig(), paired)] == [50]

@@ -1,0 +1,62 @@
+"""``evaluate-checkpoint`` as the event trigger runs it, on checkpoints a trainer published on its
+own: what one flow run evaluates beyond the checkpoint it was started for."""
+
+import dataclasses
+import json
+import shutil
+
+from areal_eval.checkpoints.manifest import checkpoint_name
+from areal_eval.checkpoints.publisher import publish_checkpoint
+from areal_eval.runs.directory import RunDir
+from areal_eval.runs.ledger import Ledger
+from tests.helpers import mlflow_run, sqlite_mlflow_uri
+
+# Tests that use prefect_server or trained_run are marked integration by tests/conftest.py.
+
+
+def test_the_flow_run_whose_result_is_a_suspected_regression_looks_back_at_the_skipped_checkpoint(
+    prefect_server, trained_run, tmp_path
+):
+    # The trained run's checkpoints, published by a trainer of its own, the final one (12) with its
+    # reward head's sign flipped: every preference reversed, accuracy 0.55 -> 0.45. 8 is skipped
+    # (a plateau to this scheduler), so 12's flow run evaluates it too, once 12's result is in.
+    from safetensors.torch import load_file, save_file
+
+    from flows.evaluate_checkpoint import evaluate_checkpoint
+    from tasks.evaluation import serve_warm_workers
+
+    cfg, trained = trained_run
+    cfg = dataclasses.replace(
+        cfg,
+        # 101 pairs: the flip is about one error of the difference, so suspect from half of one.
+        scheduler=dataclasses.replace(
+            cfg.scheduler,
+            min_interval_steps=0,
+            max_interval_steps=None,
+            max_interval_growth=None,
+            drift_tolerance=1e6,
+            regression_z=0.5,
+        ),
+        tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
+    )
+    params = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    run, results = RunDir(tmp_path / "run"), {}
+    with serve_warm_workers(cfg, tmp_path / "warm"):
+        for step in (0, 4, 8, 12):  # each published, then its event's flow run
+            checkpoint = tmp_path / "trainer" / f"checkpoint-{step}"
+            shutil.copytree(trained.checkpoints / checkpoint_name(step), checkpoint)
+            if step == 12:
+                weights = load_file(checkpoint / "model.safetensors")
+                weights["score.weight"] = -weights["score.weight"]
+                save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+            valid = trained.root / "data" / "valid.jsonl"
+            publish_checkpoint(checkpoint, run.manifest, "own-trainer", step, final=step == 12, valid_data=valid)
+            results[step] = evaluate_checkpoint(step, str(run.manifest), params=params)
+    assert [results[s]["evaluated"] for s in (0, 4, 8, 12)] == [True, True, False, True]
+    assert results[12]["looked_back"] == [8] and results[12]["metrics"]["accuracy"] < 0.5
+    ledger = Ledger(run.ledger)
+    assert ledger.latest(8).status == "evaluated" and ledger.latest(8).reason.startswith("look back: step 12 is ")
+    tracker, runs = mlflow_run(cfg)
+    history = tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")
+    assert sorted(m.step for m in history) == [0, 4, 8, 12]  # each once, at its own step
+    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "4"
