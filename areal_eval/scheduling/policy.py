@@ -19,8 +19,8 @@ regression would hide, and where the best checkpoint may be:
   unevaluated, since a regression on a plateau shows no movement beforehand and is seen only by
   looking; counting checkpoints (not step gaps against a typical gap) keeps the bound blind to
   the schedule's shape, so a geometric, bursty or resumed schedule forces nothing by itself;
-* look-back: when a result falls ``regression_z`` below the best, the newest checkpoint skipped
-  before it is evaluated too, so that a drop is confirmed by two results in a row at once;
+* look-back: when a result falls ``regression_z`` below the best, the checkpoints skipped just
+  before it are evaluated too, so that a drop is confirmed by two results in a row at once;
 * refinement: after the final checkpoint, the skipped neighbours of the best result whose
   interpolated value comes close to it are evaluated, because the best checkpoint is most often
   a peak that the sparse evaluations stepped over.
@@ -114,10 +114,11 @@ class SchedulerConfig:
     """Adaptive: a result this many standard errors of the difference below the best is a
     suspected regression, and the next checkpoint is evaluated, so that an alert rule confirming
     at that many (the default regression rule does, at 2) can confirm it there."""
-    look_back: bool = True
+    look_back: int = 2
     """Adaptive: when a result is a fresh suspected regression (``regression_z``), also evaluate
-    the newest checkpoint skipped just before it, so that a drop that began there is confirmed by
-    two results in a row at once rather than at the next evaluated checkpoint."""
+    up to this many of the checkpoints skipped since the result before it, newest first, so that
+    a drop that began there is confirmed by two results in a row at once rather than at the next
+    evaluated checkpoint. 0: off."""
     default_stderr: float = 0.01
     """Noise assumed when an evaluation reports none."""
     queue_capacity: int = 2
@@ -149,6 +150,7 @@ class SchedulerConfig:
         "noise_discount": NON_NEGATIVE,
         "refine_stderrs": NON_NEGATIVE,
         "regression_z": POSITIVE,
+        "look_back": NON_NEGATIVE,
         "default_stderr": POSITIVE,
         "queue_capacity": AT_LEAST_1,
         "probe_escalate_stderrs": NON_NEGATIVE,
@@ -271,23 +273,23 @@ def look_back(
     paired: PairedStderr | None = None,
     deleted_steps: Collection[int] = (),
 ) -> list[tuple[int, str]]:
-    """The result of ``step`` is in: the skipped checkpoint to evaluate now, with its reason.
+    """The result of ``step`` is in: the skipped checkpoints to evaluate now, newest first, with
+    their reason.
 
     Where that result is the newest and a fresh suspected regression (``regression_z``), the
-    newest checkpoint skipped between it and the result before is evaluated at once
-    (``look_back``): a drop that began there shows in two results in a row now, where an alert
-    rule confirming on two (the default does) would otherwise wait for the next checkpoint. A
-    result that is not the newest (a look-back, a refinement) looks back at nothing.
+    checkpoints skipped since the result before it, the ``look_back`` newest of them, are
+    evaluated at once: a drop that began there shows in two results in a row now (two chances
+    where two were skipped), where an alert rule confirming on two (the default does) would
+    otherwise wait for the next checkpoint. A result that is not the newest (a look-back, a
+    refinement) looks back at nothing.
     """
     if cfg.policy != "adaptive" or not cfg.look_back:
         return []
     done = _finished(history)
     if not done or done[-1].step != step or not (suspected := _fresh_regression(done, cfg, paired)):
         return []
-    before = [s for s in skipped_steps if done[-2].step < s < step and s not in deleted_steps]
-    if not before:
-        return []
-    return [(max(before), f"look back: step {step} is {suspected}")]
+    before = sorted((s for s in skipped_steps if done[-2].step < s < step and s not in deleted_steps), reverse=True)
+    return [(s, f"look back: step {step} is {suspected}") for s in before[: cfg.look_back]]
 
 
 def refine(

@@ -141,7 +141,7 @@ def run_loop(
 
 def test_a_suspected_regression_looks_back_and_the_confirming_alert_fires_on_that_result(tmp_path):
     # Flat, then down from step 140 (skipped): 160's result is the first to show it and looks
-    # back at 150; the default rule, confirming on two results in a row, fires at once.
+    # back at 150 and 140; the default rule, confirming on two results in a row, fires at once.
     from areal_eval.alerts import NOISE_AWARE_REGRESSION
 
     io = ReversingIO(metric=lambda step: 0.8 if step < 140 else 0.75)
@@ -170,12 +170,12 @@ def test_a_suspected_regression_looks_back_and_the_confirming_alert_fires_on_tha
     ledger = run_loop(tmp_path, io, slots=1, alerts=rules, cfg=cfg, external_timeout_s=60)
     trainer.join(10)
     evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
-    # 170 too when it is decided before 150's result is in (160 is then a fresh regression).
-    assert evaluated[:8] == [0, 10, 40, 70, 100, 130, 150, 160] and evaluated[-1] == 190
+    # 170 too when it is decided before their results are in (160 is then a fresh regression).
+    assert evaluated[:9] == [0, 10, 40, 70, 100, 130, 140, 150, 160] and evaluated[-1] == 190
     assert ledger.latest(150).reason.startswith("look back: step 160 is 0.05 below best")
-    # Fired once 150's result, the second in a row, is in (without it, at 170's).
+    # Fired once 140's result, the first served and the second in a row, is in (without: at 170's).
     first = io.alerts[0]
-    assert first.rule == "drop" and first.step == 150
+    assert first.rule == "drop" and first.step == 140
     assert "at step 160" in first.message and "2 evaluations in a row" in first.message
 
 

@@ -87,9 +87,9 @@ def test_cover_bound_and_refinement_through_the_planner(tmp_path):
     assert all(st in FINAL_STATES or st == "scheduled" for st in status().values())
 
 
-def test_a_suspected_regression_looks_back_at_the_checkpoint_skipped_before_it(tmp_path):
+def test_a_suspected_regression_looks_back_at_the_checkpoints_skipped_before_it(tmp_path):
     # Flat, then down from step 50: the cover bound evaluates 0, 10, 40, 70; 70's result is 5
-    # stderr below the best, so 60, skipped just before it, is scheduled pinned and served next.
+    # stderr below the best, so 60 and 50, skipped before it, are scheduled pinned and served next.
     accuracy = {step: 0.8 if step < 50 else 0.75 for step in range(0, 100, 10)}
     path = tmp_path / "ledger.jsonl"
     planner = EvaluationPlanner(CFG, Ledger(path))
@@ -99,13 +99,13 @@ def test_a_suspected_regression_looks_back_at_the_checkpoint_skipped_before_it(t
         while nxt := planner.next():
             result = {"accuracy": accuracy[nxt.global_step], "accuracy_stderr": 0.01}
             looked_back[nxt.global_step] = [e.global_step for e in planner.evaluated(nxt, result, owner="me")]
-    assert looked_back == {0: [], 10: [], 40: [], 70: [60], 60: []}  # 60's own result looks back at none
+    assert looked_back == {0: [], 10: [], 40: [], 70: [60, 50], 50: [], 60: []}  # theirs look back at none
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     [entry] = [e for e in lines if e["step"] == 60 and e["status"] == "scheduled"]
     assert entry["owner"] == "me"
     assert entry["reason"] == "look back: step 70 is 0.05 below best at step 0 (> 2.0 stderr)"
-    assert planner.ledger.latest(60).status == "evaluated" and planner.ledger.status(50) == "skipped"
-    # Retention removed 60, then 50 too: the newest left is looked at, then none.
+    assert planner.ledger.latest(60).status == "evaluated" and planner.ledger.status(20) == "skipped"
+    # Retention removed 60, then 50 too: the one left is looked at, then none.
     for deleted, expected in (({60}, [50]), ({50, 60}, [])):
         again = EvaluationPlanner(CFG, Ledger(tmp_path / f"other-{len(deleted)}.jsonl"))
         for step in range(0, 80, 10):

@@ -129,8 +129,8 @@ def test_refinement_then_one_end(tmp_path):
 
 
 def test_a_suspected_regression_looks_back_for_the_flow_run_that_recorded_it(tmp_path):
-    # Flat, then down from step 50: 70's result looks back at 60, claimed by the flow run that
-    # recorded 70; a sweep takes it over only once that flow run is gone.
+    # Flat, then down from step 50: 70's result looks back at 60 and 50, claimed by the flow run
+    # that recorded 70; a sweep takes them over only once that flow run is gone.
     sched = SchedulerConfig(min_interval_steps=0, max_interval_steps=None, max_interval_growth=None)
     rec = record(tmp_path, sched=sched)
     looked_back = {}
@@ -141,10 +141,10 @@ def test_a_suspected_regression_looks_back_for_the_flow_run_that_recorded_it(tmp
             metrics = {"accuracy": 0.8 if step < 50 else 0.75, "accuracy_stderr": 0.01}
             outcome = rec.record_outcome(result(claim.event, metrics), deleted={20}, owner="a")
             looked_back[step] = [e.global_step for e in outcome.looked_back]
-    assert looked_back == {0: [], 10: [], 40: [], 70: [60]}
+    assert looked_back == {0: [], 10: [], 40: [], 70: [60, 50]}
     entry = Ledger(tmp_path / "ledger.jsonl").latest(60)
     assert (entry.status, entry.owner) == ("scheduled", "a") and entry.reason.startswith("look back: step 70")
-    assert rec.unhandled(alive=lambda owner: True) == [] and rec.unhandled(alive=lambda owner: False) == [60]
+    assert rec.unhandled(alive=lambda owner: True) == [] and rec.unhandled(alive=lambda owner: False) == [50, 60]
 
 
 def test_a_missing_manifest_or_step_is_named(tmp_path):

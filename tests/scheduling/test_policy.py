@@ -206,12 +206,13 @@ def test_a_result_two_errors_below_the_best_gets_the_next_checkpoint_evaluated()
     assert decide(Ev(210), history, dataclasses.replace(cfg, regression_z=3.0)).reason.startswith("plateau")
 
 
-def test_look_back_at_the_newest_skipped_checkpoint_after_a_fresh_suspected_regression():
+def test_look_back_at_the_checkpoints_skipped_before_a_fresh_suspected_regression():
     cfg = SchedulerConfig()
     # 60 lies 4.2 errors of the difference below the best (step 0); 30 was level with it.
     history = [H(0, 0.80), H(30, 0.80), H(60, 0.74)]
-    [(step, reason)] = look_back(history, 60, [10, 20, 40, 50], cfg)
-    assert step == 50 and reason == "look back: step 60 is 0.06 below best at step 0 (> 2.0 stderr)"
+    [(newest, reason), (older, _)] = look_back(history, 60, [10, 20, 40, 50], cfg)
+    assert (newest, older) == (50, 40) and reason == "look back: step 60 is 0.06 below best at step 0 (> 2.0 stderr)"
+    assert [s for s, _ in look_back(history, 60, [10, 20, 40, 50], dataclasses.replace(cfg, look_back=1))] == [50]
     assert [s for s, _ in look_back(history, 60, [10, 20, 40, 50], cfg, deleted_steps={50})] == [40]
     assert look_back(history + [H(90, None)], 60, [40, 50], cfg) != []  # a newer one still pending
     assert look_back(history, 30, [10, 20], cfg) == []  # not the newest result: a look-back's own
@@ -219,8 +220,8 @@ def test_look_back_at_the_newest_skipped_checkpoint_after_a_fresh_suspected_regr
     assert look_back([H(0, 0.80), H(30, 0.74), H(60, 0.74)], 60, [40, 50], cfg) == []  # not fresh
     assert look_back([H(0, 0.80), H(30, 0.80), H(60, 0.78)], 60, [40, 50], cfg) == []  # within its noise
     loss = SchedulerConfig(higher_is_better=False)
-    assert [s for s, _ in look_back([H(0, 0.5), H(30, 0.5), H(60, 0.56)], 60, [40, 50], loss)] == [50]
-    assert look_back(history, 60, [40, 50], dataclasses.replace(cfg, look_back=False)) == []
+    assert [s for s, _ in look_back([H(0, 0.5), H(30, 0.5), H(60, 0.56)], 60, [40, 50], loss)] == [50, 40]
+    assert look_back(history, 60, [40, 50], dataclasses.replace(cfg, look_back=0)) == []
     assert look_back(history, 60, [40, 50], dataclasses.replace(cfg, policy="fixed")) == []
 
 
@@ -231,4 +232,4 @@ def test_look_back_judges_by_the_paired_error_where_both_results_kept_items():
     def paired(a, b):  # on the same items their difference has 0.01 of noise, not 0.028: 4 errors
         return 0.01
 
-    assert [s for s, _ in look_back(history, 60, [40, 50], SchedulerConfig(), paired)] == [50]
+    assert [s for s, _ in look_back(history, 60, [40, 50], SchedulerConfig(), paired)] == [50, 40]

@@ -73,16 +73,17 @@ def test_refinement_counts_as_seen_at_the_end():
 
 def test_a_drop_at_a_skipped_checkpoint_is_confirmed_at_once_by_looking_back():
     # Flat: the cover bound evaluates 0, 1, 4, 7, 10, 13, 16, ... A 5-stderr drop from 14 (skipped)
-    # shows first at 16, which looks back at 15: two results in a row, and the confirming rule
-    # fires at 16. Without the look-back its second result is 17's, 3 checkpoints late.
+    # shows first at 16, which looks back at 15 and 14: results in a row, and the confirming rule
+    # fires once 16 is in. Without the look-back its second result is 17's, 3 checkpoints late.
     from areal_eval.alerts import NOISE_AWARE_REGRESSION, AlertRule
 
     values = [0.8] * 14 + [0.75] * 10
     rule = AlertRule("default", "regression", **NOISE_AWARE_REGRESSION)
     looking = parse_policy("adaptive:max_interval_growth=null").select(curve(values))
-    assert [i for i, when in looking if i == when][:7] == [0, 1, 4, 7, 10, 13, 16] and (15, 16) in looking
-    assert replay.alerts_fired(curve(values), looking, rule)[0] == (16, 16)
-    blind = parse_policy("adaptive:max_interval_growth=null,look_back=false").select(curve(values))
+    assert [i for i, when in looking if i == when][:7] == [0, 1, 4, 7, 10, 13, 16]
+    assert {(15, 16), (14, 16)} <= set(looking)
+    assert replay.alerts_fired(curve(values), looking, rule)[0][1] == 16
+    blind = parse_policy("adaptive:max_interval_growth=null,look_back=0").select(curve(values))
     assert all(i == when for i, when in blind[:-1]) and replay.alerts_fired(curve(values), blind, rule)[0] == (17, 17)
 
 
@@ -93,17 +94,17 @@ def test_looking_back_finds_more_injected_drops_within_2_checkpoints_at_no_more_
     from areal_eval.alerts import NOISE_AWARE_REGRESSION, AlertRule
 
     rules = [AlertRule("default", "regression", **NOISE_AWARE_REGRESSION)]
-    for path, at_least in ((GENERATION_CURVES[1], 0.3), (GEOMETRIC_CURVES, 0.83)):
+    for path, at_least in ((GENERATION_CURVES[1], 0.5), (GENERATION_CURVES[0], 0.4), (GEOMETRIC_CURVES, 0.83)):
         curves = read_curves(path)
         detected, clean = {}, {}
-        for spec in ("adaptive", "adaptive:look_back=false"):
+        for spec in ("adaptive", "adaptive:look_back=0"):
             policies = [parse_policy(spec)]
             rows = [replay.replay(curves, policies, True, s, rules)["policies"][spec] for s in range(10)]
             detected[spec] = statistics.fmean(r["alerts"]["default"]["detected_within_2"] for r in rows)
             clean[spec] = replay.replay(curves, policies, False, 0, rules)["policies"][spec]["alerts"]["default"]
-        # Measured: generation geometric 0 -> 0.433, reward-model geometric 0.817 -> 0.85.
-        assert detected["adaptive"] >= at_least > detected["adaptive:look_back=false"], path.name
-        assert clean["adaptive"] == clean["adaptive:look_back=false"], path.name
+        # Measured: generation geometric 0 -> 0.533, even 0.275 -> 0.45, reward-model geometric 0.817 -> 0.85.
+        assert detected["adaptive"] >= at_least > detected["adaptive:look_back=0"], path.name
+        assert clean["adaptive"] == clean["adaptive:look_back=0"], path.name
 
 
 def test_bad_curve_file_names_the_line(tmp_path):
