@@ -28,13 +28,10 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=4)
     args = parser.parse_args()
 
-    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
-
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.integrations.hf import PublishCheckpoints
-    from areal_eval.models import reward_model
     from areal_eval.models.objectives import ModelConfig
-    from examples.common import tiny_reward_model
+    from examples.hf_trainer import build_trainer
 
     class Timed(PublishCheckpoints):
         def __init__(self, run_dir, wait_each: bool):
@@ -51,31 +48,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        pairs, _, tokenizer, _ = tiny_reward_model(work)
-        config = ModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=8)
-        model = reward_model.build_model(config, tokenizer)
-        rows = [
-            {**tokenizer(p[key], truncation=True, max_length=32), "labels": float(key == "chosen")}
-            for p in pairs
-            for key in ("chosen", "rejected")
-        ]
         shipped, waiting = Timed(work / "shipped", wait_each=False), Timed(work / "waiting", wait_each=True)
-        training_args = TrainingArguments(
-            output_dir=str(work / "trainer"),
-            max_steps=args.steps,
-            per_device_train_batch_size=4,
-            save_steps=args.save_steps,
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
-        )
-        trainer = Trainer(
-            model=model,
-            args=training_args,
-            train_dataset=rows,
-            data_collator=DataCollatorWithPadding(tokenizer),
-            callbacks=[shipped, waiting],
-        )
+        size = ModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=8)
+        trainer, _ = build_trainer(work, [shipped, waiting], args.steps, args.save_steps, model=size)
         trainer.train()
         events = Manifest(work / "shipped" / "manifest.jsonl").events()
         assert [e.global_step for e in events] == [

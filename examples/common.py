@@ -14,9 +14,10 @@ from areal_eval.models import reward_model
 from areal_eval.models.objectives import ModelConfig
 
 
-def tiny_reward_model(work: Path):
+def tiny_reward_model(work: Path, config: ModelConfig | None = None):
     """Synthetic preference pairs under ``work`` (train and valid), a tokenizer trained on them
-    and a fresh one-layer Llama reward model; returns (train pairs, valid path, tokenizer, model).
+    and a fresh Llama reward model (one tiny layer, or of ``config``); returns (train pairs,
+    valid path, tokenizer, model).
 
     Under torchrun, rank 0 writes the data and the tokenizer and every rank reads them, so all
     ranks share one vocabulary."""
@@ -27,7 +28,7 @@ def tiny_reward_model(work: Path):
         reward_model.train_tokenizer(SyntheticPreferences.corpus(read_pairs(train_path)), work / "tokenizer")
     distributed.barrier()
     tokenizer = reward_model.load_tokenizer(work / "tokenizer")
-    config = ModelConfig(hidden_size=32, num_layers=1, num_heads=2)
+    config = config or ModelConfig(hidden_size=32, num_layers=1, num_heads=2)
     return (
         read_pairs(work / "train.jsonl"),
         work / "valid.jsonl",

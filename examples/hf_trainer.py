@@ -16,13 +16,16 @@ from pathlib import Path
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
 from areal_eval.integrations.hf import PublishCheckpoints
+from areal_eval.models.objectives import ModelConfig
 from examples.common import tiny_reward_model
 
 
-def build_trainer(work: Path, callbacks: list, max_steps: int = 20, save_steps: int = 8):
-    """A Trainer over synthetic preference data written under ``work``; returns it and the
-    validation pairs' path."""
-    pairs, valid_path, tokenizer, model = tiny_reward_model(work)
+def build_trainer(
+    work: Path, callbacks: list, max_steps: int = 20, save_steps: int = 8, model: ModelConfig | None = None
+):
+    """A Trainer over synthetic preference data written under ``work`` (a tiny model, or one of
+    ``model``'s size); returns it and the validation pairs' path."""
+    pairs, valid_path, tokenizer, model = tiny_reward_model(work, model)
     rows = [
         {**tokenizer(p[key], truncation=True, max_length=64), "labels": float(key == "chosen")}
         for p in pairs
