@@ -47,7 +47,8 @@ class ReversingIO:
                 step, future = item
                 if step in self.fail_steps:
                     future.set_exception(EvaluationFailed(f"step {step}: worker died"))
-                    self.fail_steps -= self.fail_once
+                    if step in self.fail_once:  # its own first failure, whichever step completes first
+                        self.fail_steps.discard(step)
                 else:
                     future.set_result(
                         EvalResult(step, f"/c/{step}", {"accuracy": self.metric(step), "accuracy_stderr": 0.01}, 0.0)
