@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +47,23 @@ def brief(exc: BaseException, limit: int = 300) -> str:
     full = [line for line in lines if any(sign in line for sign in FULL_SIGNS)]
     telling = next(iter(full + [line for line in lines if "Error" in line] + lines), "")
     return f"{type(exc).__name__}: {telling}"[:limit]
+
+
+def named_if_disk_full(exc: BaseException, directory: str | Path, what: str) -> BaseException:
+    """``exc`` as :class:`DiskFull` where the disk of ``directory`` has under 1 MiB left, else
+    ``exc``: torch and safetensors report a full disk as an opaque stream error ("unexpected
+    pos", "iostream error"), and a job whose log could not be written says nothing at all."""
+    if isinstance(exc, DiskFull):
+        return exc
+    try:
+        full = shutil.disk_usage(directory).free < 1 << 20
+    except OSError:
+        full = False
+    if full or (isinstance(exc, OSError) and exc.errno in FULL):
+        error = DiskFull(directory, f"{what} ({exc})", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        error.__cause__ = exc
+        return error
+    return exc
 
 
 @contextlib.contextmanager

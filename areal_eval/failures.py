@@ -6,6 +6,8 @@ Those are recorded ``failed`` at once and never retried, on any path. Everything
 *transient*: a killed or hung rank, a collective timeout, an orchestrator (the Prefect API, a
 concurrency slot) that cannot be reached for a while. Those are retried with backoff, in the task
 (``eval.retries``) and then across flow runs (``eval.max_attempts``), and recorded as attempts.
+A full disk is neither: nothing is recorded and the run stops (the in-flow loop) or the flow run
+fails (``evaluate-checkpoint``), the checkpoint still scheduled for when space is freed.
 """
 
 from __future__ import annotations

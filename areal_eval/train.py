@@ -368,7 +368,7 @@ class TrainLog:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
         except OSError as exc:
-            from areal_eval.checkpoints.saving import named_if_disk_full
+            from areal_eval.disk import named_if_disk_full
 
             named = named_if_disk_full(exc, self.path, f"the training log (step {row.get('step')})")
             if named is exc:

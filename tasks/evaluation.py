@@ -15,6 +15,7 @@ from prefect.deployments import run_deployment
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.devices import DevicePlan, SlotDevices, plan_here
+from areal_eval.disk import is_disk_full
 from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers, WarmWorkerGroups
 from areal_eval.failures import is_permanent
@@ -60,7 +61,7 @@ def evaluate_step(
                 )
             return dataclasses.replace(result, retried=retried)
         except Exception as exc:
-            if is_permanent(exc) or len(retried) >= cfg.eval.retries:
+            if is_permanent(exc) or is_disk_full(exc) or len(retried) >= cfg.eval.retries:
                 exc.retried = retried
                 raise
             retried.append(str(exc))

@@ -8,7 +8,6 @@ renamed into place only when complete, so readers never see a partial one.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import queue
 import shutil
@@ -21,7 +20,7 @@ import torch
 
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name, describe_files
 from areal_eval.checkpoints.store import LocalStore
-from areal_eval.disk import FULL, DiskFull
+from areal_eval.disk import named_if_disk_full
 
 
 def save_clean_tokenizer(tokenizer, directory: Path) -> None:
@@ -36,22 +35,6 @@ def save_clean_tokenizer(tokenizer, directory: Path) -> None:
     if hasattr(tokenizer, "truncation_side"):
         tokenizer.init_kwargs["truncation_side"] = tokenizer.truncation_side
     tokenizer.save_pretrained(str(directory))
-
-
-def named_if_disk_full(exc: BaseException, directory: Path, what: str) -> BaseException:
-    """``exc`` as :class:`DiskFull` where the disk of ``directory`` has no room left: torch and
-    safetensors report a full disk as an opaque stream error ("unexpected pos", "iostream error")."""
-    if isinstance(exc, DiskFull):
-        return exc
-    try:
-        full = shutil.disk_usage(directory).free < 1 << 20
-    except OSError:
-        full = False
-    if full or (isinstance(exc, OSError) and exc.errno in FULL):
-        error = DiskFull(directory, f"{what} ({exc})", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
-        error.__cause__ = exc
-        return error
-    return exc
 
 
 def cpu_copy(state):

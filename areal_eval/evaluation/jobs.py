@@ -27,6 +27,7 @@ from areal_eval.config.parsing import (
     check_ranges,
 )
 from areal_eval.devices import Devices, Placement, check_setting
+from areal_eval.disk import named_if_disk_full
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.interpreter import check_interpreter
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json, write_spec
@@ -309,10 +310,12 @@ def run_evaluation_job(
             )
             cause = re.sub(r"^rank \d+: ", "", reason)
             failure = FAILURE_CLASSES.get(cause.split(":", 1)[0], EvaluationFailed)
-            raise failure(
+            error = failure(
                 f"checkpoint step {event.global_step} ({event.uri}): {reason} [torchrun exit {code}; log {log_path}]"
                 + (f"\n{summary}" if summary else "")
             )
+            # Workers on a full disk write no result and often no log: say so, or it reads as a crash.
+            raise named_if_disk_full(error, work_dir, f"the evaluation of step {event.global_step}")
     except WorkerError as exc:
         raise EvaluationFailed(f"checkpoint step {event.global_step} ({event.uri}): {exc}") from exc
     finally:

@@ -15,6 +15,7 @@ from collections.abc import Collection
 
 from areal_eval.alerts import Alert, AlertEngine
 from areal_eval.checkpoints.manifest import CheckpointEvent
+from areal_eval.disk import is_disk_full
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.failures import is_bad_checkpoint, is_permanent
 from areal_eval.lifecycle.planner import EvaluationPlanner
@@ -64,7 +65,8 @@ def record_outcome(
     """Record ``attempt`` and judge it.
 
     A failure is failed for good when permanent, a bad checkpoint or the ``max_attempts``-th
-    (``areal_eval.failures``), and only then alerted on; before that it is queued again. A probe
+    (``areal_eval.failures``), and only then alerted on; before that it is queued again. A full
+    disk is raised, with nothing recorded: the checkpoint stays scheduled for when there is room. A probe
     is held or escalated (no alert judges a probe). A result is judged against earlier steps.
     ``logged_by_evaluator``: the evaluation logged its own metrics (a dispatched deployment run,
     ``evaluate-checkpoint``), so there is nothing left to deliver. A result that looks back
@@ -74,6 +76,8 @@ def record_outcome(
     event, step = attempt.event, attempt.event.global_step
     if attempt.error is not None:
         exc = attempt.error
+        if is_disk_full(exc):  # no attempt to record or retry: the run stops, the same command resumes it
+            raise exc
         cause = f"probe failed: {exc}" if attempt.probe else str(exc)
         permanent, retried = is_permanent(exc), getattr(exc, "retried", [])
         if not planner.attempt_failed(event, cause, permanent, max_attempts, retried, is_bad_checkpoint(exc)):

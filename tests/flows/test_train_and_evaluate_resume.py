@@ -246,6 +246,10 @@ def test_a_full_disk_ends_the_mlflow_run_failed_naming_the_path_and_what_was_bei
     assert re.match(written, last), last
     assert "free space there, then the same command resumes the run" in last
     assert "Traceback" not in output
+    # An evaluation on the full disk stops the run at once, unretried, its checkpoint still scheduled.
+    assert "retrying in" not in output and "queued again" not in output
+    ledger = Ledger(small_disk / "full" / "ledger.jsonl")
+    assert "scheduled" in {ledger.status(e.step) for e in ledger.entries()}
     tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
     [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
     assert mlflow_run.info.status == "FAILED"

@@ -66,6 +66,19 @@ def test_a_permanent_failure_or_a_bad_checkpoint_fails_at_once(tmp_path, error):
     assert planner.ledger.status(0) == "failed"
 
 
+def test_a_full_disk_stops_the_attempt_with_nothing_recorded_and_the_checkpoint_still_scheduled(tmp_path):
+    import errno
+
+    from areal_eval.disk import DiskFull
+
+    planner = scheduled(tmp_path)
+    before = planner.ledger.latest(0)
+    full = DiskFull(tmp_path / "evals", "the evaluation of step 0", OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(DiskFull, match="no space left on the disk of .*evals"):
+        record_outcome(planner, Attempt(ev(0), error=full), AlertEngine(RULES), max_attempts=5)
+    assert planner.ledger.latest(0) == before and planner.ledger.status(0) == "scheduled"
+
+
 def test_a_probe_is_held_or_escalated_and_never_alerted_on(tmp_path):
     cfg = SchedulerConfig(policy="fixed", fixed_interval_steps=20, probe_fraction=0.2)
     planner = scheduled(tmp_path, cfg, steps=(0,))
