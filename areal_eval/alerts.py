@@ -184,6 +184,7 @@ class AlertEngine:
         self.notified: dict[str, float] = dict(notified or {})
         self._items = items
         self._item_cache: dict[tuple[int, str], tuple[dict, dict | None] | None] = {}
+        self._paired_cache: dict[tuple, tuple[float, float, int] | None] = {}
 
     def remember(self, step: int, metrics: dict) -> None:
         """Know a result without judging it (history from before this process)."""
@@ -305,12 +306,26 @@ class AlertEngine:
         ``steps`` (their items' mean), where every one of them kept its items; else None. Where
         every score is 0 or 1 the error is the one that gives McNemar's exact test, elsewhere the
         guarded one: an alert should not fire on four items lost out of four hundred."""
+        key = (rule.metric, rule.higher_is_better, step, tuple(steps))
+        if key not in self._paired_cache:  # a confirmation asks again for each run that holds the step
+            if len(self._paired_cache) >= 256:
+                self._paired_cache.pop(next(iter(self._paired_cache)))
+            self._paired_cache[key] = self._paired_drop_of(rule, step, steps)
+        return self._paired_cache[key]
+
+    def _paired_drop_of(self, rule: AlertRule, step: int, steps: list[int]) -> tuple[float, float, int] | None:
         current = self._item_scores(step, rule.metric)
         bases = [self._item_scores(s, rule.metric) for s in steps]
         if current is None or not bases or any(b is None for b in bases):
             return None
-        common = [k for k in current[0] if all(k in b[0] for b in bases)]
-        baseline = {k: sum(b[0][k] for b in bases) / len(bases) for k in common}
+        scores = [b[0] for b in bases]
+        if all(s.keys() >= current[0].keys() for s in scores):
+            common = list(current[0])
+        else:
+            common = [k for k in current[0] if all(k in s for s in scores)]
+        # Each common item's scores at the baseline steps, then their mean.
+        columns = zip(*([s[k] for k in common] for s in scores), strict=True)
+        baseline = dict(zip(common, (sum(c) / len(scores) for c in columns), strict=True))
         try:
             paired = paired_difference(baseline, current[0], current[1])
         except NoCommonItems:
