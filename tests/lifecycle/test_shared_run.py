@@ -195,3 +195,20 @@ def test_the_last_allowed_transient_attempt_fails_the_checkpoint_naming_every_at
     entry = Ledger(tmp_path / "ledger.jsonl").latest(0)
     assert entry.status == "failed" and entry.reason == "gave up after 2 attempts: timeout 2"
     assert entry.attempts == ["transient: timeout 1", "transient: timeout 2"]
+
+
+def test_a_full_disk_fails_the_flow_run_and_leaves_the_checkpoint_claimed_until_its_run_is_gone(tmp_path):
+    import errno
+
+    from areal_eval.disk import DiskFull
+
+    publish(tmp_path, [0, 10], final_at=10)
+    rec = record(tmp_path)
+    claim, _ = rec.claim(0, "a")
+    full = DiskFull(tmp_path / "evals", "the evaluation of step 0", OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(DiskFull):
+        rec.record_outcome(Attempt(claim.event, error=full), max_attempts=3)
+    entry = Ledger(tmp_path / "ledger.jsonl").latest(0)
+    assert (entry.status, entry.owner, entry.attempts) == ("scheduled", "a", [])  # no attempt spent on it
+    assert rec.unhandled(alive=lambda o: o == "a") == [10]
+    assert rec.unhandled(alive=lambda o: False) == [0, 10]  # the sweep takes it once "a" is gone
