@@ -30,6 +30,7 @@ from areal_eval.checkpoints.store import open_store
 from areal_eval.evaluation.evaluators import BaseEvaluator, check_metric_names, make_evaluator
 from areal_eval.evaluation.items import gather_items, items_dir, write_items
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
+from areal_eval.evaluation.vllm_decoder import shutdown_engines
 from areal_eval.launcher import die_with_parent
 from areal_eval.scheduling.probes import probe_items, probe_rest
 
@@ -314,8 +315,18 @@ def main(argv: list[str] | None = None) -> int:
             _fail(spec.out if spec else None, spec.checkpoint if spec else None, exc)
         return 1
     finally:
+        stop_engines()
         # After a failure peers may be gone: skip the barrier; the launcher's kill is the backstop.
         distributed.shutdown(clean=ok)
+
+
+def stop_engines() -> None:
+    """Stop the vLLM engine this rank keeps, if any: its processes are the rank's children, and a
+    forked rank's exit waits for its children (the launcher would kill it 30 s later)."""
+    try:
+        shutdown_engines()
+    except Exception as exc:  # noqa: BLE001 - an engine that died already: the rank still exits
+        print(f"[rank {distributed.rank()}] vllm engine did not shut down: {exc!r}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

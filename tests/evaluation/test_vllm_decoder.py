@@ -100,6 +100,8 @@ def test_vllm_on_two_ranks_answers_as_the_transformers_backend_and_keeps_its_eng
     assert log.count("(tensor parallel 1, float32,") == 2  # one engine per rank, kept for the five evaluations
     assert log.count("(tensor parallel 2, float32,") == 1  # then one engine for the group of two ranks
     assert log.count("vllm weights reloaded") == 2 * 2  # each rank: the later checkpoint, then the first again
+    # The ranks stopped their engine and exited on the stop job, not killed with their stacks dumped.
+    assert "most recent call first" not in log and "did not shut down" not in log
     # The later checkpoint's answers, not the first's: within the stated bounds of the transformers backend's.
     assert reloaded.metrics["response_length"] != greedy["response_length"]
     assert reloaded.metrics["response_length"] == pytest.approx(later_reference["response_length"], rel=0.05)
