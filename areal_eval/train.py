@@ -27,6 +27,7 @@ from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Ma
 from areal_eval.checkpoints.store import StorageConfig, open_store
 from areal_eval.config.parsing import AT_LEAST_1, BATCH, NON_NEGATIVE, POSITIVE, RANKS, FieldError, Ranges, check_ranges
 from areal_eval.devices import Devices, check_setting
+from areal_eval.disk import named_if_disk_full
 from areal_eval.evaluation.job_spec import read_spec
 from areal_eval.launcher import TorchrunJob, die_with_parent
 from areal_eval.models.objectives import ModelConfig, objective
@@ -368,8 +369,6 @@ class TrainLog:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
         except OSError as exc:
-            from areal_eval.disk import named_if_disk_full
-
             named = named_if_disk_full(exc, self.path, f"the training log (step {row.get('step')})")
             if named is exc:
                 raise

@@ -66,8 +66,8 @@ def record_outcome(
 
     A failure is failed for good when permanent, a bad checkpoint or the ``max_attempts``-th
     (``areal_eval.failures``), and only then alerted on; before that it is queued again. A full
-    disk is raised, with nothing recorded: the checkpoint stays scheduled for when there is room. A probe
-    is held or escalated (no alert judges a probe). A result is judged against earlier steps.
+    disk is raised with nothing recorded: the checkpoint stays scheduled for when there is room.
+    A probe is held or escalated (no alert judges a probe). A result is judged against earlier steps.
     ``logged_by_evaluator``: the evaluation logged its own metrics (a dispatched deployment run,
     ``evaluate-checkpoint``), so there is nothing left to deliver. A result that looks back
     (:meth:`EvaluationPlanner.evaluated`) schedules that checkpoint for ``owner``, unless
