@@ -33,6 +33,16 @@ def _count_or(word: str):
     return parse
 
 
+def _stderrs_or_none(text: str) -> float | None:
+    """An argparse type: a number of standard errors, or ``none`` for None."""
+    if text == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor 'none'") from None
+
+
 def _replay(args) -> int:
     curves = read_curves(args.curves)
     specs = args.policy or ["adaptive", "fixed:1", "fixed:2", "fixed:3", "fixed:4"]
@@ -47,6 +57,7 @@ def _replay(args) -> int:
             baseline_results=args.alert_baseline_results,
             confirm=args.alert_confirm,
             at_once_stderrs=args.alert_at_once_stderrs if args.alert_confirm else None,
+            final_stderrs=args.alert_final_stderrs if args.alert_confirm else None,
         ),
     ]
     result = replay_mod.replay(
@@ -143,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=NOISE_AWARE_REGRESSION["at_once_stderrs"],
         help="... unconfirmed past this many (AlertRule.at_once_stderrs, with --alert-confirm; default %(default)s)",
+    )
+    rp.add_argument(
+        "--alert-final-stderrs",
+        type=_stderrs_or_none,
+        default=NOISE_AWARE_REGRESSION.get("final_stderrs"),
+        help="... and at the final checkpoint past this many, or 'none' (AlertRule.final_stderrs, with "
+        "--alert-confirm; default %(default)s)",
     )
     rp.add_argument(
         "--alert-consecutive", type=int, default=None, help="... and its consecutive (AlertRule.consecutive)"

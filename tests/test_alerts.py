@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
@@ -224,11 +226,23 @@ def test_a_confirmed_rule_fires_at_once_on_a_breach_of_at_once_stderrs():
     assert "unconfirmed" in alert.message
 
 
-def test_at_once_stderrs_needs_confirm():
+def test_at_the_final_checkpoint_a_breach_of_final_stderrs_fires_unconfirmed():
+    rule = AlertRule("reg", "regression", stderrs=2.0, baseline_results=3, confirm=2, final_stderrs=3.5)
+    for final, fired in ((False, False), (True, True)):
+        e = engine(dataclasses.replace(rule, throttle_secs=0))
+        for step in (1, 2, 3):
+            assert e.check(step, {"accuracy": 0.80, "accuracy_stderr": 0.01}) == []
+        alerts = e.check(4, {"accuracy": 0.755, "accuracy_stderr": 0.01}, final=final)  # 3.9 from the level
+        assert bool(alerts) == fired  # at the final checkpoint no result will come: it does not wait for one
+    assert "at the final checkpoint, unconfirmed" in alerts[0].message
+
+
+@pytest.mark.parametrize("field", ["at_once_stderrs", "final_stderrs"])
+def test_unconfirmed_breaches_need_confirm(field):
     from areal_eval.config.parsing import FieldError
 
-    with pytest.raises(FieldError, match="at_once_stderrs"):
-        AlertRule("reg", "regression", stderrs=3.0, at_once_stderrs=5.0)
+    with pytest.raises(FieldError, match=field):
+        AlertRule("reg", "regression", stderrs=3.0, **{field: 5.0})
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["0/1 scores: McNemar", "a tie: the guarded error"])

@@ -101,4 +101,5 @@ def record_outcome(
         deleted=deleted,
         owner=owner,
     )
-    return Outcome(alerts.check(step, result.metrics), deliver=not logged_by_evaluator, looked_back=looked_back)
+    fired = alerts.check(step, result.metrics, final=event.final)
+    return Outcome(fired, deliver=not logged_by_evaluator, looked_back=looked_back)

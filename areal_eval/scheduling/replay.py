@@ -249,7 +249,8 @@ def alerts_fired(curve: Curve, evaluations: list[tuple[int, int]], rule: AlertRu
     fired = []
     for index, when in sorted(evaluations, key=lambda e: (e[1], e[0])):
         point = curve.points[index]
-        if engine.check(point.step, {"value": point.value, "value_stderr": point.stderr}):
+        final = index == len(curve.points) - 1
+        if engine.check(point.step, {"value": point.value, "value_stderr": point.stderr}, final=final):
             fired.append((index, when))
     return fired
 

@@ -26,8 +26,10 @@ def ev(step):
     return CheckpointEvent("r", f"/ckpt/{step}", 0, step, step, 0.0, {})
 
 
-def result(step, accuracy=None, probe=None):
+def result(step, accuracy=None, probe=None, stderr=None):
     metrics = {} if accuracy is None else {"accuracy": accuracy}
+    if stderr is not None:
+        metrics["accuracy_stderr"] = stderr
     return EvalResult(step, f"/ckpt/{step}", metrics, 0.0, probe_metrics=probe or {})
 
 
@@ -77,6 +79,21 @@ def test_a_full_disk_stops_the_attempt_with_nothing_recorded_and_the_checkpoint_
     with pytest.raises(DiskFull, match="no space left on the disk of .*evals"):
         record_outcome(planner, Attempt(ev(0), error=full), AlertEngine(RULES), max_attempts=5)
     assert planner.ledger.latest(0) == before and planner.ledger.status(0) == "scheduled"
+
+
+def test_a_drop_at_the_final_checkpoint_fires_unconfirmed_with_the_default_rule(tmp_path):
+    import dataclasses
+
+    from areal_eval.alerts import NOISE_AWARE_REGRESSION
+
+    rules = AlertsConfig(rules=[AlertRule(name="drop", kind="regression", throttle_secs=0, **NOISE_AWARE_REGRESSION)])
+    for final in (False, True):
+        planner, engine = scheduled(tmp_path / str(final), steps=(0, 10, 20, 30)), AlertEngine(rules)
+        for step in (0, 10, 20):
+            record_outcome(planner, Attempt(ev(step), result=result(step, 0.8, stderr=0.01)), engine)
+        last = dataclasses.replace(ev(30), final=final)
+        outcome = record_outcome(planner, Attempt(last, result=result(30, 0.755, stderr=0.01)), engine)
+        assert [a.rule for a in outcome.alerts] == (["drop"] if final else [])  # 3.9 errors below the level
 
 
 def test_a_probe_is_held_or_escalated_and_never_alerted_on(tmp_path):

@@ -84,14 +84,16 @@ def test_paired_alerts_on_our_item_curves_see_injected_drops_the_unpaired_rule_m
 def test_the_default_noise_aware_rule_on_our_item_curves():
     """Paired, on the reward-model item curves with every checkpoint judged, replay's default
     ``noise_aware`` rule fires on no clean curve and detects 95% of injected drops within 2
-    checkpoints. Confirmation alone (no ``at_once_stderrs``) detects less: a drop at the last
-    checkpoint has no next result to confirm it."""
+    checkpoints. Confirmation alone (no ``at_once_stderrs``, no ``final_stderrs``) detects less: a
+    drop at the last checkpoint has no next result to confirm it."""
     from areal_eval.alerts import NOISE_AWARE_REGRESSION, AlertRule
 
     curves = read_curves(DEMO_CURVES) + read_curves(GEOMETRIC_CURVES)
     rules = [
         AlertRule("default", "regression", **NOISE_AWARE_REGRESSION),
-        AlertRule("confirmed", "regression", **(NOISE_AWARE_REGRESSION | {"at_once_stderrs": None})),
+        AlertRule(
+            "confirmed", "regression", **(NOISE_AWARE_REGRESSION | {"at_once_stderrs": None, "final_stderrs": None})
+        ),
     ]
     clean = replay.replay(curves, [FixedEvery(1)], alert_rules=rules)["policies"]["fixed:1"]["alerts"]
     assert clean["default"]["false_alerts_per_100_curves"] == 0
