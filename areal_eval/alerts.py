@@ -65,8 +65,8 @@ class AlertRule:
     which may be long coming; a drop this large is not noise. None: every breach waits."""
     final_stderrs: float | None = None
     """With ``confirm``: at the run's final checkpoint a breach of this many standard errors fires
-    unconfirmed, since no result will come to confirm it; a single result that far out is as
-    unlikely from noise as ``confirm`` results each ``stderrs`` out. None: it waits there too."""
+    unconfirmed, since no result will come to confirm it. Noise puts one result 3.3 errors out
+    as rarely as two independent ones in a row 2 out. None: it waits there too."""
     stderr_metric: str = "{metric}_stderr"
     """Where ``metric``'s standard error is (``{metric}`` stands for the metric's name)."""
     stop_training: bool = False
