@@ -19,28 +19,19 @@ from areal_eval.scheduling import replay as replay_mod
 from areal_eval.scheduling.curves import read_curves
 
 
-def _count_or(word: str):
-    """An argparse type: a whole number, or ``word`` for None."""
+def _number_or(word: str, kind: type = int):
+    """An argparse type: a number (``int``: a whole one), or ``word`` for None."""
+    what = "a whole number" if kind is int else "a number"
 
-    def parse(text: str) -> int | None:
+    def parse(text: str) -> int | float | None:
         if text == word:
             return None
         try:
-            return int(text)
+            return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor {word!r}") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is neither {what} nor {word!r}") from None
 
     return parse
-
-
-def _stderrs_or_none(text: str) -> float | None:
-    """An argparse type: a number of standard errors, or ``none`` for None."""
-    if text == "none":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor 'none'") from None
 
 
 def _replay(args) -> int:
@@ -138,14 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     rp.add_argument(
         "--alert-baseline-results",
-        type=_count_or("best"),
+        type=_number_or("best"),
         default=NOISE_AWARE_REGRESSION["baseline_results"],
         help="... measured from the mean of this many recent results, or 'best' (AlertRule.baseline_results; "
         "default %(default)s)",
     )
     rp.add_argument(
         "--alert-confirm",
-        type=_count_or("none"),
+        type=_number_or("none"),
         default=NOISE_AWARE_REGRESSION["confirm"],
         help="... confirmed by this many results in a row, or 'none' (AlertRule.confirm; default %(default)s)",
     )
@@ -157,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rp.add_argument(
         "--alert-final-stderrs",
-        type=_stderrs_or_none,
+        type=_number_or("none", float),
         default=NOISE_AWARE_REGRESSION.get("final_stderrs"),
         help="... and at the final checkpoint past this many, or 'none' (AlertRule.final_stderrs, with "
         "--alert-confirm; default %(default)s)",
