@@ -131,7 +131,8 @@ def lower_items(point: Point, order: list[int], sign: float) -> Point:
     clean result's stderrs and of the regressed one's (a result at its bound, 100% accuracy,
     has a stderr of 0: its drop is sized by the error the regressed result has); other scores
     (a loss, a margin) move by one amount on the first half of ``order``. The value moves with
-    them."""
+    them, and so does the stderr, as an evaluator would report it from the regressed items: the
+    recorded one scaled by how the items' spread changed (from a spread of 0, the items' own)."""
     items, n = list(point.items), len(point.items)
     if set(items) <= {0.0, 0.5, 1.0}:
         worst, moved = (0.0 if sign < 0 else 1.0), 0.0
@@ -150,7 +151,24 @@ def lower_items(point: Point, order: list[int], sign: float) -> Point:
         moved = REGRESSION_STDERRS * point.stderr * n  # the sum the items must move
         for j in share:
             items[j] += sign * moved / len(share)
-    return dataclasses.replace(point, value=point.value + sign * moved / n, items=tuple(items))
+    return dataclasses.replace(
+        point,
+        value=point.value + sign * moved / n,
+        stderr=_moved_stderr(point, items),
+        items=tuple(items),
+    )
+
+
+def _moved_stderr(clean: Point, items: list[float]) -> float:
+    """The stderr of ``clean`` once its items are ``items``."""
+    before, after = _spread(clean.items), _spread(items)
+    if before > 0:
+        return clean.stderr * after / before
+    return max(clean.stderr, after / len(items) ** 0.5)
+
+
+def _spread(scores) -> float:
+    return statistics.stdev(scores) if len(scores) > 1 else 0.0
 
 
 def score(curve: Curve, chosen: list[int]) -> dict:
