@@ -32,7 +32,7 @@ import statistics
 
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 from areal_eval.config.parsing import from_dict
-from areal_eval.scheduling.curves import Curve, Point
+from areal_eval.scheduling.curves import DEFAULT_STDERR, Curve, Point
 from areal_eval.scheduling.oracle import MAX_CHECKPOINTS, oracle_compute
 from areal_eval.scheduling.policy import SchedulerConfig
 from areal_eval.scheduling.probes import ProbeSettings, select_with_probes
@@ -160,10 +160,11 @@ def lower_items(point: Point, order: list[int], sign: float) -> Point:
 
 
 def _moved_stderr(clean: Point, items: list[float]) -> float:
-    """The stderr of ``clean`` once its items are ``items``."""
+    """The stderr of ``clean`` once its items are ``items``; one of 0 (every item at the worst
+    score) counts as ``DEFAULT_STDERR``, as a curve's own does."""
     before, after = _spread(clean.items), _spread(items)
     if before > 0:
-        return clean.stderr * after / before
+        return clean.stderr * after / before or DEFAULT_STDERR
     return max(clean.stderr, after / len(items) ** 0.5)
 
 

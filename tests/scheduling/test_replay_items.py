@@ -2,6 +2,7 @@
 items, probes on real subsets, and alerts judged paired on them."""
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -59,6 +60,25 @@ def test_an_injected_regression_lowers_items_by_the_stated_stderrs_and_probes_sc
     assert lowered.stderr == pytest.approx(regressed_stderr)
     value, _ = subset_result(curve, 2, 0.2, "0")
     assert value == statistics.fmean(binary[2][j] for j in probe_items(200, 0.2))
+
+
+def test_a_drop_that_leaves_every_item_at_the_worst_score_replays(tmp_path):
+    """On a few items a 5-stderr drop can take every one to 0: their spread, and so the stderr
+    an evaluator reports, is 0, which counts as the default, as in a curve file."""
+    import random
+
+    from areal_eval.alerts import NOISE_AWARE_REGRESSION, AlertRule
+    from areal_eval.scheduling.curves import DEFAULT_STDERR
+
+    points = [{"step": s, "value": 0.5, "stderr": 0.25, "items": [0.0, 1.0, 1.0, 0.0]} for s in range(6)]
+    curves = read_curves(item_curve(tmp_path, points))
+    hit, start = replay.inject_regression(curves[0], random.Random(0))
+    assert all(p.items == (0.0,) * 4 and p.stderr == DEFAULT_STDERR for p in hit.points[start:])
+    rules = [AlertRule("default", "regression", **NOISE_AWARE_REGRESSION)]
+    policies = [replay.parse_policy("adaptive"), FixedEvery(1)]
+    for use_items in (True, False):
+        for row in replay.replay(curves, policies, True, 0, rules, use_items)["policies"].values():
+            assert math.isfinite(row["mean_tracking_error"]) and "detected_within_2" in row["alerts"]["default"]
 
 
 def test_paired_alerts_on_our_item_curves_see_injected_drops_the_unpaired_rule_misses():
