@@ -39,50 +39,101 @@ def read_curves(path: str | Path) -> list[Curve]:
 
     A stderr that is missing or 0 counts as ``DEFAULT_STDERR``, as the scheduler's
     ``default_stderr`` does in the pipeline; a value or stderr that is NaN, infinite or (stderr)
-    negative is refused, naming the line and point, since every score divides by the stderr."""
-    curves = []
+    negative is refused, naming the line and point, since every score divides by the stderr.
+    Anything else a curve cannot be read as is refused naming the line, point and field."""
+    curves, lines = [], {}
     for lineno, row in jsonl.rows(path):
-        try:
-            fraction = row.get("subset_fraction")
-            points = tuple(
-                Point(
-                    int(p["step"]),
-                    float(p["value"]),
-                    float(p.get("stderr") or DEFAULT_STDERR),
-                    (float(p["subset_value"]), float(p["subset_stderr"])) if fraction else None,
-                    tuple(float(v) for v in p["items"]) if p.get("items") is not None else None,
-                )
-                for p in row["points"]
-            )
-            higher = bool(row.get("higher_is_better", True))
-            curve = Curve(str(row["curve"]), higher, points, float(fraction) if fraction else None)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{lineno}: bad curve: {exc!r}") from exc
-        if not points:
-            raise ValueError(f"{path}:{lineno}: curve {curve.name!r} has no points")
-        for i, (a, b) in enumerate(zip(points, points[1:], strict=False), start=1):
-            if b.step <= a.step:
-                raise ValueError(
-                    f"{path}:{lineno}: point {i} (step {b.step}) must come after step {a.step}: "
-                    "steps strictly increase along a curve"
-                )
-        sizes = {len(p.items) if p.items is not None else None for p in points}
-        if len(sizes) > 1:
-            first = len(points[0].items) if points[0].items is not None else "no"
-            odd = next(i for i, p in enumerate(points) if (len(p.items) if p.items is not None else "no") != first)
-            got = len(points[odd].items) if points[odd].items is not None else "no"
-            raise ValueError(
-                f"{path}:{lineno}: curve {curve.name!r} point {odd} (step {points[odd].step}) has {got} items, "
-                f"point 0 has {first}: every point scores the same items, in the same order"
-            )
-        for i, p in enumerate(points):
-            numbers = (p.value, p.stderr, *(p.subset or ()), *(p.items or ()))
-            if not all(math.isfinite(x) for x in numbers) or p.stderr < 0 or (p.subset and p.subset[1] < 0):
-                raise ValueError(
-                    f"{path}:{lineno}: point {i} (step {p.step}) needs a finite value and a finite stderr >= 0, "
-                    f"got value {p.value}, stderr {p.stderr}" + (f", subset {p.subset}" if p.subset else "")
-                )
+        where = f"{path}:{lineno}"
+        curve = _curve(row, where)
+        if curve.name in lines:
+            raise ValueError(f"{where}: curve {curve.name!r} is on line {lines[curve.name]} too: name each curve once")
+        lines[curve.name] = lineno
+        _check_points(curve, where)
         curves.append(curve)
     if not curves:
         raise ValueError(f"{path}: no curves")
     return curves
+
+
+def _curve(row, where: str) -> Curve:
+    if not isinstance(row, dict):
+        raise ValueError(f'{where}: a curve is a JSON object ({{"curve", "points": [...]}}), got {type(row).__name__}')
+    if "curve" not in row:
+        raise ValueError(f"{where}: needs 'curve', the curve's name")
+    higher = row.get("higher_is_better", True)
+    if not isinstance(higher, bool):
+        raise ValueError(f"{where}: 'higher_is_better' must be true or false, got {higher!r}")
+    fraction = row.get("subset_fraction")
+    if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
+        raise ValueError(f"{where}: 'subset_fraction' must be a number in (0, 1], got {fraction!r}")
+    points = row.get("points")
+    if not isinstance(points, list):
+        raise ValueError(f"{where}: 'points' must be a list of points, got {points!r}")
+    return Curve(
+        str(row["curve"]),
+        higher,
+        tuple(_point(p, i, fraction, f"{where}: point {i}") for i, p in enumerate(points)),
+        float(fraction) if fraction else None,
+    )
+
+
+def _point(p, i: int, fraction, where: str) -> Point:
+    if not isinstance(p, dict):
+        raise ValueError(f'{where}: a point is a JSON object ({{"step", "value", "stderr"}}), got {p!r}')
+    step = p.get("step")
+    if not (_is_number(step) and float(step).is_integer()):
+        raise ValueError(f"{where}: 'step' must be an integer, got {step!r}")
+    named = {"value": p.get("value"), "stderr": p.get("stderr") or DEFAULT_STDERR}
+    if fraction:
+        named |= {"subset_value": p.get("subset_value"), "subset_stderr": p.get("subset_stderr")}
+    for field, number in named.items():
+        if not _is_number(number):
+            why = " (the curve has a subset_fraction)" if field.startswith("subset") else ""
+            raise ValueError(f"{where} (step {int(step)}): '{field}' must be a number{why}, got {number!r}")
+    items = p.get("items")
+    if items is not None:
+        if not isinstance(items, list) or not items:
+            raise ValueError(f"{where} (step {int(step)}): 'items' must be a non-empty list of scores, got {items!r}")
+        bad = [v for v in items if not (isinstance(v, (int, float)) or _is_float_word(v))]  # true/false: 1/0
+        if bad:
+            raise ValueError(f"{where} (step {int(step)}): 'items' must all be scores (numbers), got {bad[0]!r}")
+        items = tuple(float(v) for v in items)
+    subset = (float(named["subset_value"]), float(named["subset_stderr"])) if fraction else None
+    return Point(int(step), float(named["value"]), float(named["stderr"]), subset, items)
+
+
+def _is_number(x) -> bool:
+    """A JSON number (``true`` and ``false`` are not), or a float JSON spells as a word (NaN)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) or _is_float_word(x)
+
+
+def _is_float_word(x) -> bool:
+    return isinstance(x, str) and x in ("NaN", "Infinity", "-Infinity")
+
+
+def _check_points(curve: Curve, where: str) -> None:
+    points = curve.points
+    if not points:
+        raise ValueError(f"{where}: curve {curve.name!r} has no points")
+    for i, (a, b) in enumerate(zip(points, points[1:], strict=False), start=1):
+        if b.step <= a.step:
+            raise ValueError(
+                f"{where}: point {i} (step {b.step}) must come after step {a.step}: "
+                "steps strictly increase along a curve"
+            )
+    sizes = {len(p.items) if p.items is not None else None for p in points}
+    if len(sizes) > 1:
+        first = len(points[0].items) if points[0].items is not None else "no"
+        odd = next(i for i, p in enumerate(points) if (len(p.items) if p.items is not None else "no") != first)
+        got = len(points[odd].items) if points[odd].items is not None else "no"
+        raise ValueError(
+            f"{where}: curve {curve.name!r} point {odd} (step {points[odd].step}) has {got} items, "
+            f"point 0 has {first}: every point scores the same items, in the same order"
+        )
+    for i, p in enumerate(points):
+        numbers = (p.value, p.stderr, *(p.subset or ()), *(p.items or ()))
+        if not all(math.isfinite(x) for x in numbers) or p.stderr < 0 or (p.subset and p.subset[1] < 0):
+            raise ValueError(
+                f"{where}: point {i} (step {p.step}) needs a finite value and a finite stderr >= 0, "
+                f"got value {p.value}, stderr {p.stderr}" + (f", subset {p.subset}" if p.subset else "")
+            )
