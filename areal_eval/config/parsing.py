@@ -199,7 +199,9 @@ def set_dotted(data: dict, dotted: str, value: Any) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """``["train.max_steps=10", "run_name=x"]`` -> nested dict; values parsed as JSON when possible."""
+    """``["train.max_steps=10", "run_name=x"]`` -> nested dict; values parsed as JSON when possible,
+    a list or mapping also as YAML (``alerts.rules=[{name: a, kind: nonfinite}]``, as the config
+    file writes it); any other value is the string."""
     data: dict = {}
     for item in items:
         if "=" not in item:
@@ -208,9 +210,20 @@ def parse_overrides(items: list[str]) -> dict:
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
-            value = raw
+            value = _flow_yaml(key.strip(), raw) if raw.lstrip()[:1] in ("[", "{") else raw
         set_dotted(data, key.strip(), value)
     return data
+
+
+def _flow_yaml(key: str, raw: str):
+    import yaml
+
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"{key}: {raw!r} is neither JSON nor a YAML list or mapping ({exc})".replace("\n", " ")
+        ) from None
 
 
 def merge(base: dict, extra: dict) -> dict:

@@ -48,6 +48,14 @@ def test_overrides_and_flatten():
     assert flatten({"a": {"b": 1}, "c": 2}) == {"a.b": 1, "c": 2}
 
 
+def test_a_list_or_mapping_override_may_be_written_as_the_yaml_file_writes_it():
+    cfg = load_pipeline_config(overrides=["alerts.rules=[{name: nan, kind: nonfinite, stop_training: true}]"])
+    assert [(r.name, r.kind, r.stop_training) for r in cfg.alerts.rules] == [("nan", "nonfinite", True)]
+    assert parse_overrides(['a.b={"c": [1, 2]}', "a.d=no"]) == {"a": {"b": {"c": [1, 2]}, "d": "no"}}
+    with pytest.raises(ConfigError, match=r"alerts\.rules: '\[\{name: a, kind: ' is neither JSON nor a YAML list"):
+        parse_overrides(["alerts.rules=[{name: a, kind: "])
+
+
 @pytest.mark.parametrize(
     "override, named",
     [
