@@ -64,7 +64,7 @@ def _curve(row, where: str) -> Curve:
     if not isinstance(higher, bool):
         raise ValueError(f"{where}: 'higher_is_better' must be true or false, got {higher!r}")
     fraction = row.get("subset_fraction")
-    if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
+    if fraction is not None and not (_is_number(fraction) and 0 < float(fraction) <= 1):
         raise ValueError(f"{where}: 'subset_fraction' must be a number in (0, 1], got {fraction!r}")
     points = row.get("points")
     if not isinstance(points, list):

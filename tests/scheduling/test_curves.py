@@ -63,6 +63,7 @@ GOOD = {"step": 0, "value": 0.5, "stderr": 0.01}
         ),
         ({"curve": "a", "points": {"step": 0}}, r"c.jsonl:1: 'points' must be a list of points"),
         ({"curve": "a", "subset_fraction": 2, "points": [GOOD]}, r"'subset_fraction' must be a number in \(0, 1\]"),
+        ({"curve": "a", "subset_fraction": "NaN", "points": [GOOD]}, r"'subset_fraction' must be a number in"),
         ({"curve": "a", "subset_fraction": 0.2, "points": [GOOD]}, r"point 0 \(step 0\): 'subset_value' must be a"),
         ({"curve": "a", "points": [GOOD, 7]}, r"c.jsonl:1: point 1: a point is a JSON object"),
         ({"curve": "a", "points": [{**GOOD, "step": 1.5}]}, r"point 0: 'step' must be an integer, got 1.5"),
