@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,10 +127,11 @@ def failure_summary(path: Path, lines: list[str] | None = None) -> str:
     rank = None
     for line in lines:
         field = line.strip()
-        if field.startswith("rank "):
-            rank = field.split(":", 1)[1].strip()
-        elif field.startswith("exitcode ") and rank is not None:
-            found.append(f"rank {rank} exit code {field.split(':', 1)[1].strip()}")
+        report = re.fullmatch(r"(rank|exitcode)\s*:\s*(.+)", field)  # "rank      : 0 (local_rank: 0)"
+        if report and report[1] == "rank":
+            rank = report[2]
+        elif report and rank is not None:
+            found.append(f"rank {rank} exit code {report[2]}")
             rank = None
     return "\n".join(dict.fromkeys(found))  # keep order, drop repeats
 

@@ -35,6 +35,7 @@ def test_lower_priority_reaches_the_scheduler():
 def test_failure_summary_names_every_failed_rank(tmp_path):
     log = tmp_path / "job.log"
     log.write_text(
+        "rank 1 leaves the group with 0 DDP model(s) alive\n"  # a rank's own line, not the report's
         "[rank 0] evaluation failed: RuntimeError: Connection closed by peer\n"
         "Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 17 (pid: 11)\n"
         "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 10)\n"
