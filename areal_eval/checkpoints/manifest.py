@@ -14,11 +14,67 @@ import dataclasses
 import hashlib
 import json
 import logging
+import operator
 from pathlib import Path
 
 from areal_eval import jsonl
 
 log = logging.getLogger(__name__)
+
+
+def announcement(run_id, global_step, epoch, epoch_step, train_metrics) -> tuple[int, int, int, dict]:
+    """``(global_step, epoch, epoch_step, train_metrics)`` as a manifest entry holds them, checked
+    before anything is written: the steps non-negative integers (numpy's too); a metric that is
+    a one-element tensor or array read as its number (``{"loss": loss}`` straight from the
+    training loop). Metrics that are numbers reach MLflow; others JSON can hold (a stop reason)
+    stay in the manifest. Anything else raises, naming the argument."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id: a non-empty string names the run, got {run_id!r}")
+    steps = []
+    for name, value in (("global_step", global_step), ("epoch", epoch), ("epoch_step", epoch_step)):
+        try:
+            number = operator.index(value) if not isinstance(value, bool) else None
+        except TypeError:
+            number = None
+        if number is None or number < 0:
+            raise ValueError(f"{name}: a non-negative integer, got {value!r}")
+        steps.append(number)
+    metrics = {}
+    for key, value in dict(train_metrics or {}).items():
+        if not isinstance(key, str):
+            raise ValueError(f"train_metrics: metric names are strings, got {key!r}")
+        metrics[key] = _metric_value(key, value)
+    return steps[0], steps[1], steps[2], metrics
+
+
+def _metric_value(key: str, value):
+    if isinstance(value, float):
+        return float(value)  # numpy's float64 too
+    if _one_element(value):
+        return value.item()
+    if hasattr(value, "shape"):
+        raise ValueError(
+            f"train_metrics[{key!r}]: a tensor or array of {_elements(value)} elements is no metric "
+            "(log one number, e.g. its mean)"
+        )
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"train_metrics[{key!r}]: a metric is a number, a one-element tensor or array, or what JSON "
+            f"holds (a string), got {type(value).__name__} {value!r:.80}"
+        ) from None
+    return value
+
+
+def _one_element(value) -> bool:
+    """A torch tensor or numpy array (or scalar) of exactly one element."""
+    return hasattr(value, "item") and hasattr(value, "shape") and _elements(value) == 1
+
+
+def _elements(value) -> int:
+    numel = getattr(value, "numel", None)
+    return numel() if callable(numel) else int(value.size)
 
 
 def checkpoint_name(global_step: int) -> str:

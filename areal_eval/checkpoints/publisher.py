@@ -32,7 +32,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, describe_files
+from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, announcement, describe_files
 from areal_eval.checkpoints.store import S3Config, StorageConfig, is_s3, open_store
 
 CHECKPOINT_SAVED = "areal.checkpoint.saved"
@@ -194,6 +194,7 @@ def publish_checkpoint(
     each waited for at most ``event_timeout_s``; :func:`flush_events` waits for those not yet
     posted, as the process does at exit and a ``final`` publish does before it returns.
     """
+    global_step, epoch, epoch_step, train_metrics = announcement(run_id, global_step, epoch, epoch_step, train_metrics)
     directory = Path(checkpoint_dir).resolve()
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
@@ -210,7 +211,7 @@ def publish_checkpoint(
         epoch_step=epoch_step,
         global_step=global_step,
         wall_time=time.time(),
-        train_metrics=dict(train_metrics or {}),
+        train_metrics=train_metrics,
         files=files,
         final=final,
         valid_data=str(Path(valid_data).resolve()) if valid_data else None,

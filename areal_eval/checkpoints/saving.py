@@ -18,7 +18,14 @@ from pathlib import Path
 
 import torch
 
-from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name, describe_files
+from areal_eval.checkpoints.manifest import (
+    CheckpointError,
+    CheckpointEvent,
+    Manifest,
+    announcement,
+    checkpoint_name,
+    describe_files,
+)
 from areal_eval.checkpoints.store import LocalStore
 from areal_eval.disk import named_if_disk_full
 
@@ -127,11 +134,14 @@ class CheckpointWriter:
     ) -> None:
         if self._error:
             raise CheckpointError(f"an earlier checkpoint write failed: {self._error}") from self._error
+        global_step, epoch, epoch_step, train_metrics = announcement(
+            self.run_id, global_step, epoch, epoch_step, train_metrics
+        )
         start = time.perf_counter()
         snapshot = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         resume_state = cpu_copy(resume_state) if resume_state is not None and self.resume_dir else None
         self.blocked_seconds += time.perf_counter() - start
-        self._queue.put(SaveRequest(snapshot, epoch, epoch_step, global_step, dict(train_metrics), final, resume_state))
+        self._queue.put(SaveRequest(snapshot, epoch, epoch_step, global_step, train_metrics, final, resume_state))
 
     def close(self) -> None:
         self._queue.put(None)

@@ -164,3 +164,19 @@ def test_the_final_publish_waits_for_its_event_even_where_exit_hooks_never_run(t
     child.join(60)
     assert child.exitcode == 0
     assert [r["json"][0]["payload"]["global_step"] for r in webhook.requests] == [40, 80]
+
+
+def test_bad_arguments_are_refused_before_anything_is_uploaded_or_announced(tmp_path):
+    import pytest
+    import torch
+
+    directory = written_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="global_step: a non-negative integer, got '40'"):
+        publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", "40")
+    with pytest.raises(ValueError, match=r"train_metrics\['loss'\]: a tensor or array of 4 elements"):
+        publish_checkpoint(directory, tmp_path / "manifest.jsonl", "run-7", 40, train_metrics={"loss": torch.ones(4)})
+    assert not (tmp_path / "manifest.jsonl").exists()
+    event = publish_checkpoint(
+        directory, tmp_path / "manifest.jsonl", "run-7", 40, train_metrics={"loss": torch.tensor(0.5)}
+    )
+    assert Manifest(tmp_path / "manifest.jsonl").events()[0].train_metrics == {"loss": 0.5} == event.train_metrics

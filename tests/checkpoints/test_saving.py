@@ -40,6 +40,20 @@ def test_writer_announces_only_durable_checkpoints(tmp_path):
     assert not list((tmp_path / "ckpt").glob(".*partial"))
 
 
+def test_a_bad_step_or_metric_is_refused_in_save_not_later_in_the_writer_thread(tmp_path):
+    import pytest
+
+    manifest = Manifest(tmp_path / "manifest.jsonl")
+    writer = CheckpointWriter(TinyModel(), NoTokenizer(), tmp_path / "ckpt", manifest, "run-1")
+    with pytest.raises(ValueError, match="global_step: a non-negative integer, got 2.5"):
+        writer.save(0, 0, 2.5, {})
+    with pytest.raises(ValueError, match=r"train_metrics\['loss'\]"):
+        writer.save(0, 3, 3, {"loss": torch.ones(2)})
+    writer.save(0, 4, 4, {"loss": torch.tensor(0.5)})
+    writer.close()  # nothing failed in the thread: the refused saves were never queued
+    assert [(e.global_step, e.train_metrics) for e in manifest.events()] == [(4, {"loss": 0.5})]
+
+
 def test_verify_detects_missing_truncated_and_corrupt(tmp_path):
     d = tmp_path / "c"
     d.mkdir()
