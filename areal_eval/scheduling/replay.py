@@ -26,12 +26,11 @@ checkpoint's value is revealed to the policy only when the policy evaluates it. 
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import statistics
 
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
-from areal_eval.config.parsing import from_dict
+from areal_eval.config.parsing import from_dict, parse_overrides
 from areal_eval.scheduling.curves import DEFAULT_STDERR, Curve, Point
 from areal_eval.scheduling.oracle import MAX_CHECKPOINTS, oracle_compute
 from areal_eval.scheduling.policy import SchedulerConfig
@@ -86,13 +85,18 @@ def parse_policy(spec: str) -> Policy:
     """``fixed:K``, ``adaptive`` or ``adaptive:field=value,field=value`` (scheduler fields, and
     ``probe_fraction`` / ``probe_escalate_stderrs`` to simulate probes where it skips)."""
     if spec.startswith("fixed:"):
-        return FixedEvery(int(spec.split(":", 1)[1]))
+        k = spec.split(":", 1)[1]
+        if not k.strip().isdigit():
+            raise ValueError(f"policy {spec!r}: K in fixed:K is a whole number of checkpoints, got {k!r}")
+        return FixedEvery(int(k))
     if spec == "adaptive" or spec.startswith("adaptive:"):
         overrides = {}
         if ":" in spec:
             for item in spec.split(":", 1)[1].split(","):
+                if "=" not in item:
+                    raise ValueError(f"policy {spec!r}: {item!r} is not field=value")
                 key, value = item.split("=", 1)
-                overrides[key] = json.loads(value)
+                overrides[key.strip()] = parse_overrides([f"v={value}"])["v"]  # as --set reads a value
         cfg = from_dict(SchedulerConfig, {"stderr_metric": None, **overrides}, "adaptive")
         return SchedulerPolicy(spec, cfg)
     raise ValueError(f"unknown policy {spec!r} (fixed:K, adaptive, adaptive:field=value,...)")

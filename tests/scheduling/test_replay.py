@@ -125,6 +125,27 @@ def test_a_drop_at_the_final_checkpoint_fires_unconfirmed_at_no_more_false_alert
     assert clean[3.5] == clean[None]
 
 
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        ("fixed:x", r"policy 'fixed:x': K in fixed:K is a whole number of checkpoints, got 'x'"),
+        ("fixed:0", r"fixed:K needs K >= 1"),
+        ("adaptive:look_back", r"policy 'adaptive:look_back': 'look_back' is not field=value"),
+        ("adaptive:look_back=x", r"adaptive\.look_back: expected int, got str 'x'"),
+        ("adaptive:lookback=1", r"unknown config field adaptive\.lookback"),
+        ("greedy", r"unknown policy 'greedy'"),
+    ],
+)
+def test_a_bad_policy_is_refused_naming_it(spec, named):
+    with pytest.raises(ValueError, match=named):
+        parse_policy(spec)
+
+
+def test_a_policy_value_is_read_as_a_set_override_is():
+    policy = parse_policy("adaptive:metric=loss,look_back=1,max_interval_growth=null")
+    assert (policy.cfg.metric, policy.cfg.look_back, policy.cfg.max_interval_growth) == ("loss", 1, None)
+
+
 def test_bad_alert_flags_are_refused_naming_the_flag(capsys):
     for flag, value in (
         ("--alert-baseline-results", "foo"),
