@@ -31,7 +31,7 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.settings import PREFECT_API_URL
 from websockets.exceptions import WebSocketException
 
-from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED
+from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, payload_problem
 from areal_eval.config.parsing import ConfigError, to_dict
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
@@ -108,6 +108,9 @@ async def serve(
                         if event.id in seen:
                             continue
                         seen.add(event.id)
+                        if problem := payload_problem(event.payload):
+                            print(f"serve-evaluations: event {event.id} skipped: {problem}", flush=True)
+                            continue
                         manifests.setdefault(event.payload["manifest"])
                         loop.run_in_executor(pool, evaluate_published, cfg, dict(event.payload), gpu_slot)
                 why = "the server closed the event stream"

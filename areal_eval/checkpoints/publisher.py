@@ -58,6 +58,19 @@ def event_payload(event: CheckpointEvent, manifest: str | Path) -> dict:
     return {**event.payload(), "manifest": str(manifest) if is_s3(manifest) else str(Path(manifest).resolve())}
 
 
+def payload_problem(payload) -> str | None:
+    """Why an ``areal.checkpoint.saved`` payload names no checkpoint to evaluate (None: it does):
+    anyone may emit the event, and an evaluator must not die of a malformed one."""
+    if not isinstance(payload, dict):
+        return f"the payload is {type(payload).__name__}, not an object"
+    step = payload.get("global_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"global_step {step!r} is not a non-negative integer"
+    if not isinstance(payload.get("manifest"), str) or not payload["manifest"]:
+        return f"manifest {payload.get('manifest')!r} is not a path or URI"
+    return None
+
+
 def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float = EVENT_TIMEOUT_S) -> None:
     """POST one ``areal.checkpoint.saved`` event to a Prefect API (``.../api``)."""
     body = [

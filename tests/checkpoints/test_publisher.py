@@ -180,3 +180,14 @@ def test_bad_arguments_are_refused_before_anything_is_uploaded_or_announced(tmp_
         directory, tmp_path / "manifest.jsonl", "run-7", 40, train_metrics={"loss": torch.tensor(0.5)}
     )
     assert Manifest(tmp_path / "manifest.jsonl").events()[0].train_metrics == {"loss": 0.5} == event.train_metrics
+
+
+def test_a_payload_that_names_no_checkpoint_is_told_apart_with_the_reason():
+    from areal_eval.checkpoints.publisher import payload_problem
+
+    good = {"run_id": "r", "global_step": 40, "manifest": "/runs/r/manifest.jsonl"}
+    assert payload_problem(good) is None
+    assert payload_problem([]) == "the payload is list, not an object"
+    assert payload_problem({**good, "global_step": "40"}) == "global_step '40' is not a non-negative integer"
+    assert payload_problem({**good, "global_step": True}) == "global_step True is not a non-negative integer"
+    assert payload_problem({"global_step": 40}) == "manifest None is not a path or URI"

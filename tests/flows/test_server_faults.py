@@ -4,17 +4,20 @@ stopped by it, the evaluation service outlives the restart, and no training metr
 
 from __future__ import annotations
 
+import datetime
 import json
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+import uuid
 
 import pytest
 
 from areal_eval.checkpoints.manifest import Manifest
-from areal_eval.checkpoints.publisher import publish_checkpoint
+from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, publish_checkpoint
 from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import Tracker
 from tests.helpers import free_port
@@ -115,6 +118,22 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
             assert service.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
 
+        # Anyone may emit the event: one that names no checkpoint is skipped, and the service lives on.
+        malformed = {
+            "id": str(uuid.uuid4()),
+            "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "event": CHECKPOINT_SAVED,
+            "resource": {"prefect.resource.id": "areal.checkpoint.faulty.soon", "areal.source": "publisher"},
+            "payload": {"run_id": "faulty", "global_step": "soon"},
+        }
+        urllib.request.urlopen(
+            urllib.request.Request(
+                env["PREFECT_API_URL"] + "/events",
+                data=json.dumps([malformed]).encode(),
+                headers={"Content-Type": "application/json"},
+            ),
+            timeout=10,
+        )
         # Three checkpoints, the later two published while the first is being evaluated.
         publish(0, env["PREFECT_API_URL"])
         deadline = time.monotonic() + 120
@@ -170,6 +189,7 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
 
     said = log.read_text()
     assert said.count("listening to") == 2 and "reconnecting in" in said, said[-3000:]
+    assert f"event {malformed['id']} skipped: global_step 'soon' is not a non-negative integer" in said
     warned = [
         r.getMessage() for r in caplog.records if "is in the manifest, but its event did not reach" in r.getMessage()
     ]
