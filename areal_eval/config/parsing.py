@@ -207,15 +207,17 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.field=value")
         key, raw = item.split("=", 1)
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = _flow_yaml(key.strip(), raw) if raw.lstrip()[:1] in ("[", "{") else raw
-        set_dotted(data, key.strip(), value)
+        set_dotted(data, key.strip(), override_value(key.strip(), raw))
     return data
 
 
-def _flow_yaml(key: str, raw: str):
+def override_value(key: str, raw: str) -> Any:
+    """An override's value: JSON where it is JSON, a list or mapping also YAML, else the string."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if raw.lstrip()[:1] not in ("[", "{"):
+            return raw
     import yaml
 
     try:

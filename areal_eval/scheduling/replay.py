@@ -30,7 +30,7 @@ import random
 import statistics
 
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
-from areal_eval.config.parsing import from_dict, parse_overrides
+from areal_eval.config.parsing import from_dict, override_value
 from areal_eval.scheduling.curves import DEFAULT_STDERR, Curve, Point
 from areal_eval.scheduling.oracle import MAX_CHECKPOINTS, oracle_compute
 from areal_eval.scheduling.policy import SchedulerConfig
@@ -96,7 +96,7 @@ def parse_policy(spec: str) -> Policy:
                 if "=" not in item:
                     raise ValueError(f"policy {spec!r}: {item!r} is not field=value")
                 key, value = item.split("=", 1)
-                overrides[key.strip()] = parse_overrides([f"v={value}"])["v"]  # as --set reads a value
+                overrides[key.strip()] = override_value(f"adaptive.{key.strip()}", value)  # as --set reads it
         cfg = from_dict(SchedulerConfig, {"stderr_metric": None, **overrides}, "adaptive")
         return SchedulerPolicy(spec, cfg)
     raise ValueError(f"unknown policy {spec!r} (fixed:K, adaptive, adaptive:field=value,...)")
