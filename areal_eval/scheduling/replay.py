@@ -121,11 +121,14 @@ def inject_regression(curve: Curve, rng: random.Random) -> tuple[Curve, int]:
 
 
 def _with_subset_moved(clean: Point, regressed: Point) -> Point:
-    """A recorded probe-subset value drops with the value: a probe sees the regression too."""
+    """A recorded probe-subset value drops with the value, and its stderr moves as the value's
+    did: a probe sees the regression too."""
     if clean.subset is None:
         return regressed
     value, stderr = clean.subset
-    return dataclasses.replace(regressed, subset=(value + regressed.value - clean.value, stderr))
+    return dataclasses.replace(
+        regressed, subset=(value + regressed.value - clean.value, stderr * regressed.stderr / clean.stderr)
+    )
 
 
 def lower_items(point: Point, order: list[int], sign: float) -> Point:
