@@ -8,7 +8,8 @@ checkpoint, so every change between two results is noise. A regression on such a
 nothing beforehand, so a policy sees it only by looking: seeing it at most 2 checkpoints late
 (1 on average) means evaluating every 3rd checkpoint, which is fixed:3, and the tracking error
 of each skipped checkpoint is the noise between two results whatever the policy. Replays
-adaptive (with and without its end-of-run refinement) and fixed:1-4 and prints their
+adaptive (as shipped, without its look-back after a suspected regression, and without its
+end-of-run refinement too) and fixed:1-4 and prints their
 evaluations, tracking error and frontier ratio, and one JSON line.
 """
 
@@ -43,7 +44,15 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=400)
     args = parser.parse_args()
     curves = plateau_curves(args.curves, args.checkpoints, args.items)
-    names = ["adaptive", "adaptive:refine_stderrs=null", "fixed:1", "fixed:2", "fixed:3", "fixed:4"]
+    names = [
+        "adaptive",
+        "adaptive:look_back=0",
+        "adaptive:look_back=0,refine_stderrs=null",
+        "fixed:1",
+        "fixed:2",
+        "fixed:3",
+        "fixed:4",
+    ]
     rows = replay.replay(curves, [replay.parse_policy(n) for n in names])["policies"]
     out = {}
     for name in names:
