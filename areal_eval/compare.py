@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from areal_eval.checkpoints.manifest import checkpoint_name
+from areal_eval.checkpoints.manifest import checkpoint_name, step_of_name
 from areal_eval.evaluation.items import (
     SCORE_COLUMNS,
     items_dir,
@@ -36,10 +36,26 @@ class Comparison:
 
 
 def step_items(run_dir: Path, step: int) -> Path:
-    directory = items_dir(run_dir / "evals" / f"{checkpoint_name(step)}.json")
+    evals = run_dir / "evals"
+    if not evals.is_dir():
+        raise FileNotFoundError(f"{run_dir}: not a run directory with evaluations (no {evals})")
+    directory = items_dir(evals / f"{checkpoint_name(step)}.json")
     if not directory.is_dir():
-        raise FileNotFoundError(f"step {step}: no per-item results in {directory} (not evaluated, or eval.items off)")
+        kept = steps_with_items(evals)
+        shown = ", ".join(map(str, kept)) if kept else "none"
+        raise FileNotFoundError(
+            f"step {step}: no per-item results in {directory} (not evaluated, or eval.items off); "
+            f"steps of {run_dir} with items: {shown}"
+        )
     return directory
+
+
+def steps_with_items(evals_dir: Path) -> list[int]:
+    """The steps whose evaluations left per-item files in ``evals_dir``, in order."""
+    steps = (
+        (step_of_name(directory.name.removesuffix(".items")), directory) for directory in evals_dir.glob("*.items")
+    )
+    return sorted(step for step, directory in steps if step is not None and any(directory.glob("*.parquet")))
 
 
 def compare_steps(run_dir: str | Path, step_a: int, step_b: int) -> list[Comparison]:

@@ -48,7 +48,10 @@ def test_compare_pairs_each_score_on_common_items_and_clusters_a_prompts_samples
 def test_a_step_without_items_or_without_common_items_is_refused_naming_it(tmp_path, capsys):
     evaluation(tmp_path, 10, [1, 0], [[1, 0, 0]])
     assert main(["compare", str(tmp_path), "10", "30"]) == 2
-    assert "step 30: no per-item results in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "step 30: no per-item results in" in err and f"steps of {tmp_path} with items: 10" in err
+    assert main(["compare", str(tmp_path / "nope"), "10", "30"]) == 2
+    assert f"{tmp_path / 'nope'}: not a run directory with evaluations" in capsys.readouterr().err
     write_items({"reward_model": [{"item": 5, "correct": 1.0, "margin": 0.0, "loss": 0.0}]},
                 items_dir(tmp_path / "evals" / f"{checkpoint_name(40)}.json"), 2000)  # fmt: skip
     assert main(["compare", str(tmp_path), "10", "40"]) == 2

@@ -77,9 +77,18 @@ def _elements(value) -> int:
     return numel() if callable(numel) else int(value.size)
 
 
+CHECKPOINT_PREFIX = "global_step_"
+
+
 def checkpoint_name(global_step: int) -> str:
     """The directory name of the checkpoint at ``global_step`` (sorts by step)."""
-    return f"global_step_{global_step:08d}"
+    return f"{CHECKPOINT_PREFIX}{global_step:08d}"
+
+
+def step_of_name(name: str) -> int | None:
+    """The step a :func:`checkpoint_name` names (None: ``name`` is not one)."""
+    digits = name.removeprefix(CHECKPOINT_PREFIX)
+    return int(digits) if name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else None
 
 
 class CheckpointError(RuntimeError):

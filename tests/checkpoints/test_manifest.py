@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_eval.checkpoints.manifest import CheckpointEvent, announcement
+from areal_eval.checkpoints.manifest import CheckpointEvent, announcement, checkpoint_name, step_of_name
 
 
 def test_metrics_straight_from_the_training_loop_are_recorded_as_numbers():
@@ -55,3 +55,8 @@ def test_metrics_straight_from_the_training_loop_are_recorded_as_numbers():
 def test_an_announcement_that_no_follower_could_read_is_refused_naming_the_argument(args, named):
     with pytest.raises(ValueError, match=named):
         announcement(*args)
+
+
+def test_a_checkpoint_name_reads_back_as_its_step_and_nothing_else_does():
+    assert [step_of_name(checkpoint_name(s)) for s in (0, 25, 123456789)] == [0, 25, 123456789]
+    assert [step_of_name(n) for n in ("global_step_", "global_step_-1", "step_25", "global_step_1.5")] == [None] * 4
