@@ -13,18 +13,28 @@ fall by ``REGRESSION_STDERRS`` of their stderr or more from the better of the tw
 before, and stay down at the next checkpoint (the mean of the two). An injected drop looks like
 that, so a rule that catches nearly every injected drop fires on these curves too, and replay
 counts those firings as false alerts.
+
+And it asks whether any forecast from the results before a checkpoint could tell an injected drop
+from the clean curve's own movement (``forecasts``). For each forecast (the mean of the 3 results
+before, the one result before, and the one before plus half its last change, scaled to the step
+gap) it takes the residual of each checkpoint from its forecast, in errors of their difference,
+in the bad direction: per clean curve the worst, and for the injected drops (seeds 0-9, without
+items) the one at the checkpoint where the drop starts. Where the clean curves' worst residuals
+reach as far as the drops' typical one, a rule on that forecast that finds the drops fires on
+the clean curves too.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 
 from common import ROOT, emit
 
 from areal_eval.alerts import AlertRule
 from areal_eval.scheduling.curves import read_curves
-from areal_eval.scheduling.replay import REGRESSION_STDERRS, parse_policy, replay
+from areal_eval.scheduling.replay import REGRESSION_STDERRS, _as_replayed, parse_policy, replay
 
 RULES = {
     "stderrs 3": {"stderrs": 3.0},
@@ -48,6 +58,46 @@ def has_a_drop_the_injected_size(curve) -> bool:
     return False
 
 
+FORECASTS = ("mean of 3", "the one before", "damped trend")
+
+
+def forecast_residual(points, t: int, forecast: str, sign: float) -> float:
+    """How far checkpoint ``t`` lies from ``forecast`` made from the checkpoints before it, in
+    errors of their difference, positive in the bad direction (``sign``: 1 higher is better)."""
+    y, steps, se = [p.value for p in points], [p.step for p in points], [p.stderr for p in points]
+    if forecast == "mean of 3":
+        guess, error = statistics.fmean(y[t - 3 : t]), math.sqrt(sum(e * e for e in se[t - 3 : t])) / 3
+    elif forecast == "the one before":
+        guess, error = y[t - 1], se[t - 1]
+    else:  # half the last change, per step, carried over the gap to this checkpoint
+        gain = 0.5 * (steps[t] - steps[t - 1]) / (steps[t - 1] - steps[t - 2])
+        guess = y[t - 1] + gain * (y[t - 1] - y[t - 2])
+        error = math.hypot((1 + gain) * se[t - 1], gain * se[t - 2])
+    return sign * (guess - y[t]) / math.hypot(se[t], error)
+
+
+def forecasts(curves) -> dict:
+    out = {}
+    for forecast in FORECASTS:
+        worst_clean = sorted(
+            max(forecast_residual(c.points, t, forecast, 1.0 if c.higher_is_better else -1.0) for t in range(3, len(c.points)))
+            for c in curves
+        )  # fmt: skip
+        drops = [
+            forecast_residual(curve.points, start, forecast, 1.0 if curve.higher_is_better else -1.0)
+            for seed in SEEDS
+            for curve, start in _as_replayed(curves, True, seed, use_items=False)
+            if start >= 3
+        ]
+        out[forecast] = {
+            "clean_worst_median": round(statistics.median(worst_clean), 2),
+            "clean_worst_max": round(worst_clean[-1], 2),
+            "drop_median": round(statistics.median(drops), 2),
+            "drops_beyond_clean_worst_max": round(sum(d > worst_clean[-1] for d in drops) / len(drops), 3),
+        }
+    return out
+
+
 def limits(path) -> dict:
     curves = read_curves(path)
     rules = [AlertRule(name, "regression", **fields) for name, fields in RULES.items()]
@@ -67,6 +117,7 @@ def limits(path) -> dict:
         "count": len(curves),
         "curves_with_a_drop_the_injected_size": sum(map(has_a_drop_the_injected_size, curves)),
         "rules": table,
+        "forecasts": forecasts(curves),
     }
 
 
@@ -76,6 +127,8 @@ def main() -> None:
         ROOT.parent / "shared" / "data" / "curves" / "pythia-v0.jsonl",
         ROOT / "bench" / "curves" / "areal-demo.jsonl",
         ROOT / "bench" / "curves" / "areal-demo-geometric.jsonl",
+        ROOT / "bench" / "curves" / "sft-math.jsonl",
+        ROOT / "bench" / "curves" / "sft-math-geometric.jsonl",
     ]
     parser.add_argument("curves", nargs="*", default=[p for p in default if p.exists()])
     args = parser.parse_args()
