@@ -76,15 +76,18 @@ def forecast_residual(points, t: int, forecast: str, sign: float) -> float:
     return sign * (guess - y[t]) / math.hypot(se[t], error)
 
 
+def _sign(curve) -> float:
+    return 1.0 if curve.higher_is_better else -1.0
+
+
 def forecasts(curves) -> dict:
     out = {}
     for forecast in FORECASTS:
         worst_clean = sorted(
-            max(forecast_residual(c.points, t, forecast, 1.0 if c.higher_is_better else -1.0) for t in range(3, len(c.points)))
-            for c in curves
-        )  # fmt: skip
+            max(forecast_residual(c.points, t, forecast, _sign(c)) for t in range(3, len(c.points))) for c in curves
+        )
         drops = [
-            forecast_residual(curve.points, start, forecast, 1.0 if curve.higher_is_better else -1.0)
+            forecast_residual(curve.points, start, forecast, _sign(curve))
             for seed in SEEDS
             for curve, start in _as_replayed(curves, True, seed, use_items=False)
             if start >= 3
