@@ -34,7 +34,7 @@ from common import ROOT, emit
 
 from areal_eval.alerts import AlertRule
 from areal_eval.scheduling.curves import read_curves
-from areal_eval.scheduling.replay import REGRESSION_STDERRS, _as_replayed, parse_policy, replay
+from areal_eval.scheduling.replay import REGRESSION_STDERRS, as_replayed, parse_policy, replay
 
 RULES = {
     "stderrs 3": {"stderrs": 3.0},
@@ -89,7 +89,7 @@ def forecasts(curves) -> dict:
         drops = [
             forecast_residual(curve.points, start, forecast, _sign(curve))
             for seed in SEEDS
-            for curve, start in _as_replayed(curves, True, seed, use_items=False)
+            for curve, start in as_replayed(curves, True, seed, use_items=False)
             if start >= 3
         ]
         out[forecast] = {

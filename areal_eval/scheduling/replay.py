@@ -217,7 +217,7 @@ def replay(
         policy.name: _replay_one(curves, policy, regression, seed, alert_rules, use_items) for policy in policies
     }
     fixed: dict[int, dict] = {}
-    replayed = [curve for curve, _ in _as_replayed(curves, regression, seed, use_items)]
+    replayed = [curve for curve, _ in as_replayed(curves, regression, seed, use_items)]
     for policy in policies:
         if not isinstance(policy, FixedEvery):
             row = results[policy.name]
@@ -281,7 +281,7 @@ def alerts_fired(curve: Curve, evaluations: list[tuple[int, int]], rule: AlertRu
     return fired
 
 
-def _as_replayed(
+def as_replayed(
     curves: list[Curve], regression: bool, seed: int, use_items: bool = True
 ) -> list[tuple[Curve, int | None]]:
     """The curves as every policy sees them: with ``regression``, each with its injected drop
@@ -310,7 +310,7 @@ def _replay_one(
     per_curve, delays, probes_run = [], [], 0
     false_alerts = {rule.name: 0 for rule in alert_rules or ()}
     detected = {rule.name: 0 for rule in alert_rules or ()}
-    for curve, start in _as_replayed(curves, regression, seed, use_items):
+    for curve, start in as_replayed(curves, regression, seed, use_items):
         evaluations, probes = policy.select_and_probe(curve, str(seed))
         if 0 not in (i for i, _ in evaluations):
             evaluations.insert(0, (0, 0))  # every policy evaluates the first checkpoint
