@@ -2,16 +2,23 @@
 
     bash scripts/gpu_check.sh            # on the GPU machine: prints one JSON line
     python -m areal_eval.gpu_check --allow-cpu   # the same steps on the CPU (gloo), to try it here
+    python -m areal_eval.gpu_check --allow-cpu --small   # every step on little data, in seconds
 
 It brings up an nccl process group; plans training and evaluation on the one GPU with
 ``eval.share_devices``; trains a small reward model and a causal LM there; evaluates them in
-float32 and bfloat16; measures reward-model pairs/s and generation tokens/s; and checks that GPU
-memory is back to its baseline after each of several evaluations, as warm workers need.
+float32 and bfloat16; measures reward-model pairs/s and generation tokens/s; checks that GPU
+memory is back to its baseline after each of several evaluations, as warm workers need; and
+runs the pipeline's own evaluation path on the planned device: warm torchrun workers
+that evaluate checkpoint after checkpoint and keep every item's score.
+
+Generation is scored by ``exact_match``, so nothing beyond torch and transformers is needed
+(the ``math`` reward would need math-verify).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -53,7 +60,39 @@ def train(model, batches, device, steps: int, loss_fn) -> float:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return float(loss)
+    return float(loss.detach())
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """How much data and training the check uses."""
+
+    train_pairs: int = 2000
+    valid_pairs: int = 256
+    train_problems: int = 2000
+    valid_problems: int = 64
+    reward_model_steps: int = 60
+    causal_lm_steps: int = 100
+
+
+SMALL = Sizes(
+    train_pairs=200, valid_pairs=32, train_problems=200, valid_problems=16, reward_model_steps=4, causal_lm_steps=4
+)
+"""``--small``: every step on little data, for a quick look (what the tests run)."""
+
+MEMORY_SLACK = 1 << 20
+"""Bytes of allocated GPU memory an evaluation may leave behind (allocator rounding)."""
+
+
+def allocated_above(baseline: int, device) -> int:
+    """GPU memory allocated by torch now, above ``baseline``, once garbage is collected (0 on CPU)."""
+    import torch
+
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - baseline
 
 
 def evaluate(evaluator_name: str, checkpoint: Path, data: Path, dtype: str, **settings) -> tuple[dict, float]:
@@ -72,7 +111,7 @@ def evaluate(evaluator_name: str, checkpoint: Path, data: Path, dtype: str, **se
     return metrics, time.perf_counter() - start
 
 
-def run(work: Path, device) -> dict:
+def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
     import torch
 
     from areal_eval.data.math_problems import SyntheticMathProblems
@@ -87,7 +126,9 @@ def run(work: Path, device) -> dict:
     plan = plan_devices("auto", "auto", 1, 1, 1, True, Visible.here())
     out["plan"] = {"train": str(plan.train), "eval": str(plan.eval_slots[0])}
 
-    pairs_train, pairs_valid = SyntheticPreferences(SyntheticPreferences.Config(2000, 256)).generate(work / "rm")
+    pairs_train, pairs_valid = SyntheticPreferences(
+        SyntheticPreferences.Config(sizes.train_pairs, sizes.valid_pairs)
+    ).generate(work / "rm")
     pairs = read_pairs(pairs_train)
     tok_dir = work / "rm" / "tokenizer"
     causal_lm.train_tokenizer([t for p in pairs for t in (p["chosen"], p["rejected"])], tok_dir, 512)
@@ -99,14 +140,15 @@ def run(work: Path, device) -> dict:
     batches = [reward_model.collate_pairs(rng.sample(encoded, 32), rm_tok.pad_token_id) for _ in range(20)]
     rm_loss = lambda m, b: reward_model.bradley_terry_loss(*reward_model.pair_scores(m, b))  # noqa: E731
     baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    out["reward_model_train_loss"] = round(train(rm, batches, device, 60, rm_loss), 4)
+    out["reward_model_train_loss"] = round(train(rm, batches, device, sizes.reward_model_steps, rm_loss), 4)
     rm_dir = work / "rm" / "checkpoint"
     rm.cpu().save_pretrained(rm_dir)
     rm_tok.save_pretrained(rm_dir)
     del rm
-    gc.collect()
+    memory = {"after_training": allocated_above(baseline, device)}
 
     m32, _ = evaluate("reward_model", rm_dir, pairs_valid, "float32")
+    evaluate("reward_model", rm_dir, pairs_valid, "bfloat16")  # the first one pays the kernels' start-up
     m16, seconds = evaluate("reward_model", rm_dir, pairs_valid, "bfloat16")
     out["bf16_vs_fp32"] = {
         "accuracy": [round(m32["accuracy"], 4), round(m16["accuracy"], 4)],
@@ -114,7 +156,9 @@ def run(work: Path, device) -> dict:
     }
     out["reward_model_pairs_per_s_bf16"] = round(m16["n_pairs"] / seconds, 1)
 
-    train_rows, valid_rows = SyntheticMathProblems(SyntheticMathProblems.Config(2000, 64)).generate(work / "sft")
+    train_rows, valid_rows = SyntheticMathProblems(
+        SyntheticMathProblems.Config(sizes.train_problems, sizes.valid_problems)
+    ).generate(work / "sft")
     rows = SFTObjective.read(train_rows)
     SFTObjective.train_tokenizer(rows, work / "sft" / "tokenizer", 512)
     sft_tok = SFTObjective.load_tokenizer(work / "sft" / "tokenizer")
@@ -122,31 +166,76 @@ def run(work: Path, device) -> dict:
     lm = SFTObjective.build_model(lm_cfg, sft_tok)
     examples = SFTObjective.encode(sft_tok, rows, lm_cfg)
     batches = [SFTObjective.collate(rng.sample(examples, 32), sft_tok) for _ in range(20)]
-    out["sft_train_loss"] = round(train(lm, batches, device, 100, SFTObjective.loss), 4)
+    out["sft_train_loss"] = round(train(lm, batches, device, sizes.causal_lm_steps, SFTObjective.loss), 4)
     lm_dir = work / "sft" / "checkpoint"
     lm.cpu().save_pretrained(lm_dir)
     sft_tok.save_pretrained(lm_dir)
     del lm
     gc.collect()
 
-    memory_after = []
-    generation = GenerationConfig(max_new_tokens=32)
+    memory["after_each_evaluation"] = []
+    generation = GenerationConfig(max_new_tokens=32, reward="exact_match")
     for _ in range(3):  # as warm workers do: evaluation after evaluation in one process
         metrics, seconds = evaluate("generation", lm_dir, valid_rows, "bfloat16", generation=generation)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            memory_after.append(torch.cuda.memory_allocated() - baseline)
+        memory["after_each_evaluation"].append(allocated_above(baseline, device))
     out["generation_tokens_per_s_bf16"] = round(metrics["response_length"] * metrics["n_answers"] / seconds, 1)
     out["generation_accuracy"] = round(metrics["accuracy"], 4)
-    out["memory_above_baseline_after_each_evaluation_bytes"] = memory_after
-    out["memory_back_to_baseline"] = all(m <= (1 << 20) for m in memory_after)
+    # cuBLAS keeps a workspace per handle in torch's allocator for the process's life: constant, reused.
+    if device.type == "cuda" and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
+    memory["without_cublas_workspaces"] = allocated_above(baseline, device)
+    after = memory["after_each_evaluation"]
+    out["memory_above_baseline_bytes"] = memory
+    out["memory_flat_across_evaluations"] = max(after) - min(after) <= MEMORY_SLACK
+    out["memory_back_to_baseline"] = memory["without_cublas_workspaces"] <= MEMORY_SLACK
+    out["warm_workers"] = warm_worker_evaluations(
+        work, plan.eval_slots[0], (rm_dir, pairs_valid, "reward_model"), (lm_dir, valid_rows, "generation,lm_loss")
+    )
+    out["warm_workers"]["reward_model_accuracy_equals_in_process"] = out["warm_workers"]["accuracy"] == round(
+        m16["accuracy"], 4
+    )
+    return out
+
+
+def warm_worker_evaluations(work: Path, placement, reward_model_job: tuple, causal_lm_job: tuple) -> dict:
+    """The pipeline's evaluation path on ``placement``: one warm torchrun job (nccl on a GPU)
+    evaluates the reward model at two steps and the causal LM at a third, in bfloat16, keeping
+    every item's score. On a GPU, the device's free memory while the workers live shows they
+    hold their model there (one rank needs no process group: nccl is checked apart)."""
+    from areal_eval.checkpoints.manifest import CheckpointEvent, describe_files
+    from areal_eval.evaluation.generation import GenerationConfig
+    from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
+    from areal_eval.evaluation.lm_loss import LMLossConfig
+    from areal_eval.evaluation.worker_pool import WarmEvalWorkers
+
+    generation = GenerationConfig(max_new_tokens=32, reward="exact_match")
+    answer_loss = LMLossConfig(completion_field="answer", max_length=64)
+    import torch
+
+    on_gpu = placement is not None and placement.kind == "cuda"
+    free_before = torch.cuda.mem_get_info()[0] if on_gpu else 0
+    out: dict = {"placement": str(placement), "seconds": []}
+    with WarmEvalWorkers(1, work / "warm", placement=placement) as workers:
+        for step, (checkpoint, data, evaluator) in enumerate((reward_model_job, reward_model_job, causal_lm_job)):
+            files = describe_files(checkpoint)
+            event = CheckpointEvent("gpu-check", str(checkpoint), 0, step, step, time.time(), {}, files)
+            cfg = EvalConfig(nproc=1, evaluator=evaluator, dtype="bfloat16", generation=generation, lm_loss=answer_loss)
+            result = run_evaluation_job(event, data, cfg, work / "evals", max_length=64, workers=workers)
+            out["seconds"].append(round(result.seconds, 2))
+            if step == 0:
+                out["accuracy"] = round(result.metrics["accuracy"], 4)
+                out["gpu_bytes_held_by_workers"] = free_before - torch.cuda.mem_get_info()[0] if on_gpu else 0
+            out[f"step_{step}_items"] = {name: Path(path).stat().st_size > 0 for name, path in result.items.items()}
+        out["torchrun_jobs_started"] = workers.started_jobs
+    out["generation_accuracy"] = round(result.metrics["generation/accuracy"], 4)
+    out["lm_loss"] = round(result.metrics["lm_loss/loss"], 4)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allow-cpu", action="store_true", help="run the same steps on the CPU when there is no GPU")
+    parser.add_argument("--small", action="store_true", help="every step on little data: a quick look, not figures")
     args = parser.parse_args(argv)
     import torch
 
@@ -160,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="areal-eval-gpu-check-") as work:
-        result = run(Path(work), device)
+        result = run(Path(work), device, SMALL if args.small else Sizes())
     result["seconds"] = round(time.monotonic() - started, 1)
     result["prefect_or_mlflow_imported"] = sorted(m for m in ("prefect", "mlflow") if m in sys.modules)
     print(json.dumps(result, sort_keys=True))

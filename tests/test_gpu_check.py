@@ -1,14 +1,39 @@
 """scripts/gpu_check.sh runs where only torch and transformers are installed: what it imports
-must not pull in Prefect, MLflow or the flow side's packages. (The check itself needs a GPU,
-or 2.5 minutes with --allow-cpu: run by hand, never in CI.)"""
+must not pull in Prefect, MLflow or the flow side's packages, and every step must run without the
+packages a GPU machine's image lacks. (The full check needs a GPU, or about 40 s with
+--allow-cpu: run by hand, never in CI; the tests run its --small form.)"""
 
 import json
+import os
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
 FLOW_SIDE = ["prefect", "mlflow", "psutil", "boto3", "matplotlib"]
+
+ABSENT_ON_GPU_IMAGES = {
+    *("math_verify", "latex2sympy2_extended", "lm_eval", "vllm", "matplotlib", "mpl_toolkits"),
+    *("prefect", "prefect_kubernetes", "mlflow", "mlflow_skinny", "mlflow_tracing", "boto3", "botocore", "s3transfer"),
+}
+"""The project's dependencies that a machine with only torch and transformers (and the common
+scientific packages: numpy, pyarrow, psutil) lacks."""
+
+SITECUSTOMIZE = """import sys
+sys.path[:] = [{mirror!r} if p == {real!r} else p for p in sys.path]
+"""
+"""Puts the mirror of site-packages in place of the real one, in every process that starts."""
+
+
+def site_packages_without(absent: set[str], mirror: Path) -> None:
+    """``mirror``: links to everything in this environment's site-packages but ``absent``'s
+    packages and their metadata, so imports and ``importlib.metadata`` both find them missing."""
+    mirror.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if entry.name.split("-")[0].removesuffix(".py") not in absent:
+            (mirror / entry.name).symlink_to(entry)
 
 
 @pytest.mark.integration
@@ -21,3 +46,28 @@ def test_the_gpu_checks_library_parts_import_without_the_flow_sides_packages():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.integration
+def test_every_step_of_the_gpu_check_runs_without_the_packages_gpu_images_lack(tmp_path):
+    # A sitecustomize on PYTHONPATH hides them in this process and in the torchrun workers it starts.
+    site_packages_without(ABSENT_ON_GPU_IMAGES, tmp_path / "site-packages")
+    real = sysconfig.get_paths()["purelib"]
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE.format(mirror=str(tmp_path / "site-packages"), real=real))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    run = subprocess.run(
+        [sys.executable, "-m", "areal_eval.gpu_check", "--allow-cpu", "--small"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["process_group"]["all_reduce_ok"]
+    assert result["prefect_or_mlflow_imported"] == []
+    assert result["memory_back_to_baseline"] and result["memory_flat_across_evaluations"]
+    warm = result["warm_workers"]
+    assert warm["torchrun_jobs_started"] == 1  # three evaluations, one warm job
+    assert warm["reward_model_accuracy_equals_in_process"]
+    assert warm["step_2_items"] == {"generation": True, "lm_loss": True}
