@@ -73,10 +73,18 @@ class Sizes:
     valid_problems: int = 64
     reward_model_steps: int = 60
     causal_lm_steps: int = 100
+    trainer_steps: int = 60
+    """Steps of the pipeline's own trainer (the demo's reward model), saving every third of them."""
 
 
 SMALL = Sizes(
-    train_pairs=200, valid_pairs=32, train_problems=200, valid_problems=16, reward_model_steps=4, causal_lm_steps=4
+    trainer_steps=6,
+    train_pairs=200,
+    valid_pairs=32,
+    train_problems=200,
+    valid_problems=16,
+    reward_model_steps=4,
+    causal_lm_steps=4,
 )
 """``--small``: every step on little data, for a quick look (what the tests run)."""
 
@@ -194,6 +202,49 @@ def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
     out["warm_workers"]["reward_model_accuracy_equals_in_process"] = out["warm_workers"]["accuracy"] == round(
         m16["accuracy"], 4
     )
+    out["pipeline_trainer"] = pipeline_trainer(work / "pipeline", plan, sizes)
+    return out
+
+
+def pipeline_trainer(work: Path, plan, sizes: Sizes) -> dict:
+    """The demo's trainer (torchrun, the checkpoint writer, the manifest) on ``plan``'s training
+    devices, then a fresh evaluation job on its evaluation devices for its first and final
+    checkpoints: the run's accuracy must move."""
+    import torch
+
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.evaluation.jobs import run_evaluation_job
+    from areal_eval.launcher import TorchrunJob
+    from areal_eval.pipeline.config import load_pipeline_config
+    from areal_eval.pipeline.setup import prepare_run
+
+    every = max(1, sizes.trainer_steps // 3)
+    params = {
+        "run_name": "gpu-check",
+        "work_dir": str(work),
+        "data": {"synthetic": {"train_pairs": sizes.train_pairs, "valid_pairs": sizes.valid_pairs}},
+        "train": {"nproc": 1, "max_steps": sizes.trainer_steps, "save": {"freq_steps": every}},
+        "eval": {"nproc": 1, "share_devices": True, "dtype": "bfloat16"},
+    }
+    cfg = load_pipeline_config(params=params)
+    run = prepare_run(cfg)
+    on_gpu = plan.train is not None and plan.train.kind == "cuda"
+    free_before, held = (torch.cuda.mem_get_info()[0] if on_gpu else 0), 0
+    started = time.monotonic()
+    job = TorchrunJob(
+        "areal_eval.train", ["--config", str(run.train_config)], 1, run.logs / "train.log", placement=plan.train
+    )
+    while job.poll() is None and time.monotonic() - started < 600:  # what the trainer holds on the GPU
+        held = max(held, free_before - torch.cuda.mem_get_info()[0] if on_gpu else 0)
+        time.sleep(0.1)
+    job.wait(60)
+    job.raise_for_status("training")
+    out: dict = {"train_seconds": round(time.monotonic() - started, 1), "gpu_bytes_held_by_trainer": held}
+    events = Manifest(run.manifest).events()
+    out["checkpoints"] = [e.global_step for e in events]
+    for name, event in (("first", events[0]), ("final", events[-1])):
+        result = run_evaluation_job(event, run.valid_data, cfg.eval, run.evals, placement=plan.eval_slots[0])
+        out[f"accuracy_{name}"] = round(result.metrics["accuracy"], 4)
     return out
 
 

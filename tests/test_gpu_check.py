@@ -71,3 +71,6 @@ def test_every_step_of_the_gpu_check_runs_without_the_packages_gpu_images_lack(t
     assert warm["torchrun_jobs_started"] == 1  # three evaluations, one warm job
     assert warm["reward_model_accuracy_equals_in_process"]
     assert warm["step_2_items"] == {"generation": True, "lm_loss": True}
+    trained = result["pipeline_trainer"]  # the demo's trainer published its checkpoints; they evaluate
+    assert trained["checkpoints"] == [0, 2, 4, 6]
+    assert trained["accuracy_final"] > trained["accuracy_first"]
