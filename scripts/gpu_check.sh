@@ -2,9 +2,10 @@
 # The library on one NVIDIA GPU, with only torch and transformers installed (no Prefect, no
 # MLflow, no install of this package): an nccl process group, training and evaluation on the
 # GPU with eval.share_devices, bf16 against float32, generation tokens/s and reward-model pairs/s,
-# GPU memory back to its baseline between evaluations, and warm torchrun evaluation workers on the
-# planned GPU. Prints one JSON line; 40 s on an H200 (the same steps on 2 CPU cores: `--allow-cpu`,
-# about 40 s; `--small` for a quick look). Never part of CI. Figures: docs/devices.md.
+# GPU memory back to its baseline between evaluations, warm torchrun evaluation workers on the
+# planned GPU, and the demo's trainer there. Prints one JSON line; under a minute on an H200 (on 2
+# CPU cores: `--allow-cpu`, about 50 s; `--small` for a quick look). Never part of CI.
+# Figures: docs/devices.md.
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh [--allow-cpu] [--small]
 set -euo pipefail
 cd "$(dirname "$0")/.."
