@@ -155,7 +155,13 @@ def plan_devices(
     else:
         pool = list(evaluation)
     # Sharing, slots may take turns on the same GPUs; a group's ranks always need one GPU each.
-    if len(pool) < (eval_nproc if share else need):
+    if share and len(pool) < eval_nproc:
+        raise FieldError(
+            "eval.nproc",
+            f"{eval_nproc} evaluation ranks need a GPU each, even sharing training's, and {len(pool)} can be "
+            f"had ({visible.describe()}); set eval.nproc to at most {len(pool)}",
+        )
+    if len(pool) < need and not share:
         raise FieldError(
             "eval.devices",
             f"{slots} slot(s) of {eval_nproc} rank(s) need {need} GPUs apart from training's {train_list}, and "

@@ -37,6 +37,9 @@ def test_too_few_gpus_are_refused_naming_the_field_unless_evaluation_may_share()
     assert gpus(shared.train) == "0" and [gpus(p) for p in shared.eval_slots] == ["0", "0"]
     with pytest.raises(FieldError, match=r"train.devices: 2 training ranks need 2 GPUs"):
         plan_devices([0], "auto", 2, 1, 1, False, EIGHT_GPUS)
+    # Sharing already: the ranks themselves are too many (it told the user to share, which they did).
+    with pytest.raises(FieldError, match=r"eval.nproc: 2 evaluation ranks need a GPU each.*at most 1$"):
+        plan_devices("auto", "auto", 1, 2, 1, True, ONE_GPU)
 
 
 def test_an_overlap_is_refused_naming_both_fields_and_a_missing_device_naming_its_own():
