@@ -12,5 +12,8 @@ for arg in "$@"; do
   esac
 done
 bash scripts/setup.sh "${extras[@]}"
+# Its models are sized for CPU cores: GPUs stay hidden unless CUDA_VISIBLE_DEVICES names some
+# (a one-GPU machine has too few for its 2 training ranks; README, "GPUs").
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES-}"
 # A stop prints the command that resumes the run: this one.
 AREAL_EVAL_COMMAND="bash scripts/demo.sh" exec .venv/bin/python -m flows.train_and_evaluate "$@"
