@@ -209,7 +209,7 @@ def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
 def pipeline_trainer(work: Path, plan, sizes: Sizes) -> dict:
     """The demo's trainer (torchrun, the checkpoint writer, the manifest) on ``plan``'s training
     devices, then a fresh evaluation job on its evaluation devices for its first and final
-    checkpoints: the run's accuracy must move."""
+    checkpoints (trained, the accuracy moves)."""
     import torch
 
     from areal_eval.checkpoints.manifest import Manifest
@@ -249,10 +249,12 @@ def pipeline_trainer(work: Path, plan, sizes: Sizes) -> dict:
 
 
 def warm_worker_evaluations(work: Path, placement, reward_model_job: tuple, causal_lm_job: tuple) -> dict:
-    """The pipeline's evaluation path on ``placement``: one warm torchrun job (nccl on a GPU)
-    evaluates the reward model at two steps and the causal LM at a third, in bfloat16, keeping
-    every item's score. On a GPU, the device's free memory while the workers live shows they
-    hold their model there (one rank needs no process group: nccl is checked apart)."""
+    """The pipeline's evaluation path on ``placement``: one warm torchrun job evaluates the reward
+    model at two steps and the causal LM at a third, in bfloat16, keeping every item's score. On a
+    GPU, the device's free memory while the workers live shows they hold their model there (one
+    rank needs no process group: nccl is checked apart)."""
+    import torch
+
     from areal_eval.checkpoints.manifest import CheckpointEvent, describe_files
     from areal_eval.evaluation.generation import GenerationConfig
     from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
@@ -261,8 +263,6 @@ def warm_worker_evaluations(work: Path, placement, reward_model_job: tuple, caus
 
     generation = GenerationConfig(max_new_tokens=32, reward="exact_match")
     answer_loss = LMLossConfig(completion_field="answer", max_length=64)
-    import torch
-
     on_gpu = placement is not None and placement.kind == "cuda"
     free_before = torch.cuda.mem_get_info()[0] if on_gpu else 0
     out: dict = {"placement": str(placement), "seconds": []}
