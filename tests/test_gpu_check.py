@@ -17,9 +17,11 @@ FLOW_SIDE = ["prefect", "mlflow", "psutil", "boto3", "matplotlib"]
 ABSENT_ON_GPU_IMAGES = {
     *("math_verify", "latex2sympy2_extended", "lm_eval", "vllm", "matplotlib", "mpl_toolkits"),
     *("prefect", "prefect_kubernetes", "mlflow", "mlflow_skinny", "mlflow_tracing", "boto3", "botocore", "s3transfer"),
+    *("pydantic", "pydantic_core", "pydantic_settings"),
 }
-"""The project's dependencies that a machine with only torch and transformers (and the common
-scientific packages: numpy, pyarrow, psutil) lacks."""
+"""What the project's environment has and a machine with only torch and transformers (and the
+common scientific packages: numpy, pyarrow, psutil) lacks: the GPU image of the device tool's
+KINDS.md has none of these."""
 
 SITECUSTOMIZE = """import sys
 sys.path[:] = [{mirror!r} if p == {real!r} else p for p in sys.path]
