@@ -19,9 +19,8 @@ ABSENT_ON_GPU_IMAGES = {
     *("prefect", "prefect_kubernetes", "mlflow", "mlflow_skinny", "mlflow_tracing", "boto3", "botocore", "s3transfer"),
     *("pydantic", "pydantic_core", "pydantic_settings"),
 }
-"""What the project's environment has and a machine with only torch and transformers (and the
-common scientific packages: numpy, pyarrow, psutil) lacks: the GPU image of the device tool's
-KINDS.md has none of these."""
+"""What this project's environment has and a GPU machine with only torch and transformers (and
+the common scientific packages: numpy, pyarrow, psutil) lacks."""
 
 SITECUSTOMIZE = """import sys
 sys.path[:] = [{mirror!r} if p == {real!r} else p for p in sys.path]
