@@ -38,7 +38,8 @@ def plot_curve(entries: list[LedgerEntry], metric: str, out: str | Path, title: 
     ax.set_ylabel(metric)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # a run with nothing decided yet has nothing to name
+        ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     out = Path(out)
     with writing(out, "the evaluation curve"):
