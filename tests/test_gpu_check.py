@@ -64,7 +64,8 @@ def test_every_step_of_the_gpu_check_runs_without_the_packages_gpu_images_lack(t
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert run.stdout.count("\n") == 1, run.stdout  # one JSON line, nothing else on stdout
+    result = json.loads(run.stdout)
     assert result["process_group"]["all_reduce_ok"]
     assert result["prefect_or_mlflow_imported"] == []
     assert result["memory_back_to_baseline"] and result["memory_flat_across_evaluations"]

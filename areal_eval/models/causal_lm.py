@@ -97,6 +97,7 @@ def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512
         vocab_size=vocab_size,
         special_tokens=["[PAD]", "[BOS]", "[EOS]"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # it printed blank lines on stdout, where scripts print their JSON
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]")
