@@ -71,7 +71,22 @@ def load_model(path: str | Path, allow_pickle: bool = False, dtype: str = "float
     :func:`checkpoints.loading.load_pretrained`)."""
     from transformers import AutoModelForSequenceClassification
 
-    return loading.load_pretrained(AutoModelForSequenceClassification, path, allow_pickle, dtype, device, num_labels=1)
+    model = loading.load_pretrained(AutoModelForSequenceClassification, path, allow_pickle, dtype, device, num_labels=1)
+    return score_head_in_float32(model)
+
+
+def score_head_in_float32(model):
+    """A model in bf16 or fp16 keeps its score head (``score``: a decoder's scalar head) in
+    float32, fed float32 hidden states. A reward sits at some offset (4.8, say) where bf16 has a
+    step of 0.03, so two close scores would round to a tie or swap; float32 keeps their margin.
+    The head is one row of weights: it costs no memory."""
+    import torch
+
+    head = getattr(model, "score", None)
+    if isinstance(head, torch.nn.Linear) and head.weight.dtype in (torch.bfloat16, torch.float16):
+        head.float()
+        head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+    return model
 
 
 def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, source: str | Path | None = None) -> list[dict]:
