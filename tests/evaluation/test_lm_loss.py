@@ -114,3 +114,13 @@ def test_with_the_chat_template_the_completion_is_the_assistants_turn_as_sft_tra
     tok.chat_template = None
     with pytest.raises(ConfigError, match="eval.lm_loss.chat_template: the tokenizer has no chat template"):
         encode_row(tok, row, LMLossConfig(chat_template=True), Path("d.jsonl"))
+
+
+def test_token_logprobs_row_by_row_equal_the_whole_batchs_log_softmax():
+    from areal_eval.evaluation.lm_loss import token_logprobs
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(5, 7, 300, dtype=torch.bfloat16), torch.randint(0, 300, (5, 7))
+    whole = torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)
+    rows = token_logprobs(logits, targets)
+    assert rows.dtype == torch.float64 and torch.equal(rows, whole)
