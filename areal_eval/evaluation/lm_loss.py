@@ -45,9 +45,9 @@ class LMLossConfig:
 
 def token_logprobs(logits, targets):
     """``log p(target)`` at each position, in float64, on the CPU. Taken on the logits' device
-    one row at a time: a batch's logits in float64 are batch x length x vocabulary x 8 bytes
-    (20 GB for 32 rows of 512 tokens over a 150k vocabulary), a row's are a 32nd of that, and
-    only the targets' values leave the device."""
+    one row at a time, so only one row's logits are ever held in float64 (a whole batch's are
+    batch x length x vocabulary x 8 bytes: 20 GB for 32 rows of 512 tokens over a 150k
+    vocabulary), and only the targets' values leave the device."""
     import torch
 
     out = torch.empty(targets.shape, dtype=torch.float64)
