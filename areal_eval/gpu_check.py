@@ -188,6 +188,11 @@ def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
         memory["after_each_evaluation"].append(allocated_above(baseline, device))
     out["generation_tokens_per_s_bf16"] = round(metrics["response_length"] * metrics["n_answers"] / seconds, 1)
     out["generation_accuracy"] = round(metrics["accuracy"], 4)
+    sampling = GenerationConfig(max_new_tokens=32, reward="exact_match", n_samples=4, temperature=1.0, top_p=0.95)
+    sampled = [evaluate("generation", lm_dir, valid_rows, "bfloat16", generation=sampling) for _ in range(2)]
+    (first, _), (again, seconds) = sampled
+    out["sampled_tokens_per_s_bf16"] = round(again["response_length"] * again["n_answers"] / seconds, 1)
+    out["sampled_answers_reproducible"] = first == again  # each answer's own seeded generator, on the device
     # cuBLAS keeps a workspace per handle in torch's allocator for the process's life: constant, reused.
     if device.type == "cuda" and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
         torch._C._cuda_clearCublasWorkspaces()

@@ -69,6 +69,7 @@ def test_every_step_of_the_gpu_check_runs_without_the_packages_gpu_images_lack(t
     assert result["process_group"]["all_reduce_ok"]
     assert result["prefect_or_mlflow_imported"] == []
     assert result["memory_back_to_baseline"] and result["memory_flat_across_evaluations"]
+    assert result["sampled_answers_reproducible"]
     warm = result["warm_workers"]
     assert warm["torchrun_jobs_started"] == 1  # three evaluations, one warm job
     assert warm["reward_model_accuracy_equals_in_process"]

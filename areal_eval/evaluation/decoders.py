@@ -27,18 +27,25 @@ class Decoding(Protocol):
 class SeededSampler:
     """A logits processor that draws each row's next token from that row's own generator (with
     temperature and top-p) and leaves only it possible, so greedy search takes it. Rows whose
-    seed is None stay greedy."""
+    seed is None stay greedy.
+
+    It samples on the device the scores are on, with generators made there at the first token:
+    on a GPU no batch x vocabulary copy and sort go through the CPU at every token (285 ms a token
+    on a CPU core for 32 rows of a 152k vocabulary with top-p). A seed draws the same answer at
+    every world size on one kind of device; a GPU's generator draws other ones than a CPU's."""
 
     def __init__(self, seeds: list[int | None], temperature: float, top_p: float):
-        import torch
-
-        self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        self.seeds, self.generators = seeds, None
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
 
-        probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
+        if self.generators is None:
+            self.generators = [
+                None if s is None else torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds
+            ]
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
         if self.top_p < 1.0:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p  # always keeps the top token
@@ -48,7 +55,7 @@ class SeededSampler:
             [p.argmax(-1, keepdim=True) if g is None else torch.multinomial(p, 1, generator=g) for p, g in rows]
         )
         forced = torch.full_like(scores, float("-inf"))
-        return forced.scatter(-1, chosen.to(scores.device), 0.0)
+        return forced.scatter(-1, chosen, 0.0)
 
 
 @dataclasses.dataclass
