@@ -257,7 +257,8 @@ def warm_worker_evaluations(work: Path, placement, reward_model_job: tuple, caus
     """The pipeline's evaluation path on ``placement``: one warm torchrun job evaluates the reward
     model at two steps and the causal LM at a third, in bfloat16, keeping every item's score. On a
     GPU, the device's free memory while the workers live shows they hold their model there (one
-    rank needs no process group: nccl is checked apart)."""
+    rank needs no process group: nccl is checked apart); idle between evaluations, they keep
+    little more than their CUDA context."""
     import torch
 
     from areal_eval.checkpoints.manifest import CheckpointEvent, describe_files
@@ -283,6 +284,10 @@ def warm_worker_evaluations(work: Path, placement, reward_model_job: tuple, caus
                 out["gpu_bytes_held_by_workers"] = free_before - torch.cuda.mem_get_info()[0] if on_gpu else 0
             out[f"step_{step}_items"] = {name: Path(path).stat().st_size > 0 for name, path in result.items.items()}
         out["torchrun_jobs_started"] = workers.started_jobs
+        deadline = time.monotonic() + 10
+        while any(workers.inbox.glob("*.json")) and time.monotonic() < deadline:  # the last job is done
+            time.sleep(0.05)
+        out["gpu_bytes_held_by_idle_workers"] = free_before - torch.cuda.mem_get_info()[0] if on_gpu else 0
     out["generation_accuracy"] = round(result.metrics["generation/accuracy"], 4)
     out["lm_loss"] = round(result.metrics["lm_loss/loss"], 4)
     return out

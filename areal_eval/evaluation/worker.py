@@ -241,6 +241,18 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
         )
 
 
+def release_device_memory() -> None:
+    """Hand the evaluation's freed GPU memory back to the driver. Torch's allocator keeps what a
+    job freed for its next tensors, so an idle warm rank would hold its last checkpoint's model
+    and activations: on a device shared with training (``eval.share_devices``) that is memory
+    training cannot have between evaluations. A CUDA context is all an idle rank keeps."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def next_job(inbox: Path, done: set[str], poll_s: float = 0.05) -> Path:
     """The oldest job file not yet handled. Every rank watches the inbox itself, so idle ranks
     wait on the file system, not in a collective that would time out."""
@@ -266,6 +278,7 @@ def serve(inbox: Path) -> None:
             if raw is None:
                 return
             run_job(parse_spec(EvalJobSpec, raw, f"job {path.name}"), started_at=time.time())
+            release_device_memory()
             done.add(path.name)
             distributed.barrier()  # every rank has read the job before it is removed
             if distributed.rank() == 0:
