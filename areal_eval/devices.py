@@ -194,7 +194,7 @@ def plan_here(cfg, training_here: bool = True) -> DevicePlan:
     """:func:`plan_devices` for a pipeline config on this machine; a setting this machine cannot
     honour is a ``ConfigError`` naming the field."""
     try:
-        return plan_devices(
+        plan = plan_devices(
             cfg.train.devices,
             cfg.eval.devices,
             cfg.train.nproc,
@@ -206,6 +206,15 @@ def plan_here(cfg, training_here: bool = True) -> DevicePlan:
         )
     except FieldError as exc:
         raise ConfigError(str(exc)) from None
+    generation = cfg.eval.generation
+    decodes_with_vllm = "generation" in cfg.eval.evaluator.replace(" ", "").split(",") and generation.backend == "vllm"
+    on_gpus = any(slot is not None and slot.kind == "cuda" for slot in plan.eval_slots)
+    if cfg.eval.share_devices and on_gpus and decodes_with_vllm and generation.vllm_kv_cache_gb is None:
+        raise ConfigError(
+            "eval.generation.vllm_kv_cache_gb: set it with eval.share_devices on GPUs: without it each vLLM "
+            "engine takes its share of the whole GPU's memory (0.92 by default), which training holds too"
+        )
+    return plan
 
 
 class SlotDevices:

@@ -151,3 +151,18 @@ def test_training_and_each_evaluation_slot_really_run_on_their_own_devices(tmp_p
             groups.start()
             seen = [{_environ(pid)["CUDA_VISIBLE_DEVICES"] for pid in _ranks(g.job, 1)} for g in groups.groups]
         assert seen == expected  # beside this process's training, its auto share (GPU 0) is left alone
+
+
+def test_vllm_on_a_gpu_shared_with_training_needs_its_kv_cache_size(tmp_path, monkeypatch):
+    (tmp_path / "gpus" / "0000:17:00.0").mkdir(parents=True)  # a driver listing of one GPU
+    monkeypatch.setattr("areal_eval.devices.NVIDIA_GPUS", str(tmp_path / "gpus"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    vllm = {"backend": "vllm"}
+    shared = {"nproc": 1, "share_devices": True, "evaluator": "generation", "generation": vllm}
+    cfg = tiny_config(tmp_path, train={"nproc": 1}, eval=shared)
+    with pytest.raises(ConfigError, match=r"^eval.generation.vllm_kv_cache_gb: set it with eval.share_devices"):
+        plan_here(cfg)
+    sized = tiny_config(tmp_path, train={"nproc": 1}, eval={**shared, "generation": {**vllm, "vllm_kv_cache_gb": 4}})
+    assert gpus(plan_here(sized).eval_slots[0]) == "0"
+    monkeypatch.setattr("areal_eval.devices.NVIDIA_GPUS", str(tmp_path / "none"))  # on CPU cores vLLM takes 1 GiB
+    assert plan_here(cfg).eval_slots == (None,)
