@@ -1,6 +1,7 @@
 """Warm evaluation workers: one torchrun job (gloo) serving several evaluations."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,23 @@ def test_two_slots_evaluate_two_checkpoints_at_once_on_their_own_ranks(trained_r
     for event, (result, _) in zip(events, results, strict=True):
         assert result.global_step == event.global_step
         assert result.metrics == pytest.approx(single_process_metrics(event, run.valid_data), abs=1e-6)
+
+
+def test_a_warm_rank_hands_each_jobs_gpu_memory_back_before_the_next(tmp_path, monkeypatch):
+    """Torch's allocator would keep an idle rank's last model and activations on the GPU, where a
+    training sharing the device needs them: ``serve`` empties it after every job."""
+    from areal_eval import jsonl
+    from areal_eval.evaluation import worker
+    from areal_eval.evaluation.job_spec import EvalJobSpec, to_json
+
+    events = []
+    monkeypatch.setattr(worker, "run_job", lambda spec, started_at: events.append(("job", Path(spec.out).name)))
+    monkeypatch.setattr(worker.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(worker.torch.cuda, "empty_cache", lambda: events.append(("emptied",)))
+    inbox = tmp_path / "inbox"
+    for name in ("1-a", "2-b"):
+        spec = EvalJobSpec(checkpoint="/c", data="/d", out=str(tmp_path / f"{name}.json"), files=[])
+        jsonl.write_json(inbox / f"{name}.json", {"spec": to_json(spec)})
+    jsonl.write_json(inbox / "stop.json", {"spec": None})
+    worker.serve(inbox)
+    assert events == [("job", "1-a.json"), ("emptied",), ("job", "2-b.json"), ("emptied",)]
