@@ -103,6 +103,19 @@ def allocated_above(baseline: int, device) -> int:
     return torch.cuda.memory_allocated() - baseline
 
 
+def free_gpu_bytes(placement) -> int | None:
+    """The GPU's free memory now, where ``placement`` is on a GPU (None elsewhere): other
+    processes' use of the device (workers, a trainer) shows as its fall."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if placement is not None and placement.kind == "cuda" else None
+
+
+def taken_since(free_before: int | None, placement) -> int:
+    """GPU memory taken since ``free_before`` (see :func:`free_gpu_bytes`); 0 off a GPU."""
+    return 0 if free_before is None else free_before - free_gpu_bytes(placement)
+
+
 def evaluate(evaluator_name: str, checkpoint: Path, data: Path, dtype: str, **settings) -> tuple[dict, float]:
     from areal_eval import distributed
     from areal_eval.evaluation.evaluators import make_evaluator
@@ -215,7 +228,6 @@ def pipeline_trainer(work: Path, plan, sizes: Sizes) -> dict:
     """The demo's trainer (torchrun, the checkpoint writer, the manifest) on ``plan``'s training
     devices, then a fresh evaluation job on its evaluation devices for its first and final
     checkpoints (trained, the accuracy moves)."""
-    import torch
 
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.evaluation.jobs import run_evaluation_job
@@ -233,14 +245,13 @@ def pipeline_trainer(work: Path, plan, sizes: Sizes) -> dict:
     }
     cfg = load_pipeline_config(params=params)
     run = prepare_run(cfg)
-    on_gpu = plan.train is not None and plan.train.kind == "cuda"
-    free_before, held = (torch.cuda.mem_get_info()[0] if on_gpu else 0), 0
+    free_before, held = free_gpu_bytes(plan.train), 0
     started = time.monotonic()
     job = TorchrunJob(
         "areal_eval.train", ["--config", str(run.train_config)], 1, run.logs / "train.log", placement=plan.train
     )
     while job.poll() is None and time.monotonic() - started < 600:  # what the trainer holds on the GPU
-        held = max(held, free_before - torch.cuda.mem_get_info()[0] if on_gpu else 0)
+        held = max(held, taken_since(free_before, plan.train))
         time.sleep(0.1)
     job.wait(60)
     job.raise_for_status("training")
@@ -259,7 +270,6 @@ def warm_worker_evaluations(work: Path, placement, reward_model_job: tuple, caus
     GPU, the device's free memory while the workers live shows they hold their model there (one
     rank needs no process group: nccl is checked apart); idle between evaluations, they keep
     little more than their CUDA context."""
-    import torch
 
     from areal_eval.checkpoints.manifest import CheckpointEvent, describe_files
     from areal_eval.evaluation.generation import GenerationConfig
@@ -269,8 +279,7 @@ def warm_worker_evaluations(work: Path, placement, reward_model_job: tuple, caus
 
     generation = GenerationConfig(max_new_tokens=32, reward="exact_match")
     answer_loss = LMLossConfig(completion_field="answer", max_length=64)
-    on_gpu = placement is not None and placement.kind == "cuda"
-    free_before = torch.cuda.mem_get_info()[0] if on_gpu else 0
+    free_before = free_gpu_bytes(placement)
     out: dict = {"placement": str(placement), "seconds": []}
     with WarmEvalWorkers(1, work / "warm", placement=placement) as workers:
         for step, (checkpoint, data, evaluator) in enumerate((reward_model_job, reward_model_job, causal_lm_job)):
@@ -281,13 +290,13 @@ def warm_worker_evaluations(work: Path, placement, reward_model_job: tuple, caus
             out["seconds"].append(round(result.seconds, 2))
             if step == 0:
                 out["accuracy"] = round(result.metrics["accuracy"], 4)
-                out["gpu_bytes_held_by_workers"] = free_before - torch.cuda.mem_get_info()[0] if on_gpu else 0
+                out["gpu_bytes_held_by_workers"] = taken_since(free_before, placement)
             out[f"step_{step}_items"] = {name: Path(path).stat().st_size > 0 for name, path in result.items.items()}
         out["torchrun_jobs_started"] = workers.started_jobs
         deadline = time.monotonic() + 10
         while any(workers.inbox.glob("*.json")) and time.monotonic() < deadline:  # the last job is done
             time.sleep(0.05)
-        out["gpu_bytes_held_by_idle_workers"] = free_before - torch.cuda.mem_get_info()[0] if on_gpu else 0
+        out["gpu_bytes_held_by_idle_workers"] = taken_since(free_before, placement)
     out["generation_accuracy"] = round(result.metrics["generation/accuracy"], 4)
     out["lm_loss"] = round(result.metrics["lm_loss/loss"], 4)
     return out
