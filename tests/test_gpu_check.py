@@ -22,19 +22,28 @@ ABSENT_ON_GPU_IMAGES = {
 """What this project's environment has and a GPU machine with only torch and transformers (and
 the common scientific packages: numpy, pyarrow, psutil) lacks."""
 
+SITE_PACKAGES = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+"""This environment's site-packages (pure-Python and compiled packages may have one each)."""
+
 SITECUSTOMIZE = """import sys
-sys.path[:] = [{mirror!r} if p == {real!r} else p for p in sys.path]
+mirrors = {mirrors!r}
+sys.path[:] = [mirrors.get(p, p) for p in sys.path]
 """
-"""Puts the mirror of site-packages in place of the real one, in every process that starts."""
+"""Puts each site-packages' mirror in its place, in every process that starts."""
 
 
-def site_packages_without(absent: set[str], mirror: Path) -> None:
-    """``mirror``: links to everything in this environment's site-packages but ``absent``'s
+def site_packages_without(absent: set[str], mirror_root: Path) -> dict[str, str]:
+    """A mirror of each site-packages under ``mirror_root``: links to everything but ``absent``'s
     packages and their metadata, so imports and ``importlib.metadata`` both find them missing."""
-    mirror.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if entry.name.split("-")[0].removesuffix(".py") not in absent:
-            (mirror / entry.name).symlink_to(entry)
+    mirrors = {}
+    for i, real in enumerate(SITE_PACKAGES):
+        mirror = mirror_root / f"site-packages-{i}"
+        mirror.mkdir(parents=True)
+        for entry in Path(real).iterdir():
+            if entry.name.split("-")[0].removesuffix(".py") not in absent:
+                (mirror / entry.name).symlink_to(entry)
+        mirrors[real] = str(mirror)
+    return mirrors
 
 
 @pytest.mark.integration
@@ -52,9 +61,8 @@ def test_the_gpu_checks_library_parts_import_without_the_flow_sides_packages():
 @pytest.mark.integration
 def test_every_step_of_the_gpu_check_runs_without_the_packages_gpu_images_lack(tmp_path):
     # A sitecustomize on PYTHONPATH hides them in this process and in the torchrun workers it starts.
-    site_packages_without(ABSENT_ON_GPU_IMAGES, tmp_path / "site-packages")
-    real = sysconfig.get_paths()["purelib"]
-    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE.format(mirror=str(tmp_path / "site-packages"), real=real))
+    mirrors = site_packages_without(ABSENT_ON_GPU_IMAGES, tmp_path / "mirrors")
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE.format(mirrors=mirrors))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
     run = subprocess.run(
         [sys.executable, "-m", "areal_eval.gpu_check", "--allow-cpu", "--small"],
