@@ -131,7 +131,11 @@ def _check_points(curve: Curve, where: str) -> None:
             f"point 0 has {first}: every point scores the same items, in the same order"
         )
     for i, p in enumerate(points):
-        numbers = (p.value, p.stderr, *(p.subset or ()), *(p.items or ()))
+        odd_item = next((j for j, x in enumerate(p.items or ()) if not math.isfinite(x)), None)
+        if odd_item is not None:
+            bad = p.items[odd_item]
+            raise ValueError(f"{where}: point {i} (step {p.step}): item {odd_item} is {bad}: every score is finite")
+        numbers = (p.value, p.stderr, *(p.subset or ()))
         if not all(math.isfinite(x) for x in numbers) or p.stderr < 0 or (p.subset and p.subset[1] < 0):
             raise ValueError(
                 f"{where}: point {i} (step {p.step}) needs a finite value and a finite stderr >= 0, "

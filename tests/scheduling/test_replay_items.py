@@ -29,6 +29,9 @@ def test_points_that_disagree_on_their_items_are_refused_naming_curve_and_point(
     points[1]["items"] = None
     with pytest.raises(ValueError, match=r"point 1 \(step 5\) has no items, point 0 has 2"):
         read_curves(item_curve(tmp_path, points))
+    points[1]["items"] = [1, "NaN"]
+    with pytest.raises(ValueError, match=r"items.jsonl:1: point 1 \(step 5\): item 1 is nan: every score is finite"):
+        read_curves(item_curve(tmp_path, points))
 
 
 def test_an_injected_regression_lowers_items_by_the_stated_stderrs_and_probes_score_real_subsets():
