@@ -14,6 +14,14 @@ the least error for every number of evaluations (checked against brute force in 
 across curves, the lower convex hull of those tables (a Lagrangian relaxation) allots the
 evaluations. The hull lies on or below every achievable allotment, so the result is a lower
 bound, and it is tight wherever the curves' tables are convex.
+
+:func:`delay_bounded_compute` adds replay's detection delay: the least compute of any policy
+whose mean tracking error and mean delay (to the first evaluation at or after a drop that
+starts at a checkpoint drawn uniformly from the second half, as replay injects them) are both
+at most the given ones. It is the Lagrangian dual, so a lower bound by weak duality at every
+pair of multipliers: for any schedules meeting both, compute >= compute + a * (error - E) +
+b * (delay - D) >= the least of compute + a * error + b * delay over all schedules (a shortest
+path per curve) - a * E - b * D. The best pair on a grid is returned.
 """
 
 from __future__ import annotations
@@ -69,6 +77,42 @@ def oracle_compute(curves: list[Curve], tracking_error: float) -> float:
             return compute + (error - tracking_error) / rate
         compute, error = compute + evaluations, error - saved
     return compute
+
+
+def delay_bounded_compute(curves: list[Curve], tracking_error: float, delay: float) -> float:
+    """A lower bound on the compute (full evaluations) of any policy, clairvoyant or not, with a
+    mean tracking error of at most ``tracking_error`` and a mean detection delay of at most
+    ``delay`` over ``curves`` (see the module). Probes only add compute: neither score counts them."""
+    scale = sum(len(c.points) for c in curves)  # multipliers span compute per unit of each score
+    grid = np.concatenate([[0.0], scale * np.geomspace(1e-4, 1e2, 61)])
+    a, b = (m.ravel() for m in np.meshgrid(grid, grid, indexing="ij"))
+    total = sum(_least_penalised(curve, a / len(curves), b / len(curves)) for curve in curves)
+    return float(max(1.0 * len(curves), np.max(total - a * tracking_error - b * delay)))
+
+
+def _least_penalised(curve: Curve, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per multiplier pair, the least over schedules of evaluations + ``a`` * mean tracking error
+    + ``b`` * mean delay on ``curve`` (the first checkpoint always evaluated): a shortest path
+    over "the next evaluated checkpoint after j is k" (k = n: none)."""
+    values = np.array([p.value for p in curve.points])
+    stderrs = np.array([p.stderr for p in curve.points])
+    n, half = len(values), len(values) // 2
+    starts = n - half  # replay draws a drop's start from half..n-1
+    error = np.zeros((n, n + 1))  # checkpoints j..k-1 shown with j's value
+    late = np.zeros((n, n + 1))  # delays of the starts j+1..k-1 (from the second half)
+    for j in range(n):
+        error[j, j + 1 :] = np.cumsum(np.abs(values[j:] - values[j]) / stderrs[j:])
+        ends = np.arange(j + 1, n + 1)
+        seen = np.minimum(ends, n - 1)  # replay counts the final checkpoint as seen
+        first = max(j + 1, half)
+        count = np.maximum(0, ends - first)  # the starts first..k-1, each seen at k
+        late[j, j + 1 :] = count * seen - count * (first + ends - 1) / 2
+    best = np.full((len(a), n + 1), np.inf)
+    best[:, 0] = 1.0
+    for k in range(1, n + 1):
+        step = (k < n) + np.outer(a, error[:k, k]) / n + np.outer(b, late[:k, k]) / starts
+        best[:, k] = np.min(best[:, :k] + step, axis=1)
+    return best[:, n]
 
 
 def _lower_hull(errors: np.ndarray) -> list[tuple[int, float]]:

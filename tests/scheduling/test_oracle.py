@@ -5,7 +5,7 @@ import pytest
 
 from areal_eval.scheduling import replay
 from areal_eval.scheduling.curves import Curve, Point
-from areal_eval.scheduling.oracle import least_tracking_errors, oracle_compute
+from areal_eval.scheduling.oracle import delay_bounded_compute, least_tracking_errors, oracle_compute
 from areal_eval.scheduling.replay import FixedEvery, parse_policy
 
 
@@ -49,3 +49,42 @@ def test_the_oracle_spans_one_evaluation_per_curve_to_every_checkpoint():
     errors = least_tracking_errors(curves[0])
     assert errors[1:] == pytest.approx([4 + 1 + 8, 5, 3, 0])
     assert oracle_compute(curves, 1.0) == pytest.approx(2.4)
+
+
+def _delay(curve: Curve, chosen: list[int]) -> float:
+    """Replay's detection delay for ``chosen``, averaged over every start it may draw."""
+    n = len(curve.points)
+    starts = range(n // 2, n)
+    return sum(min([i for i in chosen if i >= s] + [n - 1]) - s for s in starts) / len(starts)
+
+
+def test_the_delay_bound_lies_under_every_schedule_that_meets_both_scores():
+    rng = random.Random(11)
+    for trial in range(40):
+        curves = [random_curve(rng, rng.randint(2, 7), name=f"{trial}.{i}") for i in range(rng.randint(1, 2))]
+        schedules = []  # every choice of checkpoints on every curve: (compute, mean error, mean delay)
+        per_curve = [
+            [
+                (len(chosen), replay.score(c, chosen)["tracking_error"], _delay(c, chosen))
+                for b in range(len(c.points))
+                for rest in itertools.combinations(range(1, len(c.points)), b)
+                for chosen in [[0, *rest]]
+            ]
+            for c in curves
+        ]
+        for combo in itertools.product(*per_curve):
+            schedules.append(
+                (sum(x[0] for x in combo), sum(x[1] for x in combo) / len(combo), sum(x[2] for x in combo) / len(combo))
+            )
+        for error, delay in [(rng.uniform(0, 3), rng.uniform(0, 2)) for _ in range(5)]:
+            feasible = [compute for compute, e, d in schedules if e <= error and d <= delay]
+            if feasible:
+                assert delay_bounded_compute(curves, error, delay) <= min(feasible) + 1e-9
+
+
+def test_the_delay_bound_meets_the_oracle_without_a_delay_and_rises_with_one():
+    rng = random.Random(5)
+    curves = [random_curve(rng, 20, name=str(i)) for i in range(6)]
+    error = replay.replay(curves, [parse_policy("fixed:3")])["policies"]["fixed:3"]["mean_tracking_error"]
+    assert delay_bounded_compute(curves, error, 1e9) == pytest.approx(oracle_compute(curves, error), rel=0.02)
+    assert delay_bounded_compute(curves, error, 0.0) >= sum(len(c.points) - len(c.points) // 2 for c in curves)
