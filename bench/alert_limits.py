@@ -22,11 +22,21 @@ in the bad direction: per clean curve the worst, and for the injected drops (see
 items) the one at the checkpoint where the drop starts. Where the clean curves' worst residuals
 reach as far as the drops' typical one, a rule on that forecast that finds the drops fires on
 the clean curves too.
+
+On curves that keep their items, ``item_losses`` asks the same of rules that read items: how
+much of the items' score is lost against a baseline (the items' mean over the 3 results before,
+or the one result before) at every result of a run of 1-3 in a row, in stderrs of the run's
+first result: ``lost``, and ``lost less gained``, where items that gained at every result of
+the run are set against it. Per clean curve its worst run; per injected drop (seeds 0-9) the
+largest over the runs a rule could judge within 2 checkpoints of its start. A rule silent on
+every clean curve finds at most the drops beyond the clean curves' largest; the last line pools
+every item-level set given, for a threshold that holds on all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 
@@ -101,6 +111,51 @@ def forecasts(curves) -> dict:
     return out
 
 
+ITEM_BASELINES = {"mean of 3": 3, "the one before": 1}
+ITEM_RUNS = (1, 2, 3)
+
+
+def lost_in_a_row(points, k: int, run: int, baseline: int, sign: float) -> tuple[float, float]:
+    """(lost, gained): the items' score below (above) their mean over the ``baseline`` results
+    before ``k`` at every one of the ``run`` results from ``k``, summed, in stderrs of ``k``."""
+    before = points[max(0, k - baseline) : k]
+    n = len(points[k].items)
+    base = [statistics.fmean(p.items[i] for p in before) for i in range(n)]
+    results = [p.items for p in points[k : k + run]]
+    lost = sum(max(0.0, min(sign * (base[i] - r[i]) for r in results)) for i in range(n))
+    gained = sum(max(0.0, min(sign * (r[i] - base[i]) for r in results)) for i in range(n))
+    return lost / n / points[k].stderr, gained / n / points[k].stderr
+
+
+def item_losses(curves) -> dict:
+    out, beyond = {}, set()
+    for (name, baseline), run, net in itertools.product(ITEM_BASELINES.items(), ITEM_RUNS, (False, True)):
+
+        def score(points, k, sign, run=run, baseline=baseline, net=net):
+            lost, gained = lost_in_a_row(points, k, run, baseline, sign)
+            return lost - gained if net else lost
+
+        worst_clean = sorted(
+            max(score(c.points, k, _sign(c)) for k in range(1, len(c.points) - run + 1)) for c in curves
+        )
+        drops = {
+            (seed, curve.name): max(score(curve.points, k, _sign(curve)) for k in range(start, last + 1))
+            for seed in SEEDS
+            for curve, start in as_replayed(curves, True, seed)
+            if (last := min(start + 2, len(curve.points) - 1) - run + 1) >= start  # the run ends by start + 2
+        }
+        found = {drop for drop, value in drops.items() if value > worst_clean[-1]}
+        beyond |= found
+        out[f"{'lost less gained' if net else 'lost'}, {run} in a row, against {name}"] = {
+            "clean_worst_median": round(statistics.median(worst_clean), 2),
+            "clean_worst_max": round(worst_clean[-1], 2),
+            "drop_median": round(statistics.median(drops.values()), 2),
+            "drops_beyond_clean_worst_max": round(len(found) / (len(curves) * len(SEEDS)), 3),
+        }
+    out["any of them"] = {"drops_beyond_clean_worst_max": round(len(beyond) / (len(curves) * len(SEEDS)), 3)}
+    return out
+
+
 def limits(path) -> dict:
     curves = read_curves(path)
     rules = [AlertRule(name, "regression", **fields) for name, fields in RULES.items()]
@@ -121,7 +176,7 @@ def limits(path) -> dict:
         "curves_with_a_drop_the_injected_size": sum(map(has_a_drop_the_injected_size, curves)),
         "rules": table,
         "forecasts": forecasts(curves),
-    }
+    } | ({"item_losses": item_losses(curves)} if curves[0].points[0].items is not None else {})
 
 
 def main() -> None:
@@ -137,6 +192,12 @@ def main() -> None:
     args = parser.parse_args()
     for path in args.curves:
         emit({"benchmark": "alert_limits", **limits(path)})
+    pooled = [c for path in args.curves for c in read_curves(path) if c.points[0].items is not None]
+    if pooled:  # one threshold for every set: above the largest clean value of them all
+        emit(
+            {"benchmark": "alert_limits", "curves": "every item-level set together", "count": len(pooled)}
+            | {"item_losses": item_losses(pooled)}
+        )
 
 
 if __name__ == "__main__":
