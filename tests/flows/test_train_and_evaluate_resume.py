@@ -82,8 +82,15 @@ def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=as_in_a_terminal,
     )
     return flow, params, config, RunDir(tmp_path / run_name), log
+
+
+def as_in_a_terminal() -> None:
+    """SIGINT as a terminal's command has it: a shell starts a background job (the suite run as
+    ``... &``) with SIGINT ignored, which every process below keeps."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
@@ -188,12 +195,15 @@ def test_ctrl_c_or_sigterm_stops_everything_in_one_line_and_ends_mlflow_killed(t
     """The terminal's Ctrl-C is a SIGINT to the command's whole process group: the command stops
     training, evaluation and its Prefect server, ends MLflow KILLED and says so in one line; the
     same command then finishes the run, and the interruption is history, not its failure."""
+    # Training long enough to be under way when the signal comes (36 steps could all be done,
+    # and the run finished, before the test sent it).
     flow, params, config, run, log = start_flow(
-        tmp_path, "ctrlc", 36, {"min_interval_steps": 0, "max_interval_steps": 12}
+        tmp_path, "ctrlc", 600, {"min_interval_steps": 0, "max_interval_steps": 12}
     )
     try:
         wait_for(lambda: len(Manifest(run.manifest).events()) >= 3, 300, f"three checkpoints (flow log {log.name})")
         family = psutil.Process(flow.pid).children(recursive=True)
+        assert not any(e.final for e in Manifest(run.manifest).events())
         assert any("prefect" in " ".join(p.cmdline()) and "server" in p.cmdline() for p in family)
         # The UI it prints calls that server's API (not the default port 4200's).
         ui = re.search(r"Prefect UI for this run \(up while it lasts\): (http://\S+)/runs", log_text(log)).group(1)
