@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.runs.directory import file_lock
 from areal_eval.tracking import Tracker
 from tests.helpers import free_port, sqlite_mlflow_uri
 
@@ -34,6 +36,28 @@ IDLE_SERVICES_OFF = {
 cores their polling of SQLite slows every test and can lock the database. Events, automations,
 task-run records, concurrency-lease reclaiming and worker status stay on. The scheduler off also
 keeps the 30-minute sweep from running in the middle of a test."""
+
+
+def with_migrated_database(home: Path) -> Path:
+    """``home`` given a Prefect database already migrated, unless it has one: a server migrates
+    a fresh one at its start (about 6 s of CPU here; a user's stays migrated after their first
+    run), and the suite starts a dozen servers on fresh homes. The migrated database is made once
+    per Prefect version, by ``prefect server database upgrade``, and copied."""
+    import prefect
+
+    home.mkdir(parents=True, exist_ok=True)
+    if (home / "prefect.db").exists():
+        return home
+    made = Path(tempfile.gettempdir()) / "areal-eval-tests" / f"prefect-{prefect.__version__}.db"
+    with file_lock(made.with_suffix(".lock")):
+        if not made.exists():
+            work = Path(tempfile.mkdtemp(dir=made.parent))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+            cli({**env, "PREFECT_HOME": str(work)}, "server", "database", "upgrade", "-y")
+            os.replace(work / "prefect.db", made)
+            shutil.rmtree(work)
+    shutil.copyfile(made, home / "prefect.db")
+    return home
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -76,6 +100,7 @@ def server_env(home: Path, port: int, worker_query_s: float = 2.0) -> dict:
 
 def start_server(env: dict, home: Path) -> subprocess.Popen:
     """``prefect server start`` on the port of ``env``'s API URL; returns once it answers."""
+    with_migrated_database(home)
     url = env["PREFECT_API_URL"]
     port = url.rsplit(":", 1)[1].split("/")[0]
     with (home / "server.log").open("a") as log:

@@ -25,6 +25,7 @@ from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
 from tests.conftest import TINY
 from tests.helpers import sqlite_mlflow_uri, tmpfs
+from tests.prefect_services import with_migrated_database
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def clean_env(prefect_home: Path) -> dict:
     """Its own temporary Prefect server, on a database of the test's (not ``~/.prefect``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.pop("AREAL_EVAL_OWNER", None)
-    env["PREFECT_HOME"] = str(prefect_home)
+    env["PREFECT_HOME"] = str(with_migrated_database(prefect_home))
     return env
 
 
