@@ -194,8 +194,8 @@ def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_ha
 )
 def test_ctrl_c_or_sigterm_stops_everything_in_one_line_and_ends_mlflow_killed(tmp_path, sig, cause):
     """The terminal's Ctrl-C is a SIGINT to the command's whole process group: the command stops
-    training, evaluation and its Prefect server, ends MLflow KILLED and says so in one line; the
-    same command then finishes the run, and the interruption is history, not its failure."""
+    training, evaluation and its Prefect server, ends MLflow KILLED and says so in one line,
+    naming the command that resumes the run."""
     # Training long enough to be under way when the signal comes (36 steps could all be done,
     # and the run finished, before the test sent it).
     flow, params, config, run, log = start_flow(
