@@ -22,6 +22,8 @@ from pathlib import Path
 
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from tasks.device_slot import FILE_LEASE_STORAGE, LEASE_STORAGE_ENV
+
 STARTUP_TIMEOUT_S = 180.0
 """A fresh database is migrated first: on 2 busy cores that takes most of a minute."""
 IDLE_SERVICES_OFF = {
@@ -50,6 +52,7 @@ def own_prefect_server(log_path: Path) -> Iterator[str | None]:
     env = {
         **os.environ,
         **IDLE_SERVICES_OFF,
+        LEASE_STORAGE_ENV: FILE_LEASE_STORAGE,  # concurrency leases outlive a restart of this server
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_API_URL": f"{ui}/api",  # the UI calls this API (its default is port 4200's)
     }

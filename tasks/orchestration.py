@@ -4,12 +4,9 @@ one's tags, and which earlier runs of its training run died without saying so.""
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
 import uuid
 from collections.abc import Iterator
 
-from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     FlowFilter,
@@ -20,48 +17,21 @@ from prefect.client.schemas.filters import (
     FlowRunFilterTags,
 )
 from prefect.client.schemas.objects import StateType
-from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
-from prefect.concurrency.sync import concurrency
-from prefect.exceptions import MissingContextError, ObjectNotFound
+from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.states import Crashed
 
-from areal_eval.config.parsing import ConfigError
-from areal_eval.failures import OrchestrationUnavailable
-
-
-def _logger() -> logging.Logger | logging.LoggerAdapter:
-    """The flow run's logger (its lines in the UI), or this module's outside a run."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger(__name__)
+from tasks.device_slot import DeviceSlot
 
 
 @contextlib.contextmanager
-def holding_slot(name: str | None, wait_s: float, max_backoff_s: float = 30.0) -> Iterator[None]:
-    """Hold one slot of the global concurrency limit ``name`` (nothing when None) inside the block.
-
-    An API that cannot be reached (a server restarting) is waited for, with backoff, for up to
-    ``wait_s``; then :class:`OrchestrationUnavailable` (transient) is raised. A limit that does
-    not exist is a :class:`ConfigError`. Only the acquisition is retried, never the block."""
+def holding_slot(name: str | None, wait_s: float) -> Iterator[None]:
+    """Hold one slot of the global concurrency limit ``name`` (nothing when None) inside the block,
+    waiting at most ``wait_s`` for it (:class:`~tasks.device_slot.DeviceSlot`)."""
     if name is None:
         yield
         return
-    deadline, delay = time.monotonic() + wait_s, 1.0
-    with contextlib.ExitStack() as held:
-        while True:
-            try:
-                held.enter_context(concurrency(name, occupy=1, strict=True))
-                break
-            except ConcurrencySlotAcquisitionError as exc:
-                if "must be created" in str(exc):
-                    raise ConfigError(f"gpu_slot: {exc} (prefect gcl create {name} --limit 1)") from exc
-                if time.monotonic() + delay > deadline:
-                    raise OrchestrationUnavailable(f"concurrency slot {name!r}: {exc} (for {wait_s:.0f} s)") from exc
-                _logger().warning("concurrency slot %r not acquired (%s); retrying in %.0f s", name, exc, delay)
-                time.sleep(delay)
-                delay = min(max_backoff_s, 2 * delay)
+    with DeviceSlot(name, wait_s=wait_s):
         yield
 
 

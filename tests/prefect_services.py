@@ -22,6 +22,7 @@ import pytest
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.runs.directory import file_lock
 from areal_eval.tracking import Tracker
+from tasks.device_slot import FILE_LEASE_STORAGE, LEASE_STORAGE_ENV
 from tests.helpers import free_port, sqlite_mlflow_uri
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +91,7 @@ def server_env(home: Path, port: int, worker_query_s: float = 2.0) -> dict:
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         **IDLE_SERVICES_OFF,
+        LEASE_STORAGE_ENV: FILE_LEASE_STORAGE,  # as the README's server: leases outlive a restart
         "AREAL_EVAL_HOME": str(REPO),
         "AREAL_EVAL_STORE": str(home / "store"),
         "MLFLOW_TRACKING_URI": sqlite_mlflow_uri(home),

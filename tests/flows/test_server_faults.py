@@ -159,7 +159,7 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
             stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 120
-        while "not acquired" not in waiter_log.read_text():  # it waits for the server, and says so
+        while "did not answer" not in waiter_log.read_text():  # it waits for the server, and says so
             assert waiting.poll() is None and time.monotonic() < deadline, waiter_log.read_text()[-3000:]
             time.sleep(0.2)
         # Back on the same port and database: the service reconnects and catches up from the manifest.
