@@ -15,7 +15,8 @@ from __future__ import annotations
 from areal_eval.checkpoints.manifest import CheckpointError
 from areal_eval.config.parsing import ConfigError
 from areal_eval.data.preference_data import DataError
-from areal_eval.evaluation.jobs import CorruptCheckpoint, EvaluationConfigError, EvaluationDataError
+from areal_eval.disk import is_disk_full
+from areal_eval.evaluation.jobs import CorruptCheckpoint, EvaluationConfigError, EvaluationDataError, EvaluationFailed
 
 PERMANENT = (CorruptCheckpoint, EvaluationDataError, EvaluationConfigError, CheckpointError, DataError, ConfigError)
 
@@ -26,6 +27,17 @@ class OrchestrationUnavailable(RuntimeError):
 
 def is_permanent(exc: BaseException) -> bool:
     return isinstance(exc, PERMANENT)
+
+
+def is_known_failure(exc: BaseException) -> bool:
+    """A failure whose cause its message names (bad input, an evaluation that failed, a full disk,
+    the orchestrator away): said in one line, with no traceback. Anything else is a bug."""
+    return is_permanent(exc) or is_disk_full(exc) or isinstance(exc, (EvaluationFailed, OrchestrationUnavailable))
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (what follows, a log's summary, stays on record)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def is_bad_checkpoint(exc: BaseException) -> bool:

@@ -114,16 +114,25 @@ def torchrun_command(
     ]
 
 
+TEARDOWN_NOISE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|GLHF|ChildFailedError|DistBackendError"
+    r"|ProcessGroupGloo|NCCL communicator was aborted|elastic\.multiprocessing"
+)
+"""What the other ranks say when one rank fails and the process group comes down around it."""
+
+
 def failure_summary(path: Path, lines: list[str] | None = None) -> str:
     """Which ranks failed and how, from torchrun's log (or its ``lines``): each rank's own error
-    line and exit code (torchrun's "Failures" report lists every failed rank, not just the first
-    seen)."""
+    line, the first real one first (the process group's teardown noise only when nothing else
+    was said), and exit code (torchrun's "Failures" report lists every failed rank, not just the
+    first seen)."""
     if lines is None:
         try:
             lines = path.read_text(errors="replace").splitlines()
         except FileNotFoundError:
             return ""
-    found = [line.split("] ", 1)[-1] for line in lines if "evaluation failed" in line or "Error:" in line]
+    errors = [line.split("] ", 1)[-1] for line in lines if "evaluation failed" in line or "Error:" in line]
+    found = [e for e in errors if not TEARDOWN_NOISE.search(e)] or errors
     rank = None
     for line in lines:
         field = line.strip()

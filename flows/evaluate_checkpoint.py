@@ -17,11 +17,13 @@ from typing import Annotated
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Failed
 from pydantic import Field
 
-from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
+from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
+from areal_eval.failures import is_known_failure, one_line
 from areal_eval.lifecycle.outcome import Attempt, Outcome
 from areal_eval.lifecycle.shared_run import Claim, SharedRun
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
@@ -40,7 +42,16 @@ from tasks.mlflow_logging import (
     tracker_for,
 )
 from tasks.orchestration import flow_run_alive, holding_slot, tag_flow_run
-from tasks.reports import announce_outcome, curve_or_none, summarize, summary_line, update_evaluation_table
+from tasks.reports import (
+    announce_outcome,
+    curve_or_none,
+    log_known_failures_without_traceback,
+    summarize,
+    summary_line,
+    update_evaluation_table,
+)
+
+log_known_failures_without_traceback()  # a known failure is said in one line; tracebacks are for bugs
 
 
 def same_location(a: str, b: str) -> bool:
@@ -88,6 +99,33 @@ def evaluate_checkpoint(
         probe: with ``dispatched``, a probe: evaluate the probe subset only
             (``scheduler.probe_fraction``) and log it as ``eval_probe/*``.
     """
+    try:
+        return decide_and_evaluate(
+            global_step, manifest, run_id, checkpoint_uri, data_path, params, reason, gpu_slot, dispatched, probe
+        )
+    except Exception as exc:
+        if not is_known_failure(exc):
+            raise  # a bug: Prefect logs its traceback
+        # Bad input or a failed evaluation, already on record: its reason in one line, in the log,
+        # as the run's last event (what --watch ends on) and as the state's message; no traceback.
+        line = f"{run_id or Path(manifest).parent.name}@{global_step} failed: {one_line(exc)}"
+        announce_outcome(run_id or Path(manifest).parent.name, line, failed=True)
+        return Failed(message=line, data=exc)
+
+
+def decide_and_evaluate(
+    global_step: int,
+    manifest: str,
+    run_id: str | None,
+    checkpoint_uri: str | None,
+    data_path: str | None,
+    params: PipelineParams | None,
+    reason: str | None,
+    gpu_slot: str | None,
+    dispatched: bool,
+    probe: bool,
+) -> dict:
+    """The flow's body (:func:`evaluate_checkpoint` documents the parameters)."""
     logger = get_run_logger()
     cfg = load_pipeline_config(params=set_fields(params))
     local_manifest = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
@@ -107,7 +145,9 @@ def evaluate_checkpoint(
         return {"global_step": global_step, "evaluated": False, "reason": owner}
     event = published.find(global_step)  # a missing manifest or step is named before anything is recorded
     if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
-        raise ValueError(f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}")
+        raise CheckpointError(
+            f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}"
+        )
     shared = SharedRun(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id)
     ctx, claim = claim_checkpoint(cfg, shared, global_step, reason, data_path, gpu_slot)
     summary, failures = evaluate_claimed(ctx, claim)
@@ -185,8 +225,7 @@ def report(ctx: Evaluating, claim: Claim, summary: dict, failures: list[Exceptio
         summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, Ledger(run.ledger), None)
     log_decisions(cfg, mlflow_run_id, shared.take_decided(), shared)
     log_published_train_metrics(cfg, mlflow_run_id, shared)
-    if failures:  # one line, before Prefect's traceback
-        announce_outcome(event.run_id, f"{event.run_id}@{event.global_step} failed: {failures[0]}", failed=True)
+    if failures:  # on record; the flow says it in one line
         raise failures[0]
     if "run" in summary:
         announce_outcome(event.run_id, summary_line(summary["run"], cfg.scheduler.metric))

@@ -58,7 +58,10 @@ def evaluate_published(cfg: PipelineConfig, payload: dict, gpu_slot: str | None)
         gpu_slot=gpu_slot,
         return_state=True,
     )
-    print(f"{payload.get('run_id')}@{payload['global_step']}: {state.name}", flush=True)
+    if state.is_failed() and state.message:  # the failure's one line, which names the checkpoint
+        print(state.message, flush=True)
+    else:
+        print(f"{payload.get('run_id')}@{payload['global_step']}: {state.name}", flush=True)
 
 
 @flow(name="catch-up-evaluations", log_prints=True)

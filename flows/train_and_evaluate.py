@@ -49,12 +49,21 @@ from tasks.evaluation import warm_workers
 from tasks.loop_io import PrefectLoopIO
 from tasks.mlflow_logging import finish_tracking, start_tracking
 from tasks.orchestration import crash_orphaned_runs, tag_flow_run
-from tasks.reports import announce_outcome, curve_or_none, summarize, summary_line
+from tasks.reports import (
+    announce_outcome,
+    curve_or_none,
+    log_known_failures_without_traceback,
+    summarize,
+    summary_line,
+)
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
 _taken_by_main: RunLock | None = None
 """The run's owner lock that :func:`main` took before Prefect started; the flow keeps it, so no
 other owner can slip in while Prefect starts (15-20 s)."""
+
+
+log_known_failures_without_traceback()  # a known failure is said in one line; tracebacks are for bugs
 
 
 @contextlib.contextmanager

@@ -5,13 +5,18 @@ from __future__ import annotations
 import base64
 import logging
 import re
+import threading
+import time
 from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
 
 from areal_eval.curve_plot import plot_curve
+from areal_eval.failures import is_known_failure, one_line
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
@@ -97,6 +102,21 @@ def announce_outcome(run_id: str, line: str, failed: bool = False) -> None:
         "areal.run.failed" if failed else "areal.run.finished",
         resource={"prefect.resource.id": f"areal.run.{run_id}", "prefect.resource.name": line[:2000]},
     )
+    send_queued(timeout_s=10)
+
+
+def send_queued(timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the logs and events queued so far to reach the server: queued,
+    a flow run's last word would arrive after its final state, which ends ``--watch``."""
+    senders = [
+        threading.Thread(target=worker.instance().wait_until_empty, daemon=True)
+        for worker in (APILogWorker, EventsWorker)
+    ]
+    deadline = time.monotonic() + timeout_s
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(max(0.0, deadline - time.monotonic()))
 
 
 def summary_line(summary: dict, metric: str) -> str:
@@ -107,3 +127,25 @@ def summary_line(summary: dict, metric: str) -> str:
         f"{summary['run_name']}: {summary['checkpoints']} checkpoints ({counts}); {metric} by step: {curve}; "
         f"MLflow: {summary['mlflow_url']}"
     )
+
+
+class WithoutTraceback(logging.Filter):
+    """Prefect's engines log a failed run's exception with its traceback ("Engine execution exited
+    with unexpected exception"); for a known failure (:func:`~areal_eval.failures.is_known_failure`),
+    which the flow says in one line, that line is kept and the traceback dropped: tracebacks in
+    a worker's log are for bugs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and is_known_failure(exc):
+            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {one_line(exc)}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def log_known_failures_without_traceback() -> None:
+    """Install :class:`WithoutTraceback` on the flow-run and task-run loggers (once)."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, WithoutTraceback) for f in logger.filters):
+            logger.addFilter(WithoutTraceback())

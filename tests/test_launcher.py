@@ -41,10 +41,25 @@ def test_failure_summary_names_every_failed_rank(tmp_path):
         "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 10)\n"
     )
     summary = failure_summary(log)
-    assert "evaluation failed: RuntimeError" in summary
+    assert "evaluation failed: RuntimeError" in summary  # nothing else was said: the teardown's line stays
     assert "rank 1 (local_rank: 1) exit code 17 (pid: 11)" in summary
     assert "rank 0 (local_rank: 0) exit code 1 (pid: 10)" in summary
     assert failure_summary(tmp_path / "missing.log") == ""
+
+
+def test_failure_summary_leads_with_the_first_real_error_without_the_teardown_noise(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text(
+        "[rank 0] evaluation failed: RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:4711\n"
+        "[rank 1] evaluation failed: CheckpointError: /ckpt/model.safetensors: sha256 differs from the manifest\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 11)\n"
+    )
+    summary = failure_summary(log).splitlines()
+    assert summary == [
+        "evaluation failed: CheckpointError: /ckpt/model.safetensors: sha256 differs from the manifest",
+        "rank 1 (local_rank: 1) exit code 1 (pid: 11)",
+    ]
 
 
 def test_node_layout_from_the_pool_environment(monkeypatch):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from areal_eval.checkpoints.loading import DTYPES
-from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name
+from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, checkpoint_name, verify_checkpoint
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.config.parsing import (
     AT_LEAST_1,
@@ -211,12 +211,18 @@ class EvalResult:
 
 
 def check_before_launch(event: CheckpointEvent, spec: EvalJobSpec, work_dir: Path, stem: str) -> None:
-    """Tokenize the data with a local checkpoint's tokenizer before any worker starts
-    (:mod:`~areal_eval.evaluation.preflight`), once per data, settings and tokenizer; what cannot
-    be scored raises :class:`EvaluationDataError` (or :class:`EvaluationConfigError`), naming
-    file and line. An ``s3://`` checkpoint is checked by its workers."""
-    if "://" in event.uri or not Path(event.uri).is_dir():
+    """Check a local checkpoint before any worker starts: its directory and the files the manifest
+    recorded, with their sizes (:class:`CorruptCheckpoint`, one line; the workers check hashes),
+    then the data, tokenized with its tokenizer (:mod:`~areal_eval.evaluation.preflight`), once
+    per data, settings and tokenizer: what cannot be scored raises :class:`EvaluationDataError`
+    (or :class:`EvaluationConfigError`), naming file and line. An ``s3://`` checkpoint is checked
+    by its workers, as they download it."""
+    if "://" in event.uri:
         return
+    try:
+        verify_checkpoint(event.uri, event.files, hashes=False)
+    except CheckpointError as exc:
+        raise CorruptCheckpoint(f"checkpoint step {event.global_step}: {exc}") from None
     passed = preflight_cache() / f"{preflight_key(event, Path(spec.data), to_json(spec))}.ok"
     if passed.exists():
         return

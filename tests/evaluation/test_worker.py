@@ -9,7 +9,7 @@ import pytest
 from areal_eval.checkpoints.manifest import CheckpointEvent, describe_files
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.items import read_items
-from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
+from areal_eval.evaluation.jobs import CorruptCheckpoint, EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
 from tests.helpers import (
@@ -156,9 +156,21 @@ def test_corrupt_checkpoint_is_a_clear_error(final_checkpoint, tmp_path):
     bad = dataclasses.replace(event, uri=str(copy))
     with pytest.raises(EvaluationFailed, match="model.safetensors: sha256 differs"):
         run_evaluation_job(bad, run.valid_data, EvalConfig(nproc=2), tmp_path / "out")
+    # What can be seen without reading the weights is refused before torchrun starts, in one line.
     missing = dataclasses.replace(event, uri=str(tmp_path / "gone"))
-    with pytest.raises(EvaluationFailed, match="checkpoint directory is missing"):
-        run_evaluation_job(missing, run.valid_data, EvalConfig(nproc=1), tmp_path / "out")
+    with pytest.raises(CorruptCheckpoint) as refused:
+        run_evaluation_job(missing, run.valid_data, EvalConfig(nproc=1), tmp_path / "before")
+    assert (
+        str(refused.value)
+        == f"checkpoint step {event.global_step}: {tmp_path / 'gone'}: checkpoint directory is missing"
+    )
+    (copy / "config.json").unlink()
+    with pytest.raises(CorruptCheckpoint) as refused:
+        run_evaluation_job(bad, run.valid_data, EvalConfig(nproc=1), tmp_path / "before")
+    assert str(refused.value) == (
+        f"checkpoint step {event.global_step}: {copy}/config.json: file recorded in the manifest is missing"
+    )
+    assert not list((tmp_path / "before").glob("*.log"))  # no torchrun job was started
 
 
 def test_s3_checkpoint_is_fetched_once_per_node_and_matches_local(final_checkpoint, s3_server, s3_bucket, tmp_path):

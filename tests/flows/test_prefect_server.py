@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -314,6 +315,28 @@ def test_missing_validation_data_fails_before_any_worker_and_alerts(server, trai
     assert mlflow_run.data.tags["areal.failure"].startswith("the final checkpoint (step 0) failed: ")
     artifacts = {a.path for a in tracker.client.list_artifacts(mlflow_run.info.run_id)}
     assert {"evaluation_curve.png", "scheduler_decisions.json"} <= artifacts
+    # A step the manifest does not hold, run as the README runs one: --watch ends on the reason, in
+    # one line, which is also the flow run's state message; the worker logs no traceback for it.
+    worker_log = Path(server["PREFECT_HOME"]) / "worker-areal-eval.log"
+    logged_before = worker_log.stat().st_size
+    params = {"global_step": 110, "manifest": str(manifest)}
+    watched = subprocess.run(
+        [PREFECT, "deployment", "run", "evaluate-checkpoint/on-checkpoint", "--watch", "--params", json.dumps(params)],
+        cwd=REPO,
+        env=server,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    reason = f"nodata@110 failed: {manifest}: no checkpoint at step 110 in the manifest"
+    said = "".join(watched.stdout.split())  # as Rich wrapped it to the terminal's width
+    assert watched.returncode == 1 and f"areal.run.failed*{''.join(reason.split())}" in said, watched.stdout[-3000:]
+    [bad] = [r for r in api(server, "/flow_runs/filter", {"limit": 200}) if r["parameters"].get("global_step") == 110]
+    assert bad["state_type"] == "FAILED" and bad["state"]["message"] == reason
+    time.sleep(2)  # the worker relays the flow run's last output
+    with worker_log.open() as log:
+        log.seek(logged_before)
+        assert "Traceback" not in log.read()
     # A cause no retry can fix: the sweep leaves it alone, and alerts nothing again.
     sweep = {"store": str(tmp_path / "nodata")}
     cli_or_fail(
