@@ -6,14 +6,12 @@ import base64
 import logging
 import re
 import threading
-import time
 from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 from prefect.events.worker import EventsWorker
-from prefect.logging.handlers import APILogWorker
 
 from areal_eval.curve_plot import plot_curve
 from areal_eval.failures import is_known_failure, one_line
@@ -106,17 +104,12 @@ def announce_outcome(run_id: str, line: str, failed: bool = False) -> None:
 
 
 def send_queued(timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for the logs and events queued so far to reach the server: queued,
-    a flow run's last word would arrive after its final state, which ends ``--watch``."""
-    senders = [
-        threading.Thread(target=worker.instance().wait_until_empty, daemon=True)
-        for worker in (APILogWorker, EventsWorker)
-    ]
-    deadline = time.monotonic() + timeout_s
-    for sender in senders:
-        sender.start()
-    for sender in senders:
-        sender.join(max(0.0, deadline - time.monotonic()))
+    """Wait up to ``timeout_s`` for the events emitted so far to reach the server: queued, a flow
+    run's last word would arrive after its final state, which ends ``--watch``. (Logs are sent in
+    batches whose queue is never joined; ``--watch`` shows events.)"""
+    sender = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
+    sender.start()
+    sender.join(timeout_s)
 
 
 def summary_line(summary: dict, metric: str) -> str:
