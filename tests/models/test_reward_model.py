@@ -130,7 +130,11 @@ def test_in_bf16_the_score_head_stays_float32_and_close_scores_keep_their_order(
             chosen[dtype], rejected = reward_model.pair_scores_trimmed(loaded, batch)
         margins[dtype] = chosen[dtype] - rejected
     assert 4 < float(chosen["float32"].mean()) < 6  # the offset bf16 cannot resolve
-    assert torch.equal(margins["bfloat16"] > 0, margins["float32"] > 0)  # every pair ranked alike
-    # The hidden states' own bf16 rounding moves a margin by up to 0.004 here; bf16 scores step by 0.031.
+    # The hidden states' own bf16 rounding moves a margin by up to 0.004 here (how far depends on
+    # the CPU's bf16 kernels); bf16 scores step by 0.031.
     assert torch.allclose(margins["bfloat16"], margins["float32"], atol=0.008)
+    alike = (margins["bfloat16"] > 0) == (margins["float32"] > 0)
+    assert float(alike.float().mean()) >= 0.95  # a bf16 head ranked 0.31 of the pairs right
+    clear = margins["float32"].abs() > 0.008  # beyond what that rounding can move: ranked alike, all
+    assert bool(alike[clear].all())
     assert loaded.score.weight.dtype == torch.float32 and loaded.model.embed_tokens.weight.dtype == torch.bfloat16
