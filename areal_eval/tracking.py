@@ -99,15 +99,19 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        if exp is None:
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location, tags=EXPERIMENT_TAGS)
-        else:
-            self.experiment_id = exp.experiment_id
-            for key, value in EXPERIMENT_TAGS.items():  # an experiment made before: kept if set otherwise
-                if key not in exp.tags:
-                    self.client.set_experiment_tag(self.experiment_id, key, value)
+        # Flow runs that start together on a fresh SQLite store would each create its tables (the
+        # losers fail: "table latest_metrics already exists") and the experiment: one at a time.
+        database = tracking_uri.removeprefix("sqlite:///") if tracking_uri.startswith("sqlite:///") else None
+        with file_lock(Path(f"{database}.init.lock")) if database else contextlib.nullcontext():
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location, tags=EXPERIMENT_TAGS)
+            else:
+                self.experiment_id = exp.experiment_id
+                for key, value in EXPERIMENT_TAGS.items():  # an experiment made before: kept if set otherwise
+                    if key not in exp.tags:
+                        self.client.set_experiment_tag(self.experiment_id, key, value)
         self._train_through: dict[str, int] = {}
         self._eval_logged: dict[tuple[str, str], set[int]] = {}
 

@@ -1,5 +1,7 @@
 """MLflow on a real SQLite store."""
 
+import time
+
 import pytest
 
 from areal_eval.tracking import TRAIN_WATERMARK_TAG, Tracker, TrackingConfig, mlflow_run_url, resolve_tracking_uri
@@ -175,3 +177,29 @@ def test_artifacts_of_a_sqlite_store_go_beside_it_not_into_the_working_directory
     (tmp_path / "plot.png").write_bytes(b"png")
     tracker.log_artifact(run_id, tmp_path / "plot.png")
     assert (tmp_path / "store" / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()
+
+
+@pytest.mark.integration
+def test_processes_opening_a_fresh_sqlite_store_at_once_all_get_its_experiment(tmp_path):
+    """Flow runs triggered together on a new store: each creating its tables, all but one failed
+    ("table latest_metrics already exists")."""
+    import subprocess
+    import sys
+
+    uri, go = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "go"  # no tables yet
+    opener = (
+        "import pathlib, sys, time\n"
+        "from areal_eval.tracking import Tracker\n"
+        "import mlflow.store.tracking.sqlalchemy_store\n"
+        "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)\n"
+        "print(Tracker(sys.argv[1], 'burst').experiment_id)\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", opener, uri, str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(4)
+    ]
+    time.sleep(8)  # each has imported what it needs and waits
+    go.touch()
+    said = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [e.decode()[-2000:] for _, e in said]
+    assert len({o.strip() for o, _ in said}) == 1
