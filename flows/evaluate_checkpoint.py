@@ -101,7 +101,16 @@ def evaluate_checkpoint(
     """
     try:
         return decide_and_evaluate(
-            global_step, manifest, run_id, checkpoint_uri, data_path, params, reason, gpu_slot, dispatched, probe
+            global_step,
+            manifest,
+            run_id=run_id,
+            checkpoint_uri=checkpoint_uri,
+            data_path=data_path,
+            params=params,
+            reason=reason,
+            gpu_slot=gpu_slot,
+            dispatched=dispatched,
+            probe=probe,
         )
     except Exception as exc:
         if not is_known_failure(exc):
@@ -116,6 +125,7 @@ def evaluate_checkpoint(
 def decide_and_evaluate(
     global_step: int,
     manifest: str,
+    *,
     run_id: str | None,
     checkpoint_uri: str | None,
     data_path: str | None,
