@@ -38,6 +38,7 @@ from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.reaper import watch_over_children
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from flows.sweep_checkpoints import sweep_run
+from tasks.device_slot import leases_kept_in_memory
 from tasks.evaluation import serve_warm_workers
 
 PUBLISHED = EventFilter(
@@ -102,6 +103,8 @@ async def serve(
                         f"({cfg.eval.slots} slot(s))",
                         flush=True,
                     )
+                    if gpu_slot and (warning := await loop.run_in_executor(None, leases_kept_in_memory)):
+                        print(f"serve-evaluations: warning: {warning}", flush=True)
                     if connected_before and manifests:
                         loop.run_in_executor(pool, catch_up_quietly, list(manifests), to_dict(cfg))
                     connected_before, backoff = True, 1.0

@@ -36,6 +36,22 @@ LEASE_S = 60.0
 repossessor's loop, 15 s by default)."""
 
 
+def leases_kept_in_memory() -> str | None:
+    """A line of warning when the server keeps concurrency leases in memory (Prefect's default:
+    a restart then leaks the slots whose holders die meanwhile); None otherwise, or unknown."""
+    try:
+        with get_client(sync_client=True) as client:
+            storage = client.request("GET", "/admin/settings").json()["server"]["concurrency"]["lease_storage"]
+    except Exception:  # noqa: BLE001 - an older server, or settings not readable: nothing to say
+        return None
+    if storage == FILE_LEASE_STORAGE or not storage.endswith(".memory"):
+        return None
+    return (
+        "the Prefect server keeps concurrency leases in memory: a restart leaks the slot of an evaluation "
+        f"that dies meanwhile; start it with {LEASE_STORAGE_ENV}={FILE_LEASE_STORAGE}"
+    )
+
+
 def _logger() -> logging.Logger | logging.LoggerAdapter:
     """The flow run's logger (its lines in the UI), or this module's outside a run."""
     try:

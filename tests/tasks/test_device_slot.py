@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tasks.device_slot import LEASE_S, LEASE_STORAGE_ENV
+from tasks.device_slot import FILE_LEASE_STORAGE, LEASE_S, LEASE_STORAGE_ENV, leases_kept_in_memory
 from tests.helpers import free_port
 from tests.prefect_services import REPO, api_get, cli, server_env, start_server, stop
 
@@ -102,9 +103,14 @@ def test_no_slot_stays_held_and_no_wait_lasts_past_its_bound_across_server_resta
         server = start_server(in_memory, home)
         forgotten = Holder(env, tmp_path, "gpu:2")
         holders.append(forgotten)
+        with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+            warning = leases_kept_in_memory()  # what the evaluation service says when it connects
+        assert warning is not None and f"{LEASE_STORAGE_ENV}={FILE_LEASE_STORAGE}" in warning
         forgotten.wait_for("held gpu:2")
         stop(server)
         server = start_server(env, home)  # leases on disk again
+        with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+            assert leases_kept_in_memory() is None
 
         kept = Holder(env, tmp_path, "gpu:0")
         holders.append(kept)
