@@ -122,18 +122,17 @@ class DeviceSlot:
             delay = min(self.max_backoff_s, 2 * delay)
 
     def holders(self) -> str:
-        """What holds the limit, and how to free a slot that nothing holds any more."""
+        """How full the limit is, and what may hold it: evaluations still running, or, on a server
+        that keeps leases in memory, a slot leaked by a restart (and how to free it)."""
         try:
             with get_client(sync_client=True) as client:
                 limit = client.read_global_concurrency_limit_by_name(self.name)
             held = f"{limit.active_slots}/{limit.limit} held"
         except Exception:  # noqa: BLE001 - only for the message
             held = "held"
-        return (
-            f"{held}; a slot whose holder died while the server was restarted stays held when the server keeps "
-            f"leases in memory: start it with {LEASE_STORAGE_ENV}={FILE_LEASE_STORAGE}, or free the slot by hand: "
-            f"prefect gcl update {self.name} --active-slots 0"
-        )
+        if (warning := leases_kept_in_memory()) is None:
+            return f"{held} by evaluations still running; a holder that died frees its slot within {self.lease_s:.0f} s"
+        return f"{held}; {warning}, and free a leaked slot by hand: prefect gcl update {self.name} --active-slots 0"
 
     def _renew_until_stopped(self) -> None:
         away = False

@@ -120,7 +120,7 @@ def test_no_slot_stays_held_and_no_wait_lasts_past_its_bound_across_server_resta
         assert waiter.proc.wait(timeout=180) == 3
         refusal = waiter.said().strip().splitlines()[-1]
         assert refusal.startswith("OrchestrationUnavailable: concurrency slot 'gpu:0' not acquired in 5 s: "), refusal
-        assert "every slot is held (1/1 held; " in refusal and "prefect gcl update gpu:0 --active-slots 0" in refusal
+        assert "every slot is held (1/1 held by evaluations still running; a holder that died frees" in refusal
         stop(server)  # a restart while gpu:0 is held
         server = start_server(env, home)
 
