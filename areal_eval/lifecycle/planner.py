@@ -193,14 +193,20 @@ class EvaluationPlanner:
         skipped = [e.step for e in self.ledger.entries() if e.status in ("skipped", "superseded")]
         queued = []
         for step, reason in refine(self.history(), skipped, self.cfg, deleted):
-            event = self._events.get(step)
-            if event is None:  # not offered in this process (cannot happen after a full re-read)
-                continue
-            probed = self.ledger.latest(step).probe  # a held probe stays on record: it ran
-            self._record(LedgerEntry(step, event.uri, "scheduled", reason, owner=owner, probe=probed))
-            self.queue.push(event, pinned=True)
-            queued.append(event)
+            if (event := self._reschedule(step, reason, owner)) is not None:
+                queued.append(event)
         return queued
+
+    def _reschedule(self, step: int, reason: str, owner: str | None) -> CheckpointEvent | None:
+        """Schedule a skipped checkpoint again (a refinement, a look-back), pinned so none is
+        coalesced away; None when it was not offered in this process."""
+        event = self._events.get(step)
+        if event is None:
+            return None
+        probed = self.ledger.latest(step).probe  # a held probe stays on record: it ran
+        self._record(LedgerEntry(step, event.uri, "scheduled", reason, owner=owner, probe=probed))
+        self.queue.push(event, pinned=True)
+        return event
 
     @_locked
     def next(self, free_slots: int = 1) -> CheckpointEvent | None:
@@ -278,10 +284,7 @@ class EvaluationPlanner:
         step = event.global_step
         looked_back = []
         for earlier, why in look_back(self._decisions.view(), step, self._skipped, self.cfg, self._paired, deleted):
-            if (skipped := self._events.get(earlier)) is not None:  # offered in this process
-                probed = self.ledger.latest(earlier).probe  # a held probe stays on record: it ran
-                self._record(LedgerEntry(earlier, skipped.uri, "scheduled", why, owner=owner, probe=probed))
-                self.queue.push(skipped, pinned=True)
+            if (skipped := self._reschedule(earlier, why, owner)) is not None:
                 looked_back.append(skipped)
         return looked_back
 
