@@ -32,7 +32,7 @@ from areal_eval.pipeline.setup import run_evaluation_config
 from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
 from tasks.alerts import send_alert
-from tasks.evaluation import evaluate_now
+from tasks.evaluation import evaluation_task, process_workers
 from tasks.mlflow_logging import (
     finish_tracking,
     log_evaluation,
@@ -302,7 +302,8 @@ def evaluate_one(
     cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None, probe: bool = False
 ) -> EvalResult:
     with holding_slot(gpu_slot, wait_s=cfg.eval.job_timeout_s):
-        return evaluate_now(event, data, cfg, run.evals, probe)
+        # A task run now, on the process's warm workers if it keeps some (the service, the sweep).
+        return evaluation_task(event, probe)(event, data, cfg, run.evals, process_workers(), probe)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,26 +107,14 @@ def serve_warm_workers(cfg: PipelineConfig, work_dir: Path) -> Iterator[WarmWork
             _process_workers = None
 
 
-def evaluate_now(
-    event: CheckpointEvent, data_path: Path, cfg: PipelineConfig, work_dir: Path, probe: bool = False
-) -> EvalResult:
-    """Evaluate now (a task run), on the process's warm workers if it keeps some."""
-    return evaluation_task(event, cfg, probe)(event, data_path, cfg, work_dir, _process_workers, probe)
+def process_workers() -> WarmWorkerGroups | None:
+    """The warm worker groups this process keeps for every evaluation (:func:`serve_warm_workers`)."""
+    return _process_workers
 
 
-def submit_evaluation(
-    event: CheckpointEvent,
-    data_path: Path,
-    cfg: PipelineConfig,
-    work_dir: Path,
-    workers: WarmWorkerGroups | SlotDevices | None = None,
-    probe: bool = False,
-):
-    return evaluation_task(event, cfg, probe).submit(event, data_path, cfg, work_dir, workers, probe)
-
-
-def evaluation_task(event: CheckpointEvent, cfg: PipelineConfig, probe: bool):
-    """``evaluate-step``; a probe shows as ``probe-step-N`` in the UI."""
+def evaluation_task(event: CheckpointEvent, probe: bool = False):
+    """The one way into ``evaluate-step``: the task for ``event``, shown as ``probe-step-N`` in
+    the UI for a probe; call it (a task run now) or ``.submit`` it (a future)."""
     if probe:
         return evaluate_step.with_options(task_run_name=f"probe-step-{event.global_step}")
     return evaluate_step

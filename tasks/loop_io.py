@@ -23,7 +23,7 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
-from tasks.evaluation import dispatch_evaluation, submit_evaluation
+from tasks.evaluation import dispatch_evaluation, evaluation_task
 from tasks.mlflow_logging import log_evaluation, log_failed_attempt, tracker_for
 from tasks.reports import update_evaluation_table
 
@@ -64,7 +64,8 @@ class PrefectLoopIO:
         if self.cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
             return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg, reason, probe))
         data = event.valid_data or self.run.valid_data  # what the publisher named, else the run's own
-        return TaskHandle(submit_evaluation(event, data, self.cfg, self.run.evals, self.workers, probe))
+        task = evaluation_task(event, probe)
+        return TaskHandle(task.submit(event, data, self.cfg, self.run.evals, self.workers, probe))
 
     def log_result(self, result: EvalResult, reason: str) -> None:
         log_evaluation(self.cfg, self.mlflow_run_id, result, reason, (self.run, self.run.run_id))
