@@ -27,10 +27,11 @@ from areal_eval.alerts import Alert, AlertEngine
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_delete
 from areal_eval.evaluation.jobs import EvalResult
+from areal_eval.lifecycle.decision_thread import DecisionThread
 from areal_eval.lifecycle.delivery import Deliverer, Notifier
 from areal_eval.lifecycle.followers import JsonlFollower, ManifestFollower
 from areal_eval.lifecycle.outcome import Attempt, record_outcome
-from areal_eval.lifecycle.planner import DecisionThread, EvaluationPlanner
+from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import Decision
 
