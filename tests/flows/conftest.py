@@ -1,4 +1,4 @@
-"""Fixtures of the flow tests on a real Prefect server (tests/flows/test_prefect_server.py)."""
+"""Fixtures of the flow tests on a real Prefect server (test_prefect_server.py, test_published_checkpoints.py)."""
 
 from pathlib import Path
 
