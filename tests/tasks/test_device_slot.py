@@ -96,7 +96,6 @@ def test_no_slot_stays_held_and_no_wait_lasts_past_its_bound_across_server_resta
         killed.wait_for("held gpu:1")
         os.killpg(killed.proc.pid, signal.SIGKILL)
         killed.proc.wait()
-        killed_at = time.monotonic()
 
         # Prefect's default server forgets every lease when it restarts, the slots still counted.
         stop(server)
@@ -130,8 +129,9 @@ def test_no_slot_stays_held_and_no_wait_lasts_past_its_bound_across_server_resta
         assert "forgotten by a server restart" in forgotten.said(), forgotten.said()[-3000:]
         assert active_slots(env, "gpu:2") == 0  # freed by name: nothing else would ever free it
         # The dead holder's lease expired unrenewed, and the server's repossessor freed its slot.
-        wait_until_free(env, "gpu:1", timeout_s=LEASE_S + 60)
-        assert time.monotonic() - killed_at <= LEASE_S + REPOSSESSOR_LOOP_S + 30
+        wait_until_free(env, "gpu:1", timeout_s=LEASE_S + 60)  # a deadline, so a leak fails the test
+        leases = home / "concurrency_leases"  # the server's lease files: every one released or revoked
+        assert (leases / "expirations.json").exists() and not list(leases.glob("*-*.json"))
 
         taken = Holder(env, tmp_path, "gpu:1")  # and it can be taken again
         holders.append(taken)
