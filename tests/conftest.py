@@ -118,6 +118,15 @@ def trained_run(tmp_path_factory):
     return cfg, RunDir(cfg.run_root)
 
 
+@pytest.fixture(scope="module")
+def final_checkpoint(trained_run):
+    """The trained run's final checkpoint: (run directory, its event)."""
+    from areal_eval.checkpoints.manifest import Manifest
+
+    cfg, run = trained_run
+    return run, Manifest(run.manifest).events()[-1]
+
+
 def _train_causal_lm(work: Path) -> None:
     from tests.helpers import train_causal_lm
 

@@ -33,6 +33,7 @@ LAYERS = [
     {"checkpoints"},
     {"data", "models"},
     {"evaluation"},
+    {"clusters"},  # evaluation slots on Ray and Slurm
     {"tracking", "curve_plot", "failures", "compare"},  # what is done with results
     {"lifecycle"},  # one run's lifecycle, on every path
     {"pipeline", "train", "cli", "gpu_check", "integrations"},  # the combined config and the entry points

@@ -28,6 +28,7 @@ from areal_eval.config.parsing import (
 )
 from areal_eval.devices import Devices, Placement, check_setting
 from areal_eval.disk import named_if_disk_full
+from areal_eval.evaluation.cluster_config import LAUNCHERS, RayConfig, SlurmConfig, check_launcher
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.interpreter import check_interpreter
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json, write_spec
@@ -157,12 +158,22 @@ class EvalConfig:
     """Evaluations in flight at once: the flow keeps a group of ``nproc`` ranks for each, and
     waiting checkpoints are coalesced only when every slot is busy. On a server, dispatched
     evaluations are bounded by the ``gpu_slot`` concurrency limit as well."""
+    launcher: str = "local"
+    """Where the slots run: ``local`` (torchrun on the flow's machine), ``ray`` (a placement group
+    per slot, a node agent per bundle: ``eval.ray``) or ``slurm`` (a job per slot: ``eval.slurm``)."""
+    nodes: int = 1
+    """Nodes per slot (``ray`` and ``slurm``), each running ``nproc`` ranks; node 0 writes the result."""
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+    """Settings of ``launcher: ray``."""
+    slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
+    """Settings of ``launcher: slurm``."""
 
     PATTERNS: ClassVar[dict] = {"evaluator": lambda: evaluator_spec_pattern()}
-    CHOICES: ClassVar[dict] = {"dtype": lambda: list(DTYPES)}
+    CHOICES: ClassVar[dict] = {"dtype": lambda: list(DTYPES), "launcher": lambda: list(LAUNCHERS)}
     RANGES: ClassVar[Ranges] = {
         "nproc": RANKS,
         "slots": Bounds(1, 64),
+        "nodes": Bounds(1, 1024),
         "mp_size": RANKS,
         "batch_size": BATCH,
         "collective_timeout_s": POSITIVE,
@@ -176,6 +187,7 @@ class EvalConfig:
     def __post_init__(self):
         check_ranges(self, self.RANGES)
         check_setting(self.devices, "devices")
+        check_launcher(self.launcher, self.nodes, self.devices)
         if self.dtype not in DTYPES:
             raise FieldError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.python is not None and not os.access(self.python, os.X_OK):

@@ -231,6 +231,7 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
                 "probe_metrics": check_metric_names(probe_metrics, spec.evaluator),
                 "world_size": layout.world_size,
                 "mp_size": layout.mp_size,
+                "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # what its launcher gave rank 0
                 "launched_at": spec.launched_at,
                 "started_at": started_at,
                 "seconds": time.time() - started_at,

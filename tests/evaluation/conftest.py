@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 
 TASK_DATA = Path(__file__).resolve().parents[2] / "configs" / "lm_eval" / "arith_mc.jsonl"
@@ -35,10 +34,3 @@ metric_list:
 """
     )
     return LMEvalConfig(tasks=["arith_mc"], include_path=str(directory), batch_size=8)
-
-
-@pytest.fixture(scope="module")
-def final_checkpoint(trained_run):
-    """The demo-sized trained run's final checkpoint: (run directory, its event)."""
-    cfg, run = trained_run
-    return run, Manifest(run.manifest).events()[-1]

@@ -1,0 +1,134 @@
+"""One node of a cluster slot: that node's torchrun agent for each evaluation.
+
+The flow sends the job (its spec and validation data) and gets back the result, its per-item
+files and the new lines of the node's log, so the flow's machine and the node need share no
+file system; only the checkpoint must be reachable (``s3://``, or a path every node sees).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from areal_eval import jsonl
+from areal_eval.evaluation.items import items_dir
+from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S
+from areal_eval.evaluation.worker_pool import WarmEvalWorkers
+from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError
+
+WORKER = "areal_eval.evaluation.worker"
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class NodeAgent:
+    """Runs one node's share of a slot's evaluations in ``work_dir`` (node-local).
+
+    Node 0 runs the job and writes the result; nodes 1..N-1 join it (``worker --follow``). A
+    one-node slot keeps its ranks warm between evaluations (``warm``), as the local launcher does.
+    """
+
+    def __init__(
+        self,
+        node_rank: int,
+        work_dir: str | Path,
+        *,
+        nproc: int,
+        address: str = "127.0.0.1",
+        python: str | None = None,
+        nice: int = 0,
+        warm: bool = True,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    ):
+        self.node_rank, self.nproc, self.address = node_rank, nproc, address
+        self.python, self.nice = python, nice
+        self.dir = Path(work_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.workers = (
+            WarmEvalWorkers(nproc, self.dir / "warm", nice, collective_timeout_s, python=python) if warm else None
+        )
+        self._read_up_to: dict[Path, int] = {}
+
+    def where(self) -> dict:
+        """What this node's ranks run on, for the log and for tests."""
+        return {
+            "host": socket.gethostname(),
+            "address": self.address,
+            "pid": os.getpid(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    def rendezvous(self) -> dict:
+        """Node 0's address and a free port on it, for a multi-node job's static rendezvous."""
+        return {"master_addr": self.address, "master_port": free_port()}
+
+    def evaluate(
+        self, spec: dict, data: bytes, *, nnodes: int = 1, rendezvous: dict | None = None, timeout_s: float
+    ) -> dict:
+        """Run the job ``spec`` on ``data`` as node 0; returns its exit code, result, per-item
+        files (bytes, by evaluator) and the log lines it wrote (``error``: it timed out)."""
+        job = self.dir / "job"
+        job.mkdir(exist_ok=True)
+        out = job / "result.json"
+        out.unlink(missing_ok=True)
+        shutil.rmtree(items_dir(out), ignore_errors=True)
+        (job / "valid.jsonl").write_bytes(data)
+        local = {
+            **spec,
+            "data": str(job / "valid.jsonl"),
+            "out": str(out),
+            "cache_dir": str(self.dir / "checkpoint-cache"),
+        }
+        reply: dict = {}
+        log = self.dir / "job.log"
+        try:
+            if nnodes == 1 and self.workers is not None:
+                code, log = self.workers.run(local, timeout_s)
+            else:
+                jsonl.write_json(job / "spec.json", local)
+                layout = NodeLayout(nnodes, 0, **(rendezvous or {}))
+                code = self._torchrun(["--spec", str(job / "spec.json")], layout, log).wait(timeout_s)
+        except WorkerError as exc:
+            code, reply["error"] = -1, str(exc)
+        result = jsonl.read_json(out) if out.exists() else {}
+        items = {name: Path(path).read_bytes() for name, path in result.get("items", {}).items()}
+        return {**reply, "code": code, "result": result, "items": items, "log": self._new_lines(log)}
+
+    def follow(self, nnodes: int, rendezvous: dict, *, timeout_s: float) -> dict:
+        """Join node 0's job as node ``node_rank``; returns its exit code and log lines."""
+        log = self.dir / "follow.log"
+        layout = NodeLayout(nnodes, self.node_rank, **rendezvous)
+        try:
+            code, error = (
+                self._torchrun(["--follow", "--cache-dir", str(self.dir / "checkpoint-cache")], layout, log).wait(
+                    timeout_s
+                ),
+                None,
+            )
+        except WorkerError as exc:
+            code, error = -1, str(exc)
+        return {"code": code, "error": error, "log": self._new_lines(log)}
+
+    def _torchrun(self, args: list[str], layout: NodeLayout, log: Path) -> TorchrunJob:
+        return TorchrunJob(WORKER, args, self.nproc, log, nice=self.nice, nodes=layout, python=self.python)
+
+    def _new_lines(self, log: Path) -> str:
+        """What ``log`` gained since the last call (a warm job's log grows across evaluations)."""
+        try:
+            with log.open("rb") as fh:
+                fh.seek(self._read_up_to.get(log, 0))
+                text = fh.read()
+        except FileNotFoundError:
+            return ""
+        self._read_up_to[log] = self._read_up_to.get(log, 0) + len(text)
+        return text.decode(errors="replace")
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()

@@ -1,0 +1,138 @@
+"""The flow's side of cluster slots: leasing them, and landing what a node sends back.
+
+A slot becomes free once the cluster has given it its nodes. Until then an evaluation that
+needs it waits (its checkpoint stays queued: waiting is not failing), and says so in the log
+every ``report_s``. A slot whose node was lost is rebuilt, and is free again once the cluster
+has nodes for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from areal_eval import jsonl
+from areal_eval.evaluation.items import items_dir
+from areal_eval.evaluation.job_spec import EvalJobSpec, to_json
+from areal_eval.launcher import WorkerError
+
+log = logging.getLogger(__name__)
+
+
+class SlotLost(WorkerError):
+    """A node of the slot was lost (its agent, its machine, its job): transient, retried, and
+    the slot is rebuilt."""
+
+
+class ClusterSlot:
+    """One slot: the nodes an evaluation runs on, as the cluster gave them."""
+
+    def __init__(self, index: int, log_path: Path):
+        self.index, self.log_path = index, log_path
+        self.broken = False
+        """A node was lost: the slot is rebuilt before it serves again."""
+
+    def acquire(self, stop: threading.Event) -> bool:
+        """Get the slot's nodes from the cluster (blocks while it has none free); False if ``stop``."""
+        raise NotImplementedError
+
+    def call(self, spec: dict, data: bytes, timeout_s: float) -> dict:
+        """Run ``spec`` on the slot's nodes: node 0's reply (see ``NodeAgent.evaluate``)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Give the nodes back to the cluster."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def run(self, spec: EvalJobSpec | dict, timeout_s: float) -> tuple[int, Path]:
+        """Evaluate ``spec`` as a local warm worker group would: the result and per-item files
+        land where ``spec`` says; returns the exit code and the local copy of node 0's log."""
+        raw = spec if isinstance(spec, dict) else to_json(spec)
+        reply = self.call(raw, Path(raw["data"]).read_bytes(), timeout_s)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as fh:
+            fh.write(reply.get("log", ""))
+        out, result = Path(raw["out"]), dict(reply.get("result") or {})
+        if reply.get("items"):
+            directory = items_dir(out)
+            directory.mkdir(parents=True, exist_ok=True)
+            landed = {}
+            for name, content in reply["items"].items():
+                path = directory / Path(result["items"][name]).name
+                path.write_bytes(content)
+                landed[name] = str(path)
+            result["items"] = landed
+        if result:
+            jsonl.write_json(out, result)
+        if reply.get("error"):
+            raise WorkerError(f"{self.describe()}: {reply['error']}")
+        return reply["code"], self.log_path
+
+
+class SlotPool:
+    """Cluster slots leased one evaluation at a time, each acquired in a thread of its own."""
+
+    def __init__(self, slots: list[ClusterSlot], *, report: Callable[[str], None] = log.info, report_s: float = 30.0):
+        self.slots, self.report, self.report_s = slots, report, report_s
+        self._free: queue.Queue[ClusterSlot] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for slot in self.slots:
+            self._acquire_in_background(slot)
+
+    def _acquire_in_background(self, slot: ClusterSlot) -> None:
+        def acquire():
+            try:
+                if slot.acquire(self._stop):
+                    self._free.put(slot)
+            except Exception as exc:  # said, then tried again: a cluster that comes back serves again
+                self.report(f"{slot.describe()}: not acquired ({exc}); trying again in {self.report_s:.0f} s")
+                if not self._stop.wait(self.report_s):
+                    self._acquire_in_background(slot)
+
+        thread = threading.Thread(target=acquire, name=f"acquire-slot-{slot.index}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[ClusterSlot]:
+        started = time.monotonic()
+        while True:
+            try:
+                slot = self._free.get(timeout=self.report_s)
+                break
+            except queue.Empty:
+                waiting = ", ".join(s.describe() for s in self.slots)
+                self.report(f"waiting {time.monotonic() - started:.0f} s for a free evaluation slot: {waiting}")
+        try:
+            yield slot
+        finally:
+            if slot.broken:
+                slot.release()
+                slot.broken = False
+                self._acquire_in_background(slot)
+            else:
+                self._free.put(slot)
+
+    def close(self) -> None:
+        self._stop.set()
+        for slot in self.slots:
+            with contextlib.suppress(Exception):
+                slot.release()
+
+    def __enter__(self) -> SlotPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

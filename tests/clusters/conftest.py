@@ -1,0 +1,69 @@
+"""Fixtures of the cluster tests: a real Ray cluster (a head and 2 nodes) on loopback.
+
+Ray advertises the host's external address even when told 127.0.0.1, so its tests run only in
+a network namespace that has nothing but ``lo`` (``scripts/test.sh`` runs the suite in one when
+it can): no test sends anything to another address. Under CI (``CI`` set) an engine that is
+missing fails the test; elsewhere it is skipped, saying how to get it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+NODE_GPUS = 2
+"""Fake GPUs of each Ray node (Ray hands them out as ``CUDA_VISIBLE_DEVICES``; torch runs on CPU)."""
+
+
+def require(ok: bool, why: str) -> None:
+    if not ok:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
+
+
+def only_loopback() -> bool:
+    return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A Ray head (no GPUs: training's node) and 2 evaluation nodes of :data:`NODE_GPUS` fake
+    GPUs and one ``eval_node`` each; this process is connected to it."""
+    require(importlib.util.find_spec("ray") is not None, "ray is not installed: bash scripts/setup.sh --ray")
+    require(only_loopback(), "the Ray tests need a network namespace with only lo: run them through scripts/test.sh")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    nodes = [cluster.add_node(num_cpus=2, num_gpus=NODE_GPUS, resources={"eval_node": 1}) for _ in range(2)]
+    ray.init(address=cluster.address, namespace="areal-eval", log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def read_items(result) -> dict:
+    import pyarrow.parquet as pq
+
+    return {name: pq.read_table(path).to_pylist() for name, path in result.items.items()}
+
+
+def slot_actors_alive(prefix: str) -> list[str]:
+    from ray.util.state import list_actors
+
+    return [a.name for a in list_actors(filters=[("state", "=", "ALIVE")]) if (a.name or "").startswith(prefix)]
+
+
+def placement_groups_left(prefix: str) -> list[str]:
+    from ray.util.state import list_placement_groups
+
+    return [p.name for p in list_placement_groups() if p.name.startswith(prefix) and p.state != "REMOVED"]
+
+
+HERE = Path(__file__).resolve().parent

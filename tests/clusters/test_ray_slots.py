@@ -1,0 +1,128 @@
+"""``eval.launcher: ray`` on a real Ray cluster (a head and 2 nodes with fake GPUs, on loopback)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from areal_eval.checkpoints.manifest import checkpoint_name
+from areal_eval.clusters.ray_slots import RaySlots, connect
+from areal_eval.config.parsing import FieldError
+from areal_eval.evaluation.cluster_config import RayConfig
+from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
+from areal_eval.failures import is_permanent
+from tests.clusters.conftest import placement_groups_left, read_items, slot_actors_alive
+
+pytestmark = pytest.mark.integration
+
+ON_EVAL_NODES = RayConfig(address="auto", gpus_per_node=1, resources={"eval_node": 1})
+
+
+def ray_eval(**changes) -> EvalConfig:
+    return EvalConfig(**{"nproc": 1, "batch_size": 16, "launcher": "ray", "ray": ON_EVAL_NODES, **changes})
+
+
+def evaluate_on(slots, event, run, work_dir):
+    with slots.lease() as slot:
+        return run_evaluation_job(event, run.valid_data, slots.cfg, work_dir, workers=slot), slot
+
+
+def test_one_node_two_nodes_and_the_local_launcher_give_the_same_metrics_and_items(
+    ray_cluster, final_checkpoint, tmp_path
+):
+    run, event = final_checkpoint
+    local = run_evaluation_job(event, run.valid_data, EvalConfig(nproc=2, batch_size=16), tmp_path / "local")
+    results = {}
+    for nodes, nproc in ((1, 2), (2, 1)):
+        cfg = ray_eval(nodes=nodes, nproc=nproc)
+        with RaySlots(cfg, tmp_path / f"ray-{nodes}", run_name="same") as slots:
+            results[nodes], slot = evaluate_on(slots, event, run, tmp_path / f"ray-{nodes}")
+            again, _ = evaluate_on(slots, event, run, tmp_path / f"ray-{nodes}")  # the warm agents serve again
+            agents = {n["pid"] for n in slot.nodes}
+            assert len(agents) == nodes and {n["devices"] for n in slot.nodes} <= {"0", "1"}
+            recorded = json.loads(
+                (tmp_path / f"ray-{nodes}" / f"{checkpoint_name(event.global_step)}.json").read_text()
+            )
+            assert recorded["devices"] == slot.nodes[0]["devices"]  # rank 0 ran on its bundle's GPU
+        assert again.metrics == results[nodes].metrics
+        assert results[nodes].metrics == pytest.approx(local.metrics, abs=1e-9), nodes
+        assert read_items(results[nodes]) == read_items(local)
+        assert str(tmp_path / f"ray-{nodes}") in next(iter(results[nodes].items.values()))
+    assert results[1].metrics["n_pairs"] == 101
+    assert slot_actors_alive("areal-eval-same") == [] and placement_groups_left("areal-eval-same") == []
+
+
+def test_two_slots_run_while_a_third_waits_for_nodes_and_then_serves(ray_cluster, final_checkpoint, tmp_path):
+    """Each node has one ``eval_node``: two slots fit, the third's placement group waits (and
+    says so) until the pool is closed; three evaluations at once all finish on the two."""
+    run, event = final_checkpoint
+    said: list[str] = []
+    cfg = ray_eval(slots=3)
+    results, errors = [], []
+    with RaySlots(cfg, tmp_path, run_name="third", report=said.append, report_s=1.0) as slots:
+
+        def evaluate(i):
+            try:
+                results.append(evaluate_on(slots, event, run, tmp_path / f"e{i}"))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=evaluate, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        states = [slot.describe() for slot in slots.slots]
+    assert errors == []
+    assert len(results) == 3 and len({r.metrics["accuracy"] for r, _ in results}) == 1
+    assert {slot.index for _, slot in results} <= {0, 1, 2} and len({s.index for _, s in results}) == 2
+    assert sum("waiting for 1 x" in state for state in states) == 1, states
+    assert any("waiting" in line and "for a free evaluation slot" in line for line in said), said
+
+    assert slot_actors_alive("areal-eval-third") == [] and placement_groups_left("areal-eval-third") == []
+
+
+def test_a_lost_node_agent_is_transient_and_its_slot_is_rebuilt(ray_cluster, final_checkpoint, tmp_path):
+    run, event = final_checkpoint
+    with RaySlots(ray_eval(), tmp_path, run_name="lost") as slots:
+        with slots.lease() as slot:
+            pid = slot.nodes[0]["pid"]
+            timer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+            timer.start()
+            with pytest.raises(EvaluationFailed, match="a node agent was lost") as info:
+                run_evaluation_job(event, run.valid_data, slots.cfg, tmp_path, workers=slot)
+        assert not is_permanent(info.value)
+        result, slot = evaluate_on(slots, event, run, tmp_path)  # the retry gets a rebuilt slot
+        assert slot.nodes[0]["pid"] != pid and result.metrics["n_pairs"] == 101
+    assert slot_actors_alive("areal-eval-lost") == []
+
+
+@pytest.mark.parametrize(
+    ("ray", "refusal"),
+    [
+        (
+            RayConfig(address="auto", gpus_per_node=3),
+            r"ray.gpus_per_node: 3 GPU per node, but the largest Ray node has 2",
+        ),
+        (
+            RayConfig(address="auto", resources={"tpu_pod": 1}),
+            r"ray.resources.tpu_pod: 1 tpu_pod per node, but the largest Ray node has 0",
+        ),
+    ],
+)
+def test_a_bundle_no_node_can_hold_is_refused_in_one_line(ray_cluster, tmp_path, ray, refusal):
+    with pytest.raises(FieldError, match=refusal):
+        RaySlots(ray_eval(ray=ray), tmp_path, run_name="bad")
+
+
+def test_a_ray_address_that_does_not_answer_is_refused_in_one_line(tmp_path):
+    from tests.helpers import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(FieldError, match=rf"ray.address: '{address}': no Ray head answers there"):
+        connect(dataclasses.replace(ON_EVAL_NODES, address=address))
