@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The demo: set up, then run train-and-evaluate on its embedded defaults or a preset.
 # A preset or override that needs more than the base environment gets it from the set-up:
-# --preset smollm2 its converted model, eval.python=.venv-vllm/... the vLLM environment.
+# --preset smollm2 its converted model, eval.python=.venv-vllm/... the vLLM environment,
+# eval.launcher=ray the ray extra.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=()
@@ -9,6 +10,7 @@ for arg in "$@"; do
   case "$arg" in
     smollm2) extras+=(--smollm2) ;;
     *.venv-vllm/*) extras+=(--vllm) ;;
+    *launcher=ray*) extras+=(--ray) ;;
   esac
 done
 bash scripts/setup.sh "${extras[@]}"

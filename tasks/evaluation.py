@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
+import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,12 +15,15 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.deployments import run_deployment
+from prefect.exceptions import MissingContextError
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.devices import DevicePlan, SlotDevices, plan_here
+from areal_eval.clusters import cluster_slots
+from areal_eval.clusters.slot_pool import SlotPool
+from areal_eval.devices import DevicePlan, Placement, SlotDevices, plan_here
 from areal_eval.disk import is_disk_full
 from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, run_evaluation_job
-from areal_eval.evaluation.worker_pool import WarmEvalWorkers, WarmWorkerGroups
+from areal_eval.evaluation.worker_pool import WarmWorkerGroups
 from areal_eval.failures import is_permanent
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.tracking import EVAL_PREFIX, PROBE_PREFIX
@@ -30,7 +36,7 @@ def evaluate_step(
     data_path: Path,
     cfg: PipelineConfig,
     work_dir: Path,
-    workers: WarmWorkerGroups | SlotDevices | None = None,
+    workers: WarmWorkerGroups | SlotDevices | SlotPool | None = None,
     probe: bool = False,
 ) -> EvalResult:
     """Fetch the checkpoint, load it on ``cfg.eval.nproc`` ranks (a free group of ``workers``)
@@ -43,9 +49,9 @@ def evaluate_step(
     retried: list[str] = []
     while True:
         try:
-            with (workers or slot_devices(cfg)).lease() as slot:
-                group = slot if isinstance(slot, WarmEvalWorkers) else None
-                placement = None if group is not None else slot
+            with (workers or slot_devices(cfg, work_dir)).lease() as slot:
+                placement = slot if isinstance(slot, Placement) else None
+                group = None if slot is None or placement is not None else slot
                 result = run_evaluation_job(
                     event,
                     data_path,
@@ -75,15 +81,41 @@ def _slot_devices(plan: DevicePlan) -> SlotDevices:
     return SlotDevices(plan.eval_slots)
 
 
-def slot_devices(cfg: PipelineConfig, training_here: bool = False) -> SlotDevices:
-    """This process's lease of the evaluation slots' devices (fresh torchrun jobs), one per
-    device setting: shared by every evaluation the process runs at once."""
+_cluster_slots: dict[str, SlotPool] = {}
+
+
+def _process_cluster_slots(cfg: PipelineConfig, work_dir: Path) -> SlotPool:
+    key = json.dumps([cfg.run_name, str(work_dir), dataclasses.asdict(cfg.eval)], sort_keys=True, default=str)
+    if key not in _cluster_slots:
+        slots = _cluster_slots[key] = worker_groups(cfg, work_dir)
+        slots.start()
+        atexit.register(slots.close)  # a cluster's slots are given back when the process ends
+    return _cluster_slots[key]
+
+
+def slot_devices(cfg: PipelineConfig, work_dir: Path, training_here: bool = False) -> SlotDevices | SlotPool:
+    """This process's lease of the evaluation slots (fresh torchrun jobs on each slot's devices,
+    or a cluster's slots, kept until the process ends): shared by every evaluation the process
+    runs at once without slots of its flow's."""
+    if cfg.eval.launcher != "local":
+        return _process_cluster_slots(cfg, work_dir)
     return _slot_devices(plan_here(cfg, training_here))
 
 
-def worker_groups(cfg: PipelineConfig, work_dir: Path, training_here: bool = False) -> WarmWorkerGroups:
-    """``eval.slots`` warm groups of ``eval.nproc`` ranks, each on its slot's devices."""
+def run_log(message: str) -> None:
+    """Say ``message`` in the flow run's log (the UI), or this module's outside a run."""
+    try:
+        get_run_logger().info(message)
+    except MissingContextError:
+        logging.getLogger(__name__).info(message)
+
+
+def worker_groups(cfg: PipelineConfig, work_dir: Path, training_here: bool = False) -> WarmWorkerGroups | SlotPool:
+    """``eval.slots`` warm groups of ``eval.nproc`` ranks, each on its slot's devices; or, with a
+    cluster launcher, the cluster's slots (``eval.nodes`` nodes each)."""
     e = cfg.eval
+    if e.launcher != "local":
+        return cluster_slots(e, work_dir, run_name=cfg.run_name, report=run_log)
     placements = plan_here(cfg, training_here).eval_slots
     return WarmWorkerGroups(
         e.slots, e.nproc, work_dir, e.nice, e.collective_timeout_s, placements=placements, python=e.python
@@ -126,7 +158,7 @@ def warm_workers(cfg: PipelineConfig, work_dir: Path, training_here: bool) -> co
     ``training_here``: this flow runs training, whose devices evaluation leaves alone."""
     if cfg.eval.deployment:
         return contextlib.nullcontext()
-    if cfg.eval.warm_workers:
+    if cfg.eval.warm_workers or cfg.eval.launcher != "local":
         return worker_groups(cfg, work_dir, training_here)
     return SlotDevices(plan_here(cfg, training_here).eval_slots)
 
