@@ -4,10 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --ray
 # Ray advertises the machine's external address even when told 127.0.0.1: as root, the suite runs
-# in a network namespace of its own that has only loopback, so no test can reach another address.
+# in a network namespace of its own that has only loopback, so no test can reach another address
+# (127.0.0.2 besides 127.0.0.1: Slurm's daemons look up their listening address with
+# AI_ADDRCONFIG, which finds nothing where 127.0.0.1 is the only address).
 if [ "$(id -u)" = 0 ] && [ -z "${AREAL_EVAL_LOOPBACK_ONLY:-}" ] && command -v unshare >/dev/null; then
   export AREAL_EVAL_LOOPBACK_ONLY=1
-  exec unshare --net bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
+  exec unshare --net bash -c 'ip link set lo up && ip addr add 127.0.0.2/8 dev lo && exec "$0" "$@"' "$0" "$@"
 fi
 # Two test files at a time, in the order tests/conftest.py gives them (longest first): most of a
 # test's time is spent waiting on the processes it starts (torchrun jobs, flow-run processes,

@@ -111,6 +111,9 @@ class RaySlot(ClusterSlot):
             for i in range(e.nodes)
         ]
         self.nodes = ray.get([a.where.remote() for a in self.agents])
+        if stop.is_set():  # the pool closed meanwhile
+            self.release()
+            return False
         self.state = "ready on " + ", ".join(f"{n['host']}/{n['address']} (devices {n['devices']})" for n in self.nodes)
         return True
 

@@ -48,6 +48,27 @@ def ray_cluster():
         cluster.shutdown()
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A Slurm controller and 2 nodes (``n1``, ``n2``: 2 CPUs and 2 fake GPUs each) on
+    127.0.0.1; ``SLURM_CONF`` points this process's Slurm commands at it."""
+    from tests import slurm_cluster as slurm
+
+    require(slurm.available() is None, f"no Slurm here: {slurm.available()}")
+    require(only_loopback(), "the Slurm tests need a network namespace with only lo: run them through scripts/test.sh")
+    cluster = slurm.SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    saved = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        if saved is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = saved
+
+
 def read_items(result) -> dict:
     import pyarrow.parquet as pq
 

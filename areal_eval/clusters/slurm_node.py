@@ -1,0 +1,114 @@
+"""The node agent of a Slurm slot: ``srun`` starts one per node of the slot's job.
+
+    srun python -m areal_eval.clusters.slurm_node SLOT_DIR --nproc N [--once] ...
+
+Each job the flow posts in ``SLOT_DIR/job-<id>/inbox`` (a directory the flow and every node
+see) is run by every node: node 0 runs it and writes the reply, nodes 1..N-1 join it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from areal_eval import jsonl
+from areal_eval.clusters.node_agent import NodeAgent
+
+STOP = "stop"
+
+
+def job_dir(slot_dir: str | Path, job_id: str) -> Path:
+    return Path(slot_dir) / f"job-{job_id}"
+
+
+def node_address(node: str) -> str:
+    """The address Slurm reaches ``node`` at (its ``NodeAddr``): node 0's, for the rendezvous."""
+    shown = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30).stdout
+    found = re.search(r"NodeAddr=(\S+)", shown)
+    return found[1] if found else node
+
+
+def encode_reply(reply: dict) -> dict:
+    """A node's reply as JSON: per-item files in base64."""
+    return {**reply, "items": {name: base64.b64encode(b).decode() for name, b in reply.get("items", {}).items()}}
+
+
+def decode_reply(reply: dict) -> dict:
+    return {**reply, "items": {name: base64.b64decode(s) for name, s in reply.get("items", {}).items()}}
+
+
+def wait_for(path: Path, poll_s: float = 0.05) -> dict:
+    while not path.exists():
+        time.sleep(poll_s)
+    return jsonl.read_json(path)
+
+
+def serve(slot_dir: Path, agent: NodeAgent, nnodes: int, job_id: str, once: bool) -> None:
+    here = job_dir(slot_dir, job_id)
+    inbox = here / "inbox"
+    inbox.mkdir(parents=True, exist_ok=True)
+    jsonl.write_json(here / f"node-{agent.node_rank}.json", agent.where())
+    done: set[str] = set()
+    while True:
+        jobs = sorted(p for p in inbox.glob("*.json") if p.name not in done)
+        if not jobs:
+            time.sleep(0.05)
+            continue
+        path = jobs[0]
+        done.add(path.name)
+        job = jsonl.read_json(path)
+        if job is None or job.get("stop"):
+            return
+        stem = here / path.stem
+        if agent.node_rank == 0:
+            rendezvous = agent.rendezvous() if nnodes > 1 else None
+            jsonl.write_json(stem.with_suffix(".rendezvous.json"), {"rendezvous": rendezvous})
+            data = Path(job["data"]).read_bytes()
+            reply = agent.evaluate(job["spec"], data, nnodes=nnodes, rendezvous=rendezvous, timeout_s=job["timeout_s"])
+            jsonl.write_json(stem.with_suffix(".reply.json"), encode_reply(reply))
+        else:
+            rendezvous = wait_for(stem.with_suffix(".rendezvous.json"))["rendezvous"]
+            reply = agent.follow(nnodes, rendezvous, timeout_s=job["timeout_s"])
+            jsonl.write_json(stem.with_suffix(f".node-{agent.node_rank}.json"), reply)
+        if once:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("slot_dir")
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--python", help="the ranks' interpreter (eval.python)")
+    parser.add_argument("--nice", type=int, default=0)
+    parser.add_argument("--collective-timeout", type=float, default=300.0)
+    parser.add_argument("--cold", action="store_true", help="a fresh torchrun job per evaluation")
+    parser.add_argument("--once", action="store_true", help="serve one job, then end (a job per evaluation)")
+    args = parser.parse_args(argv)
+    env = os.environ
+    job_id, rank, nnodes = env["SLURM_JOB_ID"], int(env["SLURM_NODEID"]), int(env["SLURM_NNODES"])
+    local = Path(env.get("TMPDIR") or tempfile.gettempdir()) / "areal-eval-slurm" / job_id / f"node-{rank}"
+    agent = NodeAgent(
+        rank,
+        local,
+        nproc=args.nproc,
+        address=node_address(env.get("SLURMD_NODENAME", "")),
+        python=args.python,
+        nice=args.nice,
+        warm=not args.cold,
+        collective_timeout_s=args.collective_timeout,
+    )
+    try:
+        serve(Path(args.slot_dir), agent, nnodes, job_id, args.once)
+    finally:
+        agent.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
