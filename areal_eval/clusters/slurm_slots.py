@@ -9,6 +9,7 @@ cancels those a killed flow left behind.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -23,6 +24,7 @@ from areal_eval import jsonl
 from areal_eval.clusters.slot_pool import ClusterSlot, SlotLost, SlotPool, log
 from areal_eval.clusters.slurm_node import STOP, decode_reply, job_dir
 from areal_eval.config.parsing import FieldError
+from areal_eval.reaper import OWNER_ENV
 
 ENDED = {
     "BOOT_FAIL",
@@ -38,7 +40,10 @@ ENDED = {
 
 
 def slurm(*command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+    # sbatch hands the job this environment: not the flow's reaper token, since a slot's job
+    # lives on the cluster, not under the flow (a resume cancels what a killed flow left).
+    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
 
 
 def job_state(job_id: str) -> str:
