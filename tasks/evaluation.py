@@ -87,10 +87,17 @@ _cluster_slots: dict[str, SlotPool] = {}
 def _process_cluster_slots(cfg: PipelineConfig, work_dir: Path) -> SlotPool:
     key = json.dumps([cfg.run_name, str(work_dir), dataclasses.asdict(cfg.eval)], sort_keys=True, default=str)
     if key not in _cluster_slots:
+        if not _cluster_slots:
+            atexit.register(close_cluster_slots)  # a cluster's slots are given back when the process ends
         slots = _cluster_slots[key] = worker_groups(cfg, work_dir)
         slots.start()
-        atexit.register(slots.close)  # a cluster's slots are given back when the process ends
     return _cluster_slots[key]
+
+
+def close_cluster_slots() -> None:
+    """Give back the cluster slots this process opened for evaluations outside a flow's own."""
+    while _cluster_slots:
+        _cluster_slots.popitem()[1].close()
 
 
 def slot_devices(cfg: PipelineConfig, work_dir: Path, training_here: bool = False) -> SlotDevices | SlotPool:
