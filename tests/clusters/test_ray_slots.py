@@ -16,7 +16,7 @@ from areal_eval.config.parsing import FieldError
 from areal_eval.evaluation.cluster_config import RayConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
-from tests.clusters.conftest import placement_groups_left, read_items, slot_actors_alive
+from tests.clusters.conftest import placement_groups_left, read_items, require, slot_actors_alive
 
 pytestmark = pytest.mark.integration
 
@@ -126,3 +126,27 @@ def test_a_ray_address_that_does_not_answer_is_refused_in_one_line(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(FieldError, match=rf"ray.address: '{address}': no Ray head answers there"):
         connect(dataclasses.replace(ON_EVAL_NODES, address=address))
+
+
+def test_the_vllm_backend_runs_in_a_ray_slot_in_its_own_environment_and_keeps_its_engine(
+    ray_cluster, causal_checkpoint, tmp_path
+):
+    from tests.evaluation.test_vllm_decoder import GREEDY, VLLM_PYTHON, checkpoint_event
+    from tests.helpers import causal_metrics
+
+    require(VLLM_PYTHON.exists(), "no .venv-vllm: bash scripts/setup.sh --vllm")
+    checkpoint, prompts = causal_checkpoint
+    reference = causal_metrics(checkpoint, prompts, generation=GREEDY)
+    cfg = ray_eval(
+        evaluator="generation", python=str(VLLM_PYTHON), generation=dataclasses.replace(GREEDY, backend="vllm")
+    )
+    event = checkpoint_event(checkpoint)
+    with RaySlots(cfg, tmp_path, run_name="vllm") as slots:
+        with slots.lease() as slot:
+            first = run_evaluation_job(event, prompts, cfg, tmp_path / "first", workers=slot).metrics
+            again = run_evaluation_job(event, prompts, cfg, tmp_path / "again", workers=slot).metrics
+    log = (tmp_path / "ray-slot-0.log").read_text()  # node 0's log, brought back by the agent
+    assert log.count("vllm engine started in") == 1  # the slot's warm rank kept its engine
+    counts = ("n_prompts", "n_answers", "truncated_prompts", "reward_errors")
+    assert {c: first[c] for c in counts} == {c: reference[c] for c in counts}
+    assert abs(first["accuracy"] - reference["accuracy"]) <= 0.05 and again == first
