@@ -19,7 +19,7 @@ from prefect.exceptions import MissingContextError
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.clusters import cluster_slots
-from areal_eval.clusters.slot_pool import SlotPool
+from areal_eval.clusters.slot_pool import ClusterSlot, SlotPool
 from areal_eval.devices import DevicePlan, Placement, SlotDevices, plan_here
 from areal_eval.disk import is_disk_full
 from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, run_evaluation_job
@@ -65,7 +65,8 @@ def evaluate_step(
                     probe_only=probe,
                     placement=placement,
                 )
-            return dataclasses.replace(result, retried=retried)
+                notes = result.notes + (slot.wait_note() if isinstance(slot, ClusterSlot) else [])
+            return dataclasses.replace(result, retried=retried, notes=notes)
         except Exception as exc:
             if is_permanent(exc) or is_disk_full(exc) or len(retried) >= cfg.eval.retries:
                 exc.retried = retried

@@ -130,5 +130,7 @@ class NodeAgent:
         return text.decode(errors="replace")
 
     def close(self) -> None:
+        """Stop the warm ranks and remove the node-local files (jobs, logs, downloaded checkpoints)."""
         if self.workers is not None:
             self.workers.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -23,6 +23,9 @@ from areal_eval.launcher import WorkerError
 
 log = logging.getLogger(__name__)
 
+WAIT_NOTED_S = 5.0
+"""A lease that waited this long for its slot says so on the result."""
+
 
 class SlotLost(WorkerError):
     """A node of the slot was lost (its agent, its machine, its job): transient, retried, and
@@ -36,6 +39,13 @@ class ClusterSlot:
         self.index, self.log_path = index, log_path
         self.broken = False
         """A node was lost: the slot is rebuilt before it serves again."""
+        self.waited_s = 0.0
+        """How long its current lease waited for it (the cluster had no nodes for a free slot)."""
+
+    def wait_note(self) -> list[str]:
+        """The lease's wait, as a note on the evaluation's result (the log and the ledger keep
+        it), where it was long enough to matter."""
+        return [f"waited {self.waited_s:.0f} s for a free evaluation slot"] if self.waited_s >= WAIT_NOTED_S else []
 
     def acquire(self, stop: threading.Event) -> bool:
         """Get the slot's nodes from the cluster (blocks while it has none free); False if ``stop``."""
@@ -114,6 +124,7 @@ class SlotPool:
             except queue.Empty:
                 waiting = ", ".join(s.describe() for s in self.slots)
                 self.report(f"waiting {time.monotonic() - started:.0f} s for a free evaluation slot: {waiting}")
+        slot.waited_s = time.monotonic() - started
         try:
             yield slot
         finally:

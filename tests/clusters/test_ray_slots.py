@@ -63,12 +63,16 @@ def test_two_slots_run_while_a_third_waits_for_nodes_and_then_serves(ray_cluster
     run, event = final_checkpoint
     said: list[str] = []
     cfg = ray_eval(slots=3)
-    results, errors = [], []
+    results, errors, waited = [], [], []
     with RaySlots(cfg, tmp_path, run_name="third", report=said.append, report_s=1.0) as slots:
 
         def evaluate(i):
             try:
-                results.append(evaluate_on(slots, event, run, tmp_path / f"e{i}"))
+                with slots.lease() as slot:
+                    waited.append(slot.waited_s)
+                    results.append(
+                        (run_evaluation_job(event, run.valid_data, cfg, tmp_path / f"e{i}", workers=slot), slot)
+                    )
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
@@ -83,6 +87,8 @@ def test_two_slots_run_while_a_third_waits_for_nodes_and_then_serves(ray_cluster
     assert {slot.index for _, slot in results} <= {0, 1, 2} and len({s.index for _, s in results}) == 2
     assert sum("waiting for 1 x" in state for state in states) == 1, states
     assert any("waiting" in line and "for a free evaluation slot" in line for line in said), said
+    waits = sorted(waited)
+    assert waits[1] < 1 < waits[2], waits  # the third lease waited for a slot to come free
 
     assert slot_actors_alive("areal-eval-third") == [] and placement_groups_left("areal-eval-third") == []
 
@@ -150,3 +156,13 @@ def test_the_vllm_backend_runs_in_a_ray_slot_in_its_own_environment_and_keeps_it
     counts = ("n_prompts", "n_answers", "truncated_prompts", "reward_errors")
     assert {c: first[c] for c in counts} == {c: reference[c] for c in counts}
     assert abs(first["accuracy"] - reference["accuracy"]) <= 0.05 and again == first
+
+
+def test_a_long_wait_for_a_slot_is_noted_on_the_result_and_a_short_one_is_not(tmp_path):
+    from areal_eval.clusters.slot_pool import WAIT_NOTED_S, ClusterSlot
+
+    slot = ClusterSlot(0, tmp_path / "slot.log")
+    slot.waited_s = WAIT_NOTED_S - 0.1
+    assert slot.wait_note() == []
+    slot.waited_s = 42.4
+    assert slot.wait_note() == ["waited 42 s for a free evaluation slot"]
