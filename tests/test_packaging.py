@@ -17,7 +17,10 @@ def test_torch_is_a_range_in_the_package_and_pinned_only_in_the_set_ups_constrai
     assert "2.11.0" in torch.specifier  # a user's CUDA torch 2.11 stays
     constraints = (ROOT / "constraints.txt").read_text().splitlines()
     pins = [Requirement(c) for c in constraints if c and not c.startswith("#")]
-    assert [(p.name, str(p.specifier)) for p in pins] == [("torch", "==2.13.0")]
+    # torch, and the Ray the cluster launcher was measured with: both ranges in the package.
+    assert [(p.name, str(p.specifier)) for p in pins] == [("torch", "==2.13.0"), ("ray", "==2.60.0")]
+    [ray] = re.findall(r'^ray = \["(ray[^"]*)"\]', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert not any(spec.operator == "==" for spec in Requirement(ray).specifier)
     assert "-c constraints.txt" in (ROOT / "scripts" / "setup.sh").read_text()
 
 

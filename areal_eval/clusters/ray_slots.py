@@ -17,7 +17,7 @@ from pathlib import Path
 
 from areal_eval.clusters.node_agent import NodeAgent
 from areal_eval.clusters.slot_pool import ClusterSlot, SlotLost, SlotPool
-from areal_eval.config.parsing import FieldError
+from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.cluster_config import RayConfig
 
 CONNECT_TIMEOUT_S = 5.0
@@ -32,6 +32,10 @@ class RayNodeAgent(NodeAgent):
 
         work_dir = Path(tempfile.gettempdir()) / "areal-eval-ray" / slot_name / f"node-{node_rank}"
         super().__init__(node_rank, work_dir, address=ray.util.get_node_ip_address(), **settings)
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def where(self) -> dict:
+        return {**super().where(), "node_id": self.node_id}
 
 
 def connect(cfg: RayConfig) -> bool:
@@ -45,7 +49,7 @@ def connect(cfg: RayConfig) -> bool:
         try:
             socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
         except (OSError, ValueError) as exc:
-            raise FieldError("ray.address", f"{address!r}: no Ray head answers there ({exc})") from None
+            raise ConfigError(f"eval.ray.address: {address!r}: no Ray head answers there ({exc})") from None
     if ray.is_initialized():
         return False
     settings = {"namespace": cfg.namespace, "log_to_driver": False, "configure_logging": False}
@@ -54,7 +58,7 @@ def connect(cfg: RayConfig) -> bool:
     try:
         ray.init(address=address, **settings)
     except ConnectionError as exc:
-        raise FieldError("ray.address", f"{address!r}: {exc}") from None
+        raise ConfigError(f"eval.ray.address: {address!r}: {exc}") from None
     return address is None
 
 
@@ -68,7 +72,7 @@ def check_bundle(cfg: RayConfig) -> None:
         most = max((r.get(name, 0.0) for r in nodes), default=0.0)
         if most < amount:
             field = {"CPU": "cpus_per_node", "GPU": "gpus_per_node"}.get(name, f"resources.{name}")
-            raise FieldError(f"ray.{field}", f"{amount:g} {name} per node, but the largest Ray node has {most:g}")
+            raise ConfigError(f"eval.ray.{field}: {amount:g} {name} per node, but the largest Ray node has {most:g}")
 
 
 class RaySlot(ClusterSlot):
@@ -140,6 +144,9 @@ class RaySlot(ClusterSlot):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if not ray.is_initialized():  # disconnected: Ray removed what this driver owned (a call would start a new Ray)
+            self.agents, self.group, self.state = [], None, "released"
+            return
         for agent in self.agents:
             try:
                 ray.get(agent.close.remote(), timeout=30)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from areal_eval import jsonl
+from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.items import items_dir
 from areal_eval.evaluation.job_spec import EvalJobSpec, to_json
 from areal_eval.launcher import WorkerError
@@ -95,6 +96,8 @@ class SlotPool:
         self._free: queue.Queue[ClusterSlot] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.refused: ConfigError | None = None
+        """Why the cluster refused a slot as configured (a permanent failure for every lease)."""
 
     def start(self) -> None:
         for slot in self.slots:
@@ -105,6 +108,8 @@ class SlotPool:
             try:
                 if slot.acquire(self._stop):
                     self._free.put(slot)
+            except ConfigError as exc:  # the cluster refuses the slot as asked: every lease fails, saying why
+                self.refused = exc
             except Exception as exc:  # said, then tried again: a cluster that comes back serves again
                 self.report(f"{slot.describe()}: not acquired ({exc}); trying again in {self.report_s:.0f} s")
                 if not self._stop.wait(self.report_s):
@@ -116,12 +121,17 @@ class SlotPool:
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[ClusterSlot]:
-        started = time.monotonic()
+        started = reported = time.monotonic()
         while True:
+            if self.refused is not None:
+                raise self.refused
             try:
-                slot = self._free.get(timeout=self.report_s)
+                slot = self._free.get(timeout=min(self.report_s, 1.0))  # a refusal is seen within a second
                 break
             except queue.Empty:
+                if time.monotonic() - reported < self.report_s:
+                    continue
+                reported = time.monotonic()
                 waiting = ", ".join(s.describe() for s in self.slots)
                 self.report(f"waiting {time.monotonic() - started:.0f} s for a free evaluation slot: {waiting}")
         slot.waited_s = time.monotonic() - started
@@ -137,6 +147,8 @@ class SlotPool:
 
     def close(self) -> None:
         self._stop.set()
+        for thread in self._threads:  # an acquisition under way gives back what it got
+            thread.join(timeout=90)
         for slot in self.slots:
             with contextlib.suppress(Exception):
                 slot.release()

@@ -23,7 +23,7 @@ from pathlib import Path
 from areal_eval import jsonl
 from areal_eval.clusters.slot_pool import ClusterSlot, SlotLost, SlotPool, log
 from areal_eval.clusters.slurm_node import STOP, decode_reply, job_dir
-from areal_eval.config.parsing import FieldError
+from areal_eval.config.parsing import ConfigError
 from areal_eval.reaper import OWNER_ENV
 
 ENDED = {
@@ -56,17 +56,21 @@ def check_cluster(cfg) -> None:
     """Refuse in one line what no job could get: no Slurm here, a partition that does not
     exist, more GPUs per node than any node has."""
     if shutil.which("sbatch") is None:
-        raise FieldError("launcher", "slurm needs sbatch, squeue and scancel on PATH (a Slurm login or compute node)")
+        raise ConfigError(
+            "eval.launcher: slurm needs sbatch, squeue and scancel on PATH (a Slurm login or compute node)"
+        )
     s = cfg.slurm
     if s.partition:
         shown = slurm("scontrol", "show", "partition", s.partition)
         if shown.returncode:
-            raise FieldError("slurm.partition", f"{s.partition!r}: {shown.stderr.strip() or 'no such partition'}")
+            raise ConfigError(f"eval.slurm.partition: {s.partition!r}: {shown.stderr.strip() or 'no such partition'}")
     if s.gpus_per_node:
         listing = slurm("sinfo", "-h", "-N", "-o", "%G", *(["-p", s.partition] if s.partition else [])).stdout
         most = max((int(n) for n in re.findall(r"gpu(?::[^:,()\s]+)?:(\d+)", listing)), default=0)
         if most < s.gpus_per_node:
-            raise FieldError("slurm.gpus_per_node", f"{s.gpus_per_node} GPUs per node, but the largest node has {most}")
+            raise ConfigError(
+                f"eval.slurm.gpus_per_node: {s.gpus_per_node} GPUs per node, but the largest node has {most}"
+            )
 
 
 def run_jobs(run_name: str) -> list[tuple[str, str]]:
@@ -107,7 +111,7 @@ class SlurmSlot(ClusterSlot):
         options += [f"--gres=gpu:{s.gpus_per_node}"] if s.gpus_per_node else []
         submitted = slurm("sbatch", "--parsable", *options, *s.sbatch_args, str(self._script(once)))
         if submitted.returncode:
-            raise FieldError("slurm", f"sbatch refused the slot's job: {submitted.stderr.strip()}")
+            raise ConfigError(f"eval.slurm: sbatch refused the slot's job: {submitted.stderr.strip()}")
         self.job = submitted.stdout.strip().split(";")[0]
         if stop.is_set():  # the pool closed while sbatch ran
             self.release()

@@ -37,7 +37,8 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    # No dashboard: test lanes run a cluster each, and every dashboard would want port 8265.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=2, num_gpus=NODE_GPUS, resources={"eval_node": 1}) for _ in range(2)]
     ray.init(address=cluster.address, namespace="areal-eval", log_to_driver=False)
     cluster.wait_for_nodes()
@@ -76,15 +77,17 @@ def read_items(result) -> dict:
 
 
 def slot_actors_alive(prefix: str) -> list[str]:
-    from ray.util.state import list_actors
+    """Live named actors (from the GCS: the tests' clusters run no dashboard)."""
+    import ray
 
-    return [a.name for a in list_actors(filters=[("state", "=", "ALIVE")]) if (a.name or "").startswith(prefix)]
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
 
 
 def placement_groups_left(prefix: str) -> list[str]:
-    from ray.util.state import list_placement_groups
+    import ray
 
-    return [p.name for p in list_placement_groups() if p.name.startswith(prefix) and p.state != "REMOVED"]
+    table = ray.util.placement_group_table().values()
+    return [p["name"] for p in table if p["name"].startswith(prefix) and p["state"] != "REMOVED"]
 
 
 HERE = Path(__file__).resolve().parent

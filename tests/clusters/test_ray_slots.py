@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import threading
 
@@ -12,11 +13,11 @@ import pytest
 
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.clusters.ray_slots import RaySlots, connect
-from areal_eval.config.parsing import FieldError
+from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.cluster_config import RayConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
-from tests.clusters.conftest import placement_groups_left, read_items, require, slot_actors_alive
+from tests.clusters.conftest import NODE_GPUS, placement_groups_left, read_items, require, slot_actors_alive
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +94,7 @@ def test_two_slots_run_while_a_third_waits_for_nodes_and_then_serves(ray_cluster
     assert slot_actors_alive("areal-eval-third") == [] and placement_groups_left("areal-eval-third") == []
 
 
-def test_a_lost_node_agent_is_transient_and_its_slot_is_rebuilt(ray_cluster, final_checkpoint, tmp_path):
+def test_a_lost_node_agent_or_node_is_transient_and_its_slot_is_rebuilt(ray_cluster, final_checkpoint, tmp_path):
     run, event = final_checkpoint
     with RaySlots(ray_eval(), tmp_path, run_name="lost") as slots:
         with slots.lease() as slot:
@@ -105,7 +106,41 @@ def test_a_lost_node_agent_is_transient_and_its_slot_is_rebuilt(ray_cluster, fin
         assert not is_permanent(info.value)
         result, slot = evaluate_on(slots, event, run, tmp_path)  # the retry gets a rebuilt slot
         assert slot.nodes[0]["pid"] != pid and result.metrics["n_pairs"] == 101
+
+        # Its node's raylet killed (the machine lost): the same, on the other node.
+        cluster, _ = ray_cluster
+        [node] = [n for n in cluster.list_all_nodes() if n.node_id == slot.nodes[0]["node_id"]]
+        cluster.remove_node(node, allow_graceful=False)
+        try:
+            with pytest.raises(EvaluationFailed, match="a node agent was lost") as info:
+                evaluate_on(slots, event, run, tmp_path)
+            assert not is_permanent(info.value)
+            result, slot = evaluate_on(slots, event, run, tmp_path)
+            assert slot.nodes[0]["node_id"] != node.node_id and result.metrics["n_pairs"] == 101
+        finally:
+            cluster.add_node(num_cpus=2, num_gpus=NODE_GPUS, resources={"eval_node": 1})  # for the next tests
+            cluster.wait_for_nodes()
     assert slot_actors_alive("areal-eval-lost") == []
+
+
+def test_a_corrupt_checkpoint_on_a_ray_slot_is_permanent_and_named_and_the_slot_serves_on(
+    ray_cluster, final_checkpoint, tmp_path
+):
+    from areal_eval.evaluation.jobs import CorruptCheckpoint
+
+    run, event = final_checkpoint
+    copy = tmp_path / "ckpt"
+    shutil.copytree(event.uri, copy)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10:] = b"\x00" * 10  # the same size: only the workers' hashes see it
+    weights.write_bytes(bytes(data))
+    with RaySlots(ray_eval(), tmp_path, run_name="corrupt") as slots:
+        with pytest.raises(CorruptCheckpoint, match="model.safetensors: sha256 differs") as info:
+            evaluate_on(slots, dataclasses.replace(event, uri=str(copy)), run, tmp_path / "bad")
+        assert is_permanent(info.value) and "sha256 differs" in (tmp_path / "ray-slot-0.log").read_text()
+        result, _ = evaluate_on(slots, event, run, tmp_path / "good")  # the slot's ranks start again
+    assert result.metrics["n_pairs"] == 101
 
 
 @pytest.mark.parametrize(
@@ -113,16 +148,16 @@ def test_a_lost_node_agent_is_transient_and_its_slot_is_rebuilt(ray_cluster, fin
     [
         (
             RayConfig(address="auto", gpus_per_node=3),
-            r"ray.gpus_per_node: 3 GPU per node, but the largest Ray node has 2",
+            r"eval.ray.gpus_per_node: 3 GPU per node, but the largest Ray node has 2",
         ),
         (
             RayConfig(address="auto", resources={"tpu_pod": 1}),
-            r"ray.resources.tpu_pod: 1 tpu_pod per node, but the largest Ray node has 0",
+            r"eval.ray.resources.tpu_pod: 1 tpu_pod per node, but the largest Ray node has 0",
         ),
     ],
 )
 def test_a_bundle_no_node_can_hold_is_refused_in_one_line(ray_cluster, tmp_path, ray, refusal):
-    with pytest.raises(FieldError, match=refusal):
+    with pytest.raises(ConfigError, match=refusal):
         RaySlots(ray_eval(ray=ray), tmp_path, run_name="bad")
 
 
@@ -130,7 +165,7 @@ def test_a_ray_address_that_does_not_answer_is_refused_in_one_line(tmp_path):
     from tests.helpers import free_port
 
     address = f"127.0.0.1:{free_port()}"
-    with pytest.raises(FieldError, match=rf"ray.address: '{address}': no Ray head answers there"):
+    with pytest.raises(ConfigError, match=rf"eval.ray.address: '{address}': no Ray head answers there"):
         connect(dataclasses.replace(ON_EVAL_NODES, address=address))
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.clusters.slurm_slots import SlurmSlots, run_jobs
-from areal_eval.config.parsing import FieldError
+from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.cluster_config import SlurmConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
@@ -107,11 +107,20 @@ def test_jobs_a_killed_flow_left_are_cancelled_by_the_next_flow_of_its_run(slurm
 @pytest.mark.parametrize(
     ("slurm", "refusal"),
     [
-        (SlurmConfig(partition="nowhere"), r"slurm.partition: 'nowhere': .*(Invalid|not found|no such)"),
-        (SlurmConfig(gpus_per_node=4), r"slurm.gpus_per_node: 4 GPUs per node, but the largest node has 2"),
+        (SlurmConfig(partition="nowhere"), r"eval.slurm.partition: 'nowhere': .*(Invalid|not found|no such)"),
+        (SlurmConfig(gpus_per_node=4), r"eval.slurm.gpus_per_node: 4 GPUs per node, but the largest node has 2"),
     ],
 )
 def test_settings_no_job_could_get_are_refused_in_one_line(slurm_cluster, tmp_path, slurm, refusal):
-    with pytest.raises(FieldError, match=refusal) as info:
+    with pytest.raises(ConfigError, match=refusal) as info:
         SlurmSlots(slurm_eval(slurm=slurm), tmp_path, run_name="bad")
     assert "\n" not in str(info.value)
+
+
+def test_a_job_sbatch_refuses_fails_each_evaluation_permanently_in_one_line(slurm_cluster, final_checkpoint, tmp_path):
+    run, event = final_checkpoint
+    cfg = slurm_eval(slurm=dataclasses.replace(ONE_GPU, sbatch_args=["--qos=no-such-qos"]))
+    with SlurmSlots(cfg, tmp_path, run_name="refused") as slots:
+        with pytest.raises(ConfigError, match=r"^eval.slurm: sbatch refused the slot's job: .*qos") as info:
+            evaluate_on(slots, event, run, tmp_path)
+    assert is_permanent(info.value) and "\n" not in str(info.value)
