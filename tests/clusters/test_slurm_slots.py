@@ -119,8 +119,8 @@ def test_settings_no_job_could_get_are_refused_in_one_line(slurm_cluster, tmp_pa
 
 def test_a_job_sbatch_refuses_fails_each_evaluation_permanently_in_one_line(slurm_cluster, final_checkpoint, tmp_path):
     run, event = final_checkpoint
-    cfg = slurm_eval(slurm=dataclasses.replace(ONE_GPU, sbatch_args=["--qos=no-such-qos"]))
+    cfg = slurm_eval(slurm=dataclasses.replace(ONE_GPU, sbatch_args=["--constraint=no-such-feature"]))
     with SlurmSlots(cfg, tmp_path, run_name="refused") as slots:
-        with pytest.raises(ConfigError, match=r"^eval.slurm: sbatch refused the slot's job: .*qos") as info:
+        with pytest.raises(ConfigError, match=r"^eval.slurm: sbatch refused the slot's job: .*[Ff]eature") as info:
             evaluate_on(slots, event, run, tmp_path)
     assert is_permanent(info.value) and "\n" not in str(info.value)
