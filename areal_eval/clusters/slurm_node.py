@@ -21,6 +21,8 @@ from areal_eval import jsonl
 from areal_eval.clusters.node_agent import NodeAgent
 
 STOP = "stop"
+POLL_S = 0.01
+"""How often the agents and the flow look for a job or its reply on the shared file system."""
 
 
 def job_dir(slot_dir: str | Path, job_id: str) -> Path:
@@ -43,7 +45,7 @@ def decode_reply(reply: dict) -> dict:
     return {**reply, "items": {name: base64.b64decode(s) for name, s in reply.get("items", {}).items()}}
 
 
-def wait_for(path: Path, poll_s: float = 0.05) -> dict:
+def wait_for(path: Path, poll_s: float = POLL_S) -> dict:
     while not path.exists():
         time.sleep(poll_s)
     return jsonl.read_json(path)
@@ -58,7 +60,7 @@ def serve(slot_dir: Path, agent: NodeAgent, nnodes: int, job_id: str, once: bool
     while True:
         jobs = sorted(p for p in inbox.glob("*.json") if p.name not in done)
         if not jobs:
-            time.sleep(0.05)
+            time.sleep(POLL_S)
             continue
         path = jobs[0]
         done.add(path.name)

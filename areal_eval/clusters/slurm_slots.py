@@ -22,7 +22,7 @@ from pathlib import Path
 
 from areal_eval import jsonl
 from areal_eval.clusters.slot_pool import ClusterSlot, SlotLost, SlotPool, log
-from areal_eval.clusters.slurm_node import STOP, decode_reply, job_dir
+from areal_eval.clusters.slurm_node import POLL_S, STOP, decode_reply, job_dir
 from areal_eval.config.parsing import ConfigError
 from areal_eval.reaper import OWNER_ENV
 
@@ -159,7 +159,7 @@ class SlurmSlot(ClusterSlot):
             if time.monotonic() > deadline:
                 self.broken = True
                 raise SlotLost(f"{self.describe()}: no reply from node 0 in {timeout_s + 60:.0f} s")
-            time.sleep(0.05)
+            time.sleep(POLL_S)
         reply = decode_reply(jsonl.read_json(reply_path))
         for follower in sorted(here.glob(f"{name}.node-*.json")):
             reply["log"] += jsonl.read_json(follower).get("log", "")
