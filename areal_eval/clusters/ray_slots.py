@@ -56,7 +56,7 @@ def connect(cfg: RayConfig) -> bool:
     if address is None:
         settings.update(include_dashboard=False, object_store_memory=128 << 20)
     try:
-        ray.init(address=address, **settings)
+        ray.init(address=address or "local", **settings)  # "local": its own, even beside a running Ray
     except ConnectionError as exc:
         raise ConfigError(f"eval.ray.address: {address!r}: {exc}") from None
     return address is None

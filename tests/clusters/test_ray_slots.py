@@ -214,3 +214,49 @@ def test_a_long_wait_for_a_slot_is_noted_on_the_result_and_a_short_one_is_not(tm
     assert slot.wait_note() == []
     slot.waited_s = 42.4
     assert slot.wait_note() == ["waited 42 s for a free evaluation slot"]
+
+
+def test_with_no_address_a_run_starts_a_ray_instance_of_its_own_and_stops_it(ray_cluster, final_checkpoint, tmp_path):
+    """What ``bash scripts/demo.sh --set eval.launcher=ray`` does on a fresh machine: a process
+    with no Ray of its own starts one for its slots and leaves no Ray process behind."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    run, event = final_checkpoint
+    script = f"""
+import dataclasses, json
+from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.clusters.ray_slots import RaySlots
+from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
+event = Manifest({str(run.manifest)!r}).events()[-1]
+cfg = EvalConfig(nproc=1, batch_size=16, launcher="ray")
+with RaySlots(cfg, {str(tmp_path)!r}, run_name="own") as slots, slots.lease() as slot:
+    result = run_evaluation_job(event, {str(run.valid_data)!r}, cfg, {str(tmp_path)!r}, workers=slot)
+    print(json.dumps({{"started_ray": slots.started_ray, "accuracy": result.metrics["accuracy"]}}))
+"""
+    mark = f"own-ray-{os.getpid()}-{time.time_ns()}"  # every process the run starts inherits it
+    env = {**os.environ, "AREAL_EVAL_TEST_MARK": mark}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reply = json.loads(done.stdout.strip().splitlines()[-1])
+    assert reply["started_ray"] is True
+    assert (
+        reply["accuracy"]
+        == run_evaluation_job(
+            event, run.valid_data, ray_eval(launcher="local", ray=RayConfig()), tmp_path / "local"
+        ).metrics["accuracy"]
+    )
+
+    def ray_processes_left():
+        left = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.environ().get("AREAL_EVAL_TEST_MARK") == mark:
+                    left.append(" ".join(proc.info["cmdline"] or ())[:100])
+            except psutil.Error:
+                continue
+        return left
+
+    wait_until(lambda: not ray_processes_left(), "the run's own Ray processes to end")
