@@ -9,7 +9,8 @@ It brings up an nccl process group; plans training and evaluation on the one GPU
 float32 and bfloat16; measures reward-model pairs/s and generation tokens/s; checks that GPU
 memory is back to its baseline after each of several evaluations, as warm workers need; and
 runs the pipeline's own evaluation path on the planned device: warm torchrun workers
-that evaluate checkpoint after checkpoint and keep every item's score.
+that evaluate checkpoint after checkpoint and keep every item's score; and, where Ray is
+installed, one ``eval.launcher: ray`` slot on the GPU.
 
 Generation is scored by ``exact_match``, so nothing beyond torch and transformers is needed
 (the ``math`` reward would need math-verify).
@@ -221,7 +222,39 @@ def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
         m16["accuracy"], 4
     )
     out["pipeline_trainer"] = pipeline_trainer(work / "pipeline", plan, sizes)
+    out["ray_slot"] = ray_slot(work / "ray", (rm_dir, pairs_valid), device.type == "cuda")
+    if "accuracy" in out["ray_slot"]:
+        out["ray_slot"]["accuracy_equals_warm_workers"] = out["ray_slot"]["accuracy"] == out["warm_workers"]["accuracy"]
     return out
+
+
+def ray_slot(work: Path, reward_model_job: tuple, on_gpu: bool) -> dict:
+    """``eval.launcher: ray`` on this machine as a one-node cluster: a Ray instance of the check's
+    own, one slot (a placement group of one bundle, with the GPU), its node agent's torchrun
+    evaluating the reward model in bfloat16. Where Ray is not installed, says so."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return {"skipped": "ray is not installed here: pip install 'ray[default]>=2.40'"}
+    from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name, describe_files
+    from areal_eval.clusters.ray_slots import RaySlots
+    from areal_eval.evaluation.cluster_config import RayConfig
+    from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
+
+    checkpoint, data = reward_model_job
+    event = CheckpointEvent("gpu-check", str(checkpoint), 0, 0, 0, time.time(), {}, describe_files(checkpoint))
+    cfg = EvalConfig(nproc=1, dtype="bfloat16", launcher="ray", ray=RayConfig(gpus_per_node=1 if on_gpu else 0))
+    started = time.monotonic()
+    with RaySlots(cfg, work, run_name="gpu-check") as slots, slots.lease() as slot:
+        result = run_evaluation_job(event, data, cfg, work / "evals", max_length=64, workers=slot)
+        recorded = json.loads((work / "evals" / f"{checkpoint_name(0)}.json").read_text())
+        return {
+            "agent_devices": slot.nodes[0]["devices"],
+            "rank0_devices": recorded["devices"],
+            "accuracy": round(result.metrics["accuracy"], 4),
+            "seconds_with_start": round(time.monotonic() - started, 2),
+            "ray_started_here": slots.started_ray,
+        }
 
 
 def pipeline_trainer(work: Path, plan, sizes: Sizes) -> dict:
