@@ -3,8 +3,8 @@
 
 Jobs, replies and logs pass through ``eval.slurm.shared_dir`` (default: the run's ``evals``
 directory), which the flow's machine and the nodes must both see. A slot's job is named
-``areal-eval:<run>:slot-<i>``: when the run ends it is cancelled, and a resume of the run
-cancels those a killed flow left behind.
+``areal-eval:<run>:<host>.<pid>:slot-<i>`` (its flow's): when the run ends it is cancelled, and
+a resume of the run on that host cancels those a killed flow left behind.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -73,18 +74,45 @@ def check_cluster(cfg) -> None:
             )
 
 
+OWNER = f"{socket.gethostname()}.{os.getpid()}"
+"""Whose slots a job holds: the flow's host and process (``areal-eval:<run>:<host>.<pid>:slot-<i>``)."""
+
+
 def run_jobs(run_name: str) -> list[tuple[str, str]]:
     """(id, name) of this user's jobs of ``run_name``'s slots still known to the controller."""
     shown = slurm("squeue", "--me", "-h", "-o", "%i %j").stdout.split("\n")
-    prefix = f"areal-eval:{run_name}:slot-"
+    prefix = f"areal-eval:{run_name}:"
     return [tuple(line.split(" ", 1)) for line in shown if " " in line and line.split(" ", 1)[1].startswith(prefix)]
+
+
+def left_by_dead_flows(run_name: str) -> list[tuple[str, str]]:
+    """The run's jobs whose flow, on this host, is gone (``kill -9``): a live flow of the run (the
+    sweep beside the service, two trigger flow runs at once) keeps its own."""
+    host = socket.gethostname()
+    left = []
+    for job, name in run_jobs(run_name):
+        owner = name.split(":")[2] if name.count(":") >= 3 else ""
+        owner_host, _, pid = owner.rpartition(".")
+        if owner_host == host and pid.isdigit() and not _alive(int(pid)):
+            left.append((job, name))
+    return left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SlurmSlot(ClusterSlot):
     def __init__(self, index: int, cfg, slot_dir: Path, run_name: str, report):
         super().__init__(index, slot_dir / "slot.log")
         self.cfg, self.dir, self.report = cfg, slot_dir, report
-        self.name = f"areal-eval:{run_name}:slot-{index}"
+        self.name = f"areal-eval:{run_name}:{OWNER}:slot-{index}"
         self.job: str | None = None
         self.nodes: list[dict] = []
         self.state = "not submitted"
@@ -189,11 +217,11 @@ class SlurmSlots(SlotPool):
         check_cluster(cfg)
         self.cfg = cfg
         shared = Path(cfg.slurm.shared_dir or work_dir) / "slurm-slots"
-        left = run_jobs(run_name)
+        left = left_by_dead_flows(run_name)
         if left:
             slurm("scancel", *[job for job, _ in left])
             deadline = time.monotonic() + 60  # gone, not just told to go: their nodes are free for this run
-            while run_jobs(run_name) and time.monotonic() < deadline:
+            while {job for job, _ in left} & {job for job, _ in run_jobs(run_name)} and time.monotonic() < deadline:
                 time.sleep(0.2)
             pool.get("report", log.info)(f"cancelled {len(left)} slot job(s) a killed flow of {run_name} left: {left}")
         report = pool.get("report", log.info)

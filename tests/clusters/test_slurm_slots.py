@@ -91,17 +91,18 @@ def test_two_slots_run_while_a_third_pends_and_a_cancelled_job_is_retried(slurm_
     assert run_jobs("third") == []
 
 
-def test_jobs_a_killed_flow_left_are_cancelled_by_the_next_flow_of_its_run(slurm_cluster, tmp_path):
-    slots = SlurmSlots(slurm_eval(), tmp_path, run_name="killed")
-    slots.start()
-    while not slots._free.qsize():
-        threading.Event().wait(0.2)
-    left = slots.slots[0].job  # the flow dies here: nothing is released
+def test_a_live_flow_of_the_run_keeps_its_jobs_when_another_flow_of_the_run_starts(slurm_cluster, tmp_path):
+    """Two flows of one run at once (the sweep beside the service, two trigger flow runs): the
+    second cancels only what a dead flow left (``test_flows_on_clusters.py``), not the first's."""
     said: list[str] = []
-    with SlurmSlots(slurm_eval(), tmp_path, run_name="killed", report=said.append):
-        assert left not in {job for job, _ in run_jobs("killed")}
-    assert any(f"cancelled 1 slot job(s) a killed flow of killed left: [('{left}'" in line for line in said), said
-    assert run_jobs("killed") == []
+    with SlurmSlots(slurm_eval(), tmp_path / "first", run_name="two") as first:
+        with first.lease() as slot:
+            job = slot.job
+        with SlurmSlots(slurm_eval(), tmp_path / "second", run_name="two", report=said.append) as second:
+            with second.lease() as other:
+                assert other.job != job and job in {j for j, _ in run_jobs("two")}
+    assert not any("cancelled" in line for line in said), said
+    assert run_jobs("two") == []
 
 
 @pytest.mark.parametrize(
