@@ -14,29 +14,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
-    # 0: no knowledge of runs, checkpoints or models: files, configs, statistics, processes
-    {
-        "jsonl",
-        "disk",
-        "config",
-        "estimates",
-        "paired",
-        "devices",
-        "distributed",
-        "launcher",
-        "forked_ranks",
-        "reaper",
-        "redaction",
-    },
+    {"jsonl", "disk", "config", "estimates", "paired", "redaction"},  # files, configs, statistics
+    {"devices", "distributed", "launcher", "forked_ranks", "reaper"},  # processes: devices, torchrun jobs
     {"scheduling", "alerts"},  # pure decisions: which checkpoint to evaluate, which result to alert on
     {"runs"},  # a run's directory and ledger
     {"checkpoints"},
+    {"integrations"},  # trainers' side: publishing from HF, AReaL-style loops (checkpoints, runs, freq_ctl)
     {"data", "models"},
     {"evaluation"},
     {"clusters"},  # evaluation slots on Ray and Slurm
     {"tracking", "curve_plot", "failures", "compare"},  # what is done with results
     {"lifecycle"},  # one run's lifecycle, on every path
-    {"pipeline", "train", "cli", "gpu_check", "integrations"},  # the combined config and the entry points
+    {"pipeline", "train", "cli", "gpu_check"},  # the combined config and the entry points
 ]
 """Each entry: the first part of a module's name under ``areal_eval`` (a package or a flat module)."""
 OUTSIDE = {"tasks": len(LAYERS), "flows": len(LAYERS) + 1}
