@@ -82,6 +82,11 @@ def measure(name, pool, event, data, cfg, work: Path, evaluations: int, tracker,
     }
 
 
+def agent_pids(slot) -> list[int]:
+    """A cluster slot's node agents (their torchrun jobs are their children)."""
+    return [node["pid"] for node in slot.nodes]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--evaluations", type=int, default=5)
@@ -112,7 +117,7 @@ def main() -> None:
     for _ in range(2):
         cluster.add_node(num_cpus=2, num_gpus=2, resources={"eval_node": 1})
     ray.init(address=cluster.address, namespace="areal-eval", log_to_driver=False)
-    slurm = SlurmCluster(work / "slurm").start()
+    slurm = SlurmCluster(work / "slurm-cluster").start()
     os.environ["SLURM_CONF"] = slurm.env["SLURM_CONF"]
     base = EvalConfig(nproc=2, batch_size=16)
     ray_cfg = EvalConfig(
@@ -126,42 +131,15 @@ def main() -> None:
     )
     out: dict = {"evaluations": args.evaluations, "pairs": 101, "ranks": 2}
     try:
-        out["local"] = measure(
-            "local",
-            WarmWorkerGroups(1, 2, work / "local"),
-            event,
-            run.valid_data,
-            base,
-            work / "local",
-            args.evaluations,
-            tracker,
-            mlflow_run,
-            lambda group: [group.job.pid],
-        )
-        out["ray"] = measure(
-            "ray",
-            RaySlots(ray_cfg, work / "ray", run_name="bench"),
-            event,
-            run.valid_data,
-            ray_cfg,
-            work / "ray",
-            args.evaluations,
-            tracker,
-            mlflow_run,
-            lambda slot: [n["pid"] for n in slot.nodes],
-        )
-        out["slurm"] = measure(
-            "slurm",
-            SlurmSlots(slurm_cfg, work / "slurm-slots", run_name="bench"),
-            event,
-            run.valid_data,
-            slurm_cfg,
-            work / "slurm-slots",
-            args.evaluations,
-            tracker,
-            mlflow_run,
-            lambda slot: [n["pid"] for n in slot.nodes],
-        )
+        launchers = {  # (slots, eval config, the slot's process ids)
+            "local": (lambda: WarmWorkerGroups(1, 2, work / "local"), base, lambda group: [group.job.pid]),
+            "ray": (lambda: RaySlots(ray_cfg, work / "ray", run_name="bench"), ray_cfg, agent_pids),
+            "slurm": (lambda: SlurmSlots(slurm_cfg, work / "slurm", run_name="bench"), slurm_cfg, agent_pids),
+        }
+        for name, (slots, cfg, pids) in launchers.items():
+            out[name] = measure(
+                name, slots(), event, run.valid_data, cfg, work / name, args.evaluations, tracker, mlflow_run, pids
+            )
     finally:
         slurm.stop()
         ray.shutdown()

@@ -21,6 +21,8 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
+
 from areal_eval import jsonl
 from areal_eval.clusters.slot_pool import ClusterSlot, SlotLost, SlotPool, log
 from areal_eval.clusters.slurm_node import POLL_S, STOP, decode_reply, job_dir
@@ -93,19 +95,9 @@ def left_by_dead_flows(run_name: str) -> list[tuple[str, str]]:
     for job, name in run_jobs(run_name):
         owner = name.split(":")[2] if name.count(":") >= 3 else ""
         owner_host, _, pid = owner.rpartition(".")
-        if owner_host == host and pid.isdigit() and not _alive(int(pid)):
+        if owner_host == host and pid.isdigit() and not psutil.pid_exists(int(pid)):
             left.append((job, name))
     return left
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SlurmSlot(ClusterSlot):
@@ -217,13 +209,13 @@ class SlurmSlots(SlotPool):
         check_cluster(cfg)
         self.cfg = cfg
         shared = Path(cfg.slurm.shared_dir or work_dir) / "slurm-slots"
+        report = pool.setdefault("report", log.info)
         left = left_by_dead_flows(run_name)
         if left:
             slurm("scancel", *[job for job, _ in left])
             deadline = time.monotonic() + 60  # gone, not just told to go: their nodes are free for this run
             while {job for job, _ in left} & {job for job, _ in run_jobs(run_name)} and time.monotonic() < deadline:
                 time.sleep(0.2)
-            pool.get("report", log.info)(f"cancelled {len(left)} slot job(s) a killed flow of {run_name} left: {left}")
-        report = pool.get("report", log.info)
+            report(f"cancelled {len(left)} slot job(s) a killed flow of {run_name} left: {left}")
         slots = [SlurmSlot(i, cfg, shared / f"slot-{i}", run_name, report) for i in range(cfg.slots)]
         super().__init__(slots, **pool)

@@ -70,6 +70,14 @@ def slurm_cluster(tmp_path_factory):
             os.environ["SLURM_CONF"] = saved
 
 
+def evaluate_on(slots, event, run, work_dir):
+    """Evaluate ``event`` on a slot leased from ``slots``: (its result, the slot)."""
+    from areal_eval.evaluation.jobs import run_evaluation_job
+
+    with slots.lease() as slot:
+        return run_evaluation_job(event, run.valid_data, slots.cfg, work_dir, workers=slot), slot
+
+
 def read_items(result) -> dict:
     import pyarrow.parquet as pq
 

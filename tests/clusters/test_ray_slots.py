@@ -18,27 +18,23 @@ from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.cluster_config import RayConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
-from tests.clusters.conftest import NODE_GPUS, placement_groups_left, read_items, require, slot_actors_alive
+from tests.clusters.conftest import (
+    NODE_GPUS,
+    evaluate_on,
+    placement_groups_left,
+    read_items,
+    require,
+    slot_actors_alive,
+)
+from tests.flows.test_train_and_evaluate_resume import wait_for
 
 pytestmark = pytest.mark.integration
 
 ON_EVAL_NODES = RayConfig(address="auto", gpus_per_node=1, resources={"eval_node": 1})
 
 
-def wait_until(condition, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def ray_eval(**changes) -> EvalConfig:
     return EvalConfig(**{"nproc": 1, "batch_size": 16, "launcher": "ray", "ray": ON_EVAL_NODES, **changes})
-
-
-def evaluate_on(slots, event, run, work_dir):
-    with slots.lease() as slot:
-        return run_evaluation_job(event, run.valid_data, slots.cfg, work_dir, workers=slot), slot
 
 
 def test_one_node_two_nodes_and_the_local_launcher_give_the_same_metrics_and_items(
@@ -122,8 +118,10 @@ def test_a_lost_node_agent_or_node_is_transient_and_its_slot_is_rebuilt(ray_clus
         import ray
 
         try:
-            wait_until(
-                lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id), "the node seen dead"
+            wait_for(
+                lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id),
+                60,
+                "the node seen dead",
             )
             with pytest.raises(EvaluationFailed, match="a node agent was lost") as info:
                 evaluate_on(slots, event, run, tmp_path)
@@ -259,4 +257,4 @@ with RaySlots(cfg, {str(tmp_path)!r}, run_name="own") as slots, slots.lease() as
                 continue
         return left
 
-    wait_until(lambda: not ray_processes_left(), "the run's own Ray processes to end")
+    wait_for(lambda: not ray_processes_left(), 60, "the run's own Ray processes to end")

@@ -14,7 +14,7 @@ from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.cluster_config import SlurmConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
-from tests.clusters.conftest import read_items
+from tests.clusters.conftest import evaluate_on, read_items
 
 pytestmark = pytest.mark.integration
 
@@ -23,11 +23,6 @@ ONE_GPU = SlurmConfig(gpus_per_node=1, time_limit="10:00")
 
 def slurm_eval(**changes) -> EvalConfig:
     return EvalConfig(**{"nproc": 1, "batch_size": 16, "launcher": "slurm", "slurm": ONE_GPU, **changes})
-
-
-def evaluate_on(slots, event, run, work_dir):
-    with slots.lease() as slot:
-        return run_evaluation_job(event, run.valid_data, slots.cfg, work_dir, workers=slot), slot
 
 
 def test_one_node_two_nodes_a_job_per_evaluation_and_local_give_the_same_metrics_and_items(
