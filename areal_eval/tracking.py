@@ -23,6 +23,7 @@ from pathlib import Path
 from areal_eval.config.parsing import flatten
 from areal_eval.runs.directory import file_lock
 from areal_eval.runs.ledger import LedgerEntry
+from areal_eval.sinks.config import TensorBoardConfig, WandbConfig, check_sinks
 
 RUN_ID_TAG = "areal.run_id"
 TRAIN_WATERMARK_TAG = "areal.train_logged_through"
@@ -57,6 +58,17 @@ class TrackingConfig:
     a version of this MLflow registered model and point its ``best`` alias at it; ``{run_id}`` is
     the training run's id. A name shared by several runs keeps the best of all of them. None:
     register nothing."""
+    sinks: list[str] = dataclasses.field(default_factory=lambda: ["mlflow"])
+    """Where results go: ``mlflow`` (always), ``wandb``, ``tensorboard``, in any combination, e.g.
+    ``[mlflow, wandb, tensorboard]``. Every sink gets every result, training row, alert and the
+    run's end once; one that fails is retried and never holds up the others (docs/tracking.md)."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """The W&B sink: the project, and the trainer's run to sit beside."""
+    tensorboard: TensorBoardConfig = dataclasses.field(default_factory=TensorBoardConfig)
+    """The TensorBoard sink: the trainer's log directory to write beside."""
+
+    def __post_init__(self):
+        check_sinks(self.sinks)
 
 
 def mlflow_run_url(cfg: TrackingConfig, tracking_uri: str, experiment_id: str, run_id: str) -> str:

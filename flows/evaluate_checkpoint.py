@@ -347,7 +347,7 @@ def probe_and_record(ctx: Evaluating, event: CheckpointEvent) -> dict:
     if decision.evaluate:
         full = evaluate_and_record(ctx, event, decision.reason)
         return {"evaluated": True, "reason": decision.reason, "probe_metrics": probe_metrics, "metrics": full.metrics}
-    log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, decision.reason)
+    log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, decision.reason, (ctx.run, event.run_id))
     ctx.shared.delivered(event.global_step)
     return {"evaluated": False, "reason": decision.reason, "probe_metrics": probe_metrics}
 

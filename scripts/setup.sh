@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
   # torch first, pinned by constraints.txt (the package itself takes a range), so nothing resolves a CUDA build.
   .venv/bin/pip install -q -c constraints.txt torch
-  .venv/bin/pip install -q -c constraints.txt -e '.[test,bench,hf,lm-eval,docs]'
+  .venv/bin/pip install -q -c constraints.txt -e '.[test,bench,hf,lm-eval,docs,wandb,tensorboard]'
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

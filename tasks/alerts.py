@@ -16,7 +16,7 @@ from areal_eval.alerts import Alert, AlertsConfig
 from areal_eval.config.parsing import ConfigError
 from areal_eval.redaction import redact
 from areal_eval.runs.directory import RunDir, StopSignal
-from tasks.mlflow_logging import tracker_for
+from tasks.mlflow_logging import sinks_for, tracker_for
 
 
 class NotificationFailed(RuntimeError):
@@ -91,5 +91,8 @@ def send_alert(alert: Alert, pipeline_cfg, run_id: str, run: RunDir) -> None:
         tracker.set_tags(run_id, records)
     except Exception as exc:  # noqa: BLE001 - MLflow down: the alert itself went out
         logger.warning("alert %s at step %d not recorded in MLflow: %r", alert.rule, alert.step, exc)
+    sinks = sinks_for(pipeline_cfg, run, run_id)
+    if sinks is not None and not alert.throttled:  # a W&B alert notifies too: throttled alike
+        sinks.record_alert(alert.rule, alert.step, alert.message)
     if failure is not None:
         raise failure

@@ -24,7 +24,7 @@ from areal_eval.runs.ledger import Ledger
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
 from tasks.evaluation import dispatch_evaluation, evaluation_task
-from tasks.mlflow_logging import log_evaluation, log_failed_attempt, tracker_for
+from tasks.mlflow_logging import log_evaluation, log_failed_attempt, record_training, sinks_for, tracker_for
 from tasks.reports import update_evaluation_table
 
 
@@ -54,6 +54,7 @@ class PrefectLoopIO:
         self.cfg, self.run, self.mlflow_run_id, self.ledger = cfg, run, mlflow_run_id, ledger
         self.total_steps, self.workers = total_steps, workers
         self.logger = get_run_logger()
+        sinks_for(cfg, run, mlflow_run_id, single_writer=True)  # the loop owns the run: its W&B run stays open
         self.progress = create_progress_artifact(0.0, description=f"{run.run_id}: training steps done (%)")
         self._shown_tenths = 0
 
@@ -78,7 +79,9 @@ class PrefectLoopIO:
         log_failed_attempt(self.cfg, self.mlflow_run_id, self.ledger, step)
 
     def log_training(self, rows: list[dict]) -> None:
-        tracker_for(self.cfg).log_train_metrics(self.mlflow_run_id, [r for r in rows if "loss" in r])
+        rows = [r for r in rows if "loss" in r]
+        tracker_for(self.cfg).log_train_metrics(self.mlflow_run_id, rows)
+        record_training(self.cfg, self.run, self.mlflow_run_id, rows)
         if self.total_steps:  # unknown for an external trainer without train.max_steps
             self.set_progress(rows[-1]["step"] / self.total_steps)
 

@@ -1,9 +1,10 @@
-"""Prefect tasks that write to MLflow."""
+"""Prefect tasks that record results: in MLflow, and in the other sinks of ``tracking.sinks``."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -17,6 +18,7 @@ from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.redaction import recorded_config
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
+from areal_eval.sinks import Sinks, open_sinks
 from areal_eval.tracking import (
     BEST_ALIAS,
     FAILURE_TAG,
@@ -38,6 +40,47 @@ def tracker_for(cfg: PipelineConfig) -> Tracker:
 @functools.lru_cache(maxsize=16)
 def _tracker(tracking_uri: str, experiment: str, artifact_location: str | None) -> Tracker:
     return Tracker(tracking_uri, experiment, artifact_location)
+
+
+def sinks_for(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, *, single_writer: bool = False) -> Sinks | None:
+    """The run's sinks besides MLflow (None: MLflow only), one set per run in this process;
+    ``single_writer``: this process owns the run (the in-flow loop), asked before any record."""
+    extra = [name for name in cfg.tracking.sinks if name != "mlflow"]
+    if not extra:
+        return None
+    key = (str(run.root), mlflow_run_id, repr(cfg.tracking))
+    if key not in _SINKS:
+        run_name = run.run_id if run.run_id_file.exists() else run.root.name
+
+        def on_failure(sink: str, message: str) -> None:
+            """In the log and on the MLflow run (``sink.<name>.failure``), in one line."""
+            log = _logger()
+            log.warning("sink %s", message)
+            try:
+                tracker_for(cfg).set_tags(mlflow_run_id, {f"sink.{sink}.failure": message[:5000]})
+            except Exception as exc:  # noqa: BLE001 - MLflow down too: the log has it
+                log.warning("sink %s failure not recorded in MLflow: %r", sink, exc)
+
+        _SINKS[key] = open_sinks(
+            extra,
+            wandb=cfg.tracking.wandb,
+            tensorboard=cfg.tracking.tensorboard,
+            run_dir=run.root,
+            run_name=run_name,
+            on_failure=on_failure,
+            single_writer=single_writer,
+        )
+    return _SINKS[key]
+
+
+_SINKS: dict[tuple, Sinks] = {}
+
+
+def _logger():
+    try:
+        return get_run_logger()
+    except Exception:  # noqa: BLE001 - outside a flow or task run (a test, a bench)
+        return logging.getLogger("areal_eval.sinks")
 
 
 @task(cache_policy=NO_CACHE, name="start-tracking")
@@ -68,7 +111,16 @@ def log_published_train_metrics(cfg: PipelineConfig, mlflow_run_id: str, shared:
     if not rows:
         return 0
     with file_lock(shared.run.tracking_lock):
-        return tracker_for(cfg).log_train_metrics(mlflow_run_id, rows, reread_watermark=True)
+        logged = tracker_for(cfg).log_train_metrics(mlflow_run_id, rows, reread_watermark=True)
+    record_training(cfg, shared.run, mlflow_run_id, rows)
+    return logged
+
+
+def record_training(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, rows: list[dict]) -> None:
+    """Training rows to the sinks besides MLflow (each takes each row once)."""
+    sinks = sinks_for(cfg, run, mlflow_run_id)
+    if sinks is not None:
+        sinks.record_training(rows)
 
 
 @task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")
@@ -92,6 +144,11 @@ def log_evaluation(
         log_items(tracker, run_id, result, recorded_in)
         if recorded_in is not None and cfg.tracking.registered_model:
             register_best(cfg, tracker, run_id, *recorded_in, result)
+    sinks = sinks_for(cfg, recorded_in[0], run_id) if recorded_in is not None else None
+    if sinks is not None:  # where the result is recorded: a dispatched evaluation's owner records it there
+        items = result.items or stored_items(recorded_in[0].evals, step)
+        sinks.record_evaluation(step, result.probe_metrics, prefix=PROBE_PREFIX, uri=result.uri)
+        sinks.record_evaluation(step, result.metrics, items=items, uri=result.uri)
     return logged
 
 
@@ -164,6 +221,11 @@ def finish_tracking(
         tracker.supersede_failure(run_id)
     if status is not None:
         tracker.finish(run_id, status)
+    sinks = sinks_for(cfg, RunDir(ledger.path.parent), run_id)
+    if sinks is not None:  # what a sink missed on the way (it failed, or a process died), then the end
+        sinks.catch_up(entries, RunDir(ledger.path.parent).evals)
+        sinks.record_end(status or "RUNNING", plot=plot)
+        sinks.close()
 
 
 @task(cache_policy=NO_CACHE, name="log-failed-attempt", task_run_name="log-failed-attempt-{step}")

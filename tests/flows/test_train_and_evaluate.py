@@ -10,6 +10,7 @@ import pytest
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.runs.directory import RunBusy, RunDir, RunLock
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
+from tests import sink_points
 from tests.conftest import tiny_config
 from tests.helpers import (
     assert_best_is_registered,
@@ -40,7 +41,10 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
         "value": 0.0,
         "throttle_secs": 3600,
     }
-    cfg = tiny_config(tmp_path, eval={"nproc": 2}, alerts={"webhook_url_env": "ALERT_HOOK", "rules": [always]})
+    monkeypatch.setenv("WANDB_MODE", "offline")  # W&B's files only: nothing leaves the machine
+    sinks = {"sinks": ["mlflow", "tensorboard", "wandb"], "wandb": {"run_id": "trainer-7"}}
+    alerts = {"webhook_url_env": "ALERT_HOOK", "rules": [always]}
+    cfg = tiny_config(tmp_path, eval={"nproc": 2}, alerts=alerts, tracking=sinks)
     state = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))), return_state=True)
     assert state.is_completed(), state
     summary = state.result()
@@ -68,6 +72,16 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
 
     # The alert rule fired on every evaluation; throttling let one notification through.
     assert len(webhook.requests) == 1 and SENTINEL in webhook.requests[0]["path"]
+
+    # The other sinks hold what MLflow holds, each point once (tests/sinks/ reads them back).
+    train_steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss"))
+    tensorboard = sink_points.scalars(run.root / "tensorboard" / "areal-eval")
+    assert tensorboard["eval/accuracy"] == evaluated and tensorboard["train/loss"] == train_steps
+    wandb_rows = sink_points.history(run.root / "sinks", sink_points.wandb_run_id(run.root))
+    assert sorted(r["eval/step"] for r in wandb_rows if "eval/accuracy" in r) == evaluated
+    assert sorted(r["train/step"] for r in wandb_rows if "train/loss" in r) == train_steps
+    [alert] = sink_points.of_kind(run.root / "sinks", sink_points.wandb_run_id(run.root), "alert")
+    assert alert.title == "[areal-eval] accuracy-seen at step 0"
     body = json.loads(webhook.requests[0]["json"]["body"])
     assert body["rule"] == "accuracy-seen" and body["step"] == 0
 

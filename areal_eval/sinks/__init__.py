@@ -1,0 +1,145 @@
+"""The sinks a run's results go to besides MLflow (``tracking.sinks``), behind one recording step.
+
+:class:`Sinks` takes every record (a result and its answers, training rows, an alert, the run's
+end) and hands it to each sink that has not acknowledged it yet (:mod:`.outbox`). A sink that
+fails is said in one line and left behind; it never stops training or another sink, and its
+next turn, or the next run of the same command (:meth:`Sinks.catch_up` from the ledger), gives it
+what it missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from areal_eval.disk import brief
+from areal_eval.sinks.config import SINKS, TensorBoardConfig, WandbConfig, check_sinks
+from areal_eval.sinks.outbox import SinkOutbox
+
+__all__ = ["SINKS", "Sinks", "TensorBoardConfig", "WandbConfig", "check_sinks", "open_sinks"]
+
+
+class Sinks:
+    def __init__(
+        self, sinks: list, *, run_dir: str | Path, on_failure: Callable[[str, str], None], single_writer: bool = False
+    ):
+        self.sinks, self.run_dir, self.on_failure = sinks, Path(run_dir), on_failure
+        self.single_writer = single_writer
+        """This process is the run's only writer (the in-flow loop that owns it): its W&B run
+        stays open between records. Otherwise each record opens and finishes it, so flow runs of
+        one run that record side by side never write one W&B run at once."""
+        self.outbox = SinkOutbox(self.run_dir / "sinks")
+
+    def record_evaluation(
+        self, step: int, metrics: dict, *, prefix: str = "eval/", items: dict[str, str] | None = None, uri: str = ""
+    ) -> None:
+        """One checkpoint's metrics at ``step`` (``prefix``: ``eval/``, or ``eval_probe/`` for a
+        probe) with a sample of its per-item answers."""
+        if not metrics:
+            return
+        key = f"{prefix}{step}"
+        self._turn(
+            f"step {step}'s result",
+            lambda sink: not self.outbox.has(sink.name, key),
+            lambda sink: sink.evaluation(step, metrics, prefix=prefix, answers=answer_rows(items or {}), uri=uri),
+            lambda sink: self.outbox.ack(sink.name, key),
+        )
+
+    def record_training(self, rows: list[dict]) -> None:
+        """Training rows (``{"step": .., "loss": ..}``), each once, past what each sink took."""
+        rows = sorted((r for r in rows if "step" in r), key=lambda r: int(r["step"]))
+        if not rows:
+            return
+        last = int(rows[-1]["step"])
+        self._turn(
+            f"training rows through step {last}",
+            lambda sink: self.outbox.through(sink.name) < last,
+            lambda sink: sink.training([r for r in rows if int(r["step"]) > self.outbox.through(sink.name)]),
+            lambda sink: self.outbox.ack_through(sink.name, last),
+        )
+
+    def record_alert(self, rule: str, step: int, message: str) -> None:
+        key = f"alert/{rule}/{step}"
+        self._turn(
+            f"alert {rule} at step {step}",
+            lambda sink: not self.outbox.has(sink.name, key),
+            lambda sink: sink.alert(rule, step, message),
+            lambda sink: self.outbox.ack(sink.name, key),
+        )
+
+    def record_end(self, status: str, *, plot: Path | None = None) -> None:
+        """The run's end (or a refresh of it): the summary plot, the status."""
+        self._turn(f"the run's end ({status})", lambda sink: True, lambda sink: sink.end(status, plot=plot), None)
+
+    def catch_up(self, entries: Iterable, evals_dir: str | Path) -> None:
+        """What the ledger holds and a sink missed (it failed, or the process died before it
+        acknowledged): results, and the probe metrics of held probes."""
+        from areal_eval.evaluation.items import stored_items
+
+        for entry in sorted(entries, key=lambda e: e.step):
+            if entry.status == "evaluated":
+                items = stored_items(evals_dir, entry.step)
+                self.record_evaluation(entry.step, entry.metrics, items=items, uri=entry.uri)
+            if entry.probe_metrics and entry.status in ("evaluated", "skipped"):
+                self.record_evaluation(entry.step, entry.probe_metrics, prefix="eval_probe/", uri=entry.uri)
+
+    def _turn(self, what: str, wanted, deliver, ack) -> None:
+        with self.outbox.turn():
+            for sink in self.sinks:
+                if not wanted(sink):
+                    continue
+                try:
+                    sink.open()
+                    deliver(sink)
+                    if ack is not None:
+                        ack(sink)
+                except Exception as exc:  # noqa: BLE001 - a sink's fault is its own: said, and retried later
+                    self.on_failure(sink.name, f"{what} not recorded in {sink.name} (retried later): {brief(exc)}")
+                    self._close(sink)
+            for sink in self.sinks:
+                if sink.name == "wandb" and not self.single_writer:
+                    self._close(sink)
+
+    def _close(self, sink) -> None:
+        try:
+            sink.close()
+        except Exception as exc:  # noqa: BLE001
+            self.on_failure(sink.name, f"{sink.name} did not close: {brief(exc)}")
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            self._close(sink)
+
+
+def answer_rows(items: dict[str, str], limit: int = 256) -> list[dict]:
+    """The first ``limit`` per-item rows of each evaluator's file, tagged with the evaluator."""
+    from areal_eval.evaluation.items import read_items
+
+    rows: list[dict] = []
+    for name, path in sorted(items.items()):
+        if Path(path).exists():
+            rows += [{"evaluator": name, **row} for row in read_items(path)[:limit]]
+    return rows
+
+
+def open_sinks(
+    names: list[str],
+    *,
+    wandb: WandbConfig,
+    tensorboard: TensorBoardConfig,
+    run_dir,
+    run_name: str,
+    on_failure,
+    single_writer: bool = False,
+) -> Sinks:
+    """The sinks named in ``tracking.sinks`` other than MLflow (the tracker keeps that one)."""
+    made = []
+    if "tensorboard" in names:
+        from areal_eval.sinks.tensorboard_sink import TensorBoardSink
+
+        made.append(TensorBoardSink(tensorboard, run_dir=run_dir))
+    if "wandb" in names:
+        from areal_eval.sinks.wandb_sink import WandbSink
+
+        made.append(WandbSink(wandb, run_dir=run_dir, run_name=run_name))
+    return Sinks(made, run_dir=run_dir, on_failure=on_failure, single_writer=single_writer)

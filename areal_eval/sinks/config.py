@@ -1,0 +1,79 @@
+"""Where results go besides MLflow (``tracking.sinks``), and each sink's settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+from areal_eval.config.parsing import FieldError
+
+SINKS = ("mlflow", "wandb", "tensorboard")
+"""``mlflow``: the run's record (always on); ``wandb``: a W&B run in the trainer's group;
+``tensorboard``: event files beside the trainer's own."""
+
+PACKAGES = {
+    "wandb": ("wandb", "pip install 'areal-eval[wandb]'"),
+    "tensorboard": ("tensorboard", "pip install 'areal-eval[tensorboard]'"),
+}
+
+
+@dataclasses.dataclass
+class WandbConfig:
+    project: str = "areal-eval"
+    """The W&B project; the trainer's, to see evaluation beside training."""
+    entity: str | None = None
+    """The W&B entity (user or team); None: the logged-in user's default."""
+    group: str | None = None
+    """The W&B group of the evaluation run: the trainer's run group (verl, OpenRLHF and TRL set
+    one per experiment). None: the trainer's run named by ``run_id``'s group, else the training
+    run's id."""
+    run_id: str | None = None
+    """The trainer's W&B run id. The evaluation run is a run of its own in that run's group,
+    named after it and linked to it in its config (``trainer_run``): two processes never write
+    one run. None: picked up from the trainer's active run by ``PublishCheckpoints``, if any."""
+    mode: str | None = None
+    """``online``, ``offline`` (files only, ``wandb sync`` later) or ``disabled``; None:
+    ``$WANDB_MODE``, else W&B's default."""
+    answers_per_table: int = 64
+    """Answers in each evaluation's W&B table (the first ones, in item order); every answer stays
+    in the run directory and in MLflow."""
+
+    def __post_init__(self):
+        if self.mode not in (None, "online", "offline", "disabled"):
+            raise FieldError("mode", f"{self.mode!r} is not one of online, offline, disabled")
+        if self.answers_per_table < 0:
+            raise FieldError("answers_per_table", f"must be >= 0, got {self.answers_per_table}")
+
+
+@dataclasses.dataclass
+class TensorBoardConfig:
+    logdir: str | None = None
+    """The trainer's TensorBoard log directory (``logging_dir`` of a Hugging Face Trainer): the
+    evaluation writes under ``<logdir>/<subdir>``, so one ``tensorboard --logdir`` shows both.
+    None: ``tensorboard/`` in the run directory."""
+    subdir: str = "areal-eval"
+    """The evaluation's own directory under ``logdir`` (a run of its own in TensorBoard)."""
+    answers_per_summary: int = 8
+    """Answers in each evaluation's text summary."""
+
+    def __post_init__(self):
+        if not self.subdir or "/" in self.subdir or self.subdir in (".", ".."):
+            raise FieldError("subdir", f"{self.subdir!r} is not a directory name")
+        if self.answers_per_summary < 0:
+            raise FieldError("answers_per_summary", f"must be >= 0, got {self.answers_per_summary}")
+
+
+def check_sinks(sinks: list[str]) -> None:
+    """``tracking.sinks``, in one line naming the field: known names, MLflow among them, and each
+    sink's package installed."""
+    for name in sinks:
+        if name not in SINKS:
+            raise FieldError("sinks", f"{name!r} is not one of {', '.join(SINKS)}")
+    if "mlflow" not in sinks:
+        raise FieldError("sinks", "mlflow must stay: it holds the run's decisions, deletions and registered models")
+    if len(set(sinks)) != len(sinks):
+        raise FieldError("sinks", f"{sinks} names a sink twice")
+    for name in sinks:
+        package, how = PACKAGES.get(name, (None, None))
+        if package and importlib.util.find_spec(package) is None:
+            raise FieldError("sinks", f"{name} needs the {package} package, not installed here: {how}")

@@ -1,0 +1,83 @@
+"""Reading back what the sinks wrote: TensorBoard's event files, and W&B's offline run files.
+
+W&B ships no reader for its offline run files (``run-<id>.wandb``).
+
+The file is a 7-byte header (``:W&B``, a magic number, a version) and then a LevelDB-style log:
+32 KiB blocks of chunks, each ``crc32 (4) | length (2) | type (1) | data``, where type 1 is a
+whole record and 2, 3, 4 its first, middle and last parts; a block's tail too short for a chunk
+header is zero padding. Each record is a ``wandb_internal_pb2.Record``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+BLOCK = 32 * 1024
+HEADER = 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def records(path: str | Path) -> Iterator:
+    """Every complete record of one ``.wandb`` file, in order (a torn tail is left out)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path}: not a W&B run file"
+    pos, parts = HEADER, b""
+    while True:
+        left = BLOCK - pos % BLOCK
+        if left < HEADER:
+            pos += left
+            continue
+        if pos + HEADER > len(data):
+            return
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
+        if len(chunk) < length or kind not in (FULL, FIRST, MIDDLE, LAST):
+            return
+        pos += HEADER + length
+        parts = chunk if kind in (FULL, FIRST) else parts + chunk
+        if kind in (FULL, LAST):
+            yield wandb_internal_pb2.Record.FromString(parts)
+
+
+def run_files(wandb_dir: str | Path, run_id: str) -> list[Path]:
+    """The run's files under a ``wandb`` directory: one per process that opened it, oldest first."""
+    return sorted(Path(wandb_dir).rglob(f"run-{run_id}.wandb"))
+
+
+def history(wandb_dir: str | Path, run_id: str) -> list[dict]:
+    """Every history row the run was given, across its files: ``{key: value}`` (JSON-decoded)."""
+    rows = []
+    for path in run_files(wandb_dir, run_id):
+        for record in records(path):
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def of_kind(wandb_dir: str | Path, run_id: str, kind: str) -> list:
+    """The run's records of one kind (``alert``, ``run``, ``summary``, ``metric``, ...)."""
+    return [
+        getattr(r, kind)
+        for p in run_files(wandb_dir, run_id)
+        for r in records(p)
+        if r.WhichOneof("record_type") == kind
+    ]
+
+
+def wandb_run_id(run_dir: str | Path) -> str:
+    """The W&B run id the run's evaluation records under (kept in the run directory)."""
+    return json.loads((Path(run_dir) / "sinks" / "wandb.json").read_text())["id"]
+
+
+def scalars(logdir: str | Path) -> dict[str, list[int]]:
+    """Every scalar point under a TensorBoard ``logdir``, by tag: its steps, duplicates kept."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    events.Reload()
+    return {tag: sorted(e.step for e in events.Scalars(tag)) for tag in events.Tags()["scalars"]}
