@@ -261,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")
     print(f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}")
     print(f"  then open {summary['mlflow_url']}")
+    if "tensorboard" in cfg.tracking.sinks:
+        logdir = cfg.tracking.tensorboard.directory(summary["run_dir"]).parent
+        print(f"See it in TensorBoard:  .venv/bin/tensorboard --logdir {logdir} --host 127.0.0.1")
+        print("  then open http://127.0.0.1:6006")
+    if "wandb" in cfg.tracking.sinks:
+        print(f"W&B run files (offline: .venv/bin/wandb sync them): {Path(summary['run_dir']) / 'sinks' / 'wandb'}")
     print(f"Run files: {summary['run_dir']}")
     return 0
 

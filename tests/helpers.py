@@ -33,6 +33,15 @@ def tmpfs(mount: Path, size: str):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def require(ok: bool, why: str) -> None:
+    """An engine a test needs (Ray, Slurm, Chromium): under CI (``CI`` set) its absence fails
+    the test; elsewhere it skips it, saying how to get it."""
+    if not ok:
+        import pytest
+
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

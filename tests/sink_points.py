@@ -75,9 +75,10 @@ def wandb_run_id(run_dir: str | Path) -> str:
 
 
 def scalars(logdir: str | Path) -> dict[str, list[int]]:
-    """Every scalar point under a TensorBoard ``logdir``, by tag: its steps, duplicates kept."""
+    """The scalar points TensorBoard shows of a ``logdir``, by tag: their steps, a step written
+    twice in a row twice (a point before a lower step is taken back, as TensorBoard takes it)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: sorted(e.step for e in events.Scalars(tag)) for tag in events.Tags()["scalars"]}

@@ -25,9 +25,10 @@ class Sinks:
     ):
         self.sinks, self.run_dir, self.on_failure = sinks, Path(run_dir), on_failure
         self.single_writer = single_writer
-        """This process is the run's only writer (the in-flow loop that owns it): its W&B run
-        stays open between records. Otherwise each record opens and finishes it, so flow runs of
-        one run that record side by side never write one W&B run at once."""
+        """This process is the run's only writer (the in-flow loop that owns it): its sinks stay
+        open between records. Otherwise each record opens and closes them, so flow runs of one
+        run that record side by side never write one W&B run at once, and each TensorBoard
+        writer starts from what the others wrote."""
         self.outbox = SinkOutbox(self.run_dir / "sinks")
 
     def record_evaluation(
@@ -54,7 +55,7 @@ class Sinks:
         self._turn(
             f"training rows through step {last}",
             lambda sink: self.outbox.through(sink.name) < last,
-            lambda sink: sink.training([r for r in rows if int(r["step"]) > self.outbox.through(sink.name)]),
+            lambda sink: sink.training(rows_past(rows, self.outbox.through(sink.name))),
             lambda sink: self.outbox.ack_through(sink.name, last),
         )
 
@@ -96,8 +97,8 @@ class Sinks:
                 except Exception as exc:  # noqa: BLE001 - a sink's fault is its own: said, and retried later
                     self.on_failure(sink.name, f"{what} not recorded in {sink.name} (retried later): {brief(exc)}")
                     self._close(sink)
-            for sink in self.sinks:
-                if sink.name == "wandb" and not self.single_writer:
+            if not self.single_writer:  # other flow runs of the run take their turns: each reads what they wrote
+                for sink in self.sinks:
                     self._close(sink)
 
     def _close(self, sink) -> None:
@@ -109,6 +110,17 @@ class Sinks:
     def close(self) -> None:
         for sink in self.sinks:
             self._close(sink)
+
+
+def rows_past(rows: list[dict], through: int) -> list[dict]:
+    """The rows (in step order) past step ``through``, the first of each step only: resumed
+    training logs again the steps after its checkpoint, and MLflow keeps the first too."""
+    kept = []
+    for row in rows:
+        if int(row["step"]) > through:
+            kept.append(row)
+            through = int(row["step"])
+    return kept
 
 
 def answer_rows(items: dict[str, str], limit: int = 256) -> list[dict]:

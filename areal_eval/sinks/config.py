@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from pathlib import Path
 
 from areal_eval.config.parsing import FieldError
 
@@ -55,6 +56,10 @@ class TensorBoardConfig:
     """The evaluation's own directory under ``logdir`` (a run of its own in TensorBoard)."""
     answers_per_summary: int = 8
     """Answers in each evaluation's text summary."""
+
+    def directory(self, run_dir: str | Path) -> Path:
+        """Where the evaluation's event files go for the run in ``run_dir``."""
+        return Path(self.logdir or Path(run_dir) / "tensorboard") / self.subdir
 
     def __post_init__(self):
         if not self.subdir or "/" in self.subdir or self.subdir in (".", ".."):

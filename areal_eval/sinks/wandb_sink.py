@@ -11,6 +11,7 @@ plotted, not dropped.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 from pathlib import Path
@@ -50,7 +51,8 @@ class WandbSink:
             job_type="evaluation",
             dir=str(self.run_dir / "sinks"),
             resume="allow",
-            mode=self.config.mode,
+            # $WANDB_MODE read now: W&B reads it once per process, at its first run.
+            mode=self.config.mode or os.environ.get("WANDB_MODE"),
             reinit="create_new",  # the trainer's own run may live in this process
             config={"areal_run": self.run_name, "trainer_run": self.config.run_id},
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),

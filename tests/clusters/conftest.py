@@ -15,13 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import require
+
 NODE_GPUS = 2
 """Fake GPUs of each Ray node (Ray hands them out as ``CUDA_VISIBLE_DEVICES``; torch runs on CPU)."""
-
-
-def require(ok: bool, why: str) -> None:
-    if not ok:
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
 
 
 def only_loopback() -> bool:

@@ -9,6 +9,8 @@ from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import publish_checkpoint
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
+from areal_eval.sinks import WandbConfig
+from tests import sink_points
 from tests.helpers import mlflow_run, sqlite_mlflow_uri
 
 # Tests that use prefect_server or trained_run are marked integration by tests/conftest.py.
@@ -37,7 +39,13 @@ def test_the_flow_run_whose_result_is_a_suspected_regression_looks_back_at_the_s
             drift_tolerance=1e6,
             regression_z=0.5,
         ),
-        tracking=dataclasses.replace(cfg.tracking, tracking_uri=sqlite_mlflow_uri(tmp_path)),
+        # Every sink: one flow run per event, each recording in turn (W&B's files only, offline).
+        tracking=dataclasses.replace(
+            cfg.tracking,
+            tracking_uri=sqlite_mlflow_uri(tmp_path),
+            sinks=["mlflow", "tensorboard", "wandb"],
+            wandb=WandbConfig(mode="offline"),
+        ),
     )
     params = json.loads(json.dumps(dataclasses.asdict(cfg)))
     run, results = RunDir(tmp_path / "run"), {}
@@ -60,3 +68,7 @@ def test_the_flow_run_whose_result_is_a_suspected_regression_looks_back_at_the_s
     history = tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy")
     assert sorted(m.step for m in history) == [0, 4, 8, 12]  # each once, at its own step
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "4"
+    # The other sinks hold the same points once each, 8 after 12 (on W&B's eval/step axis).
+    assert sink_points.scalars(run.root / "tensorboard" / "areal-eval")["eval/accuracy"] == [0, 4, 8, 12]
+    rows = sink_points.history(run.root / "sinks", sink_points.wandb_run_id(run.root))
+    assert [r["eval/step"] for r in rows if "eval/accuracy" in r] == [0, 4, 12, 8]

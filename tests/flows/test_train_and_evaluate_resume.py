@@ -23,12 +23,16 @@ from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker
+from tests import sink_points
 from tests.conftest import TINY
 from tests.helpers import sqlite_mlflow_uri, tmpfs
 from tests.prefect_services import with_migrated_database
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
+
+
+SINKS = ("mlflow", "tensorboard", "wandb")
 
 
 def flow_command(config: Path) -> list[str]:
@@ -40,6 +44,7 @@ def clean_env(prefect_home: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.pop("AREAL_EVAL_OWNER", None)
     env["PREFECT_HOME"] = str(with_migrated_database(prefect_home))
+    env["WANDB_MODE"] = "offline"  # W&B's files only: nothing leaves the machine
     return env
 
 
@@ -63,13 +68,13 @@ def wait_for(condition, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict):
+def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict, sinks: tuple = ("mlflow",)):
     """The demo's command on a tiny config, as its own process; returns it, its config, run and log."""
     params = {
         **TINY,
         "run_name": run_name,
         "work_dir": str(tmp_path),
-        "tracking": {"tracking_uri": sqlite_mlflow_uri(tmp_path)},
+        "tracking": {"tracking_uri": sqlite_mlflow_uri(tmp_path), "sinks": list(sinks)},
         "train": {**TINY["train"], "max_steps": max_steps, "epochs": 40, "save": {"freq_steps": 6}},
         "scheduler": scheduler,
     }
@@ -96,7 +101,7 @@ def as_in_a_terminal() -> None:
 
 def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
     flow, params, config, run, log = start_flow(
-        tmp_path, "resume", 60, {"min_interval_steps": 0, "max_interval_steps": 12}
+        tmp_path, "resume", 60, {"min_interval_steps": 0, "max_interval_steps": 12}, SINKS
     )
     try:
 
@@ -107,6 +112,7 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
         wait_for(mid_run, 300, f"training past step 12 (flow log {log.name})")
         family = psutil.Process(flow.pid).children(recursive=True)
         assert any("areal_eval.train" in " ".join(p.cmdline()) for p in family)
+        wandb_opened = (run.root / "sinks" / "wandb.json").exists()  # then the rerun resumes its W&B run
         os.kill(flow.pid, signal.SIGKILL)
         flow.wait(10)
 
@@ -146,6 +152,14 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
     assert sorted(eval_steps) == evaluated  # none evaluated twice, none lost
     train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "train/loss")]
     assert train_steps == sorted(set(train_steps)) and max(train_steps) == 60
+    # The other sinks too: W&B resumed its run, TensorBoard wrote no step twice.
+    tensorboard = sink_points.scalars(run.root / "tensorboard" / "areal-eval")
+    assert tensorboard["eval/accuracy"] == evaluated and tensorboard["train/loss"] == train_steps
+    wandb_rows = sink_points.history(run.root / "sinks", sink_points.wandb_run_id(run.root))
+    assert sorted(r["eval/step"] for r in wandb_rows if "eval/accuracy" in r) == evaluated
+    assert sorted(r["train/step"] for r in wandb_rows if "train/loss" in r) == train_steps
+    wandb_files = sink_points.run_files(run.root / "sinks", sink_points.wandb_run_id(run.root))
+    assert len(wandb_files) == 1 + wandb_opened  # one W&B run, resumed under its id when the killed flow had it
 
 
 def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_handled(tmp_path):

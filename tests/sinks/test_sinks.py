@@ -10,7 +10,7 @@ import pytest
 
 from areal_eval.runs.ledger import Ledger, LedgerEntry
 from areal_eval.sinks import TensorBoardConfig, WandbConfig, open_sinks
-from areal_eval.sinks.tensorboard_sink import held_steps
+from areal_eval.sinks.tensorboard_sink import held_points
 from tests.sink_points import history, of_kind, scalars, wandb_run_id
 
 pytestmark = pytest.mark.integration  # wandb starts its service process
@@ -69,7 +69,7 @@ def test_every_record_lands_once_in_each_sink_across_processes_and_a_late_result
     assert points["eval/accuracy"] == [400, 480] and points["eval/accuracy_stderr"] == [400]
     assert points["eval_probe/accuracy"] == [200] and points["alerts/drop"] == [400]
     assert points["train/loss"] == list(range(0, 500, 20))
-    assert "eval/answers/text_summary" in held_steps(tmp_path / "tensorboard" / "areal-eval")
+    assert list(held_points(tmp_path / "tensorboard" / "areal-eval")["eval/answers/text_summary"]) == [400]
 
     wandb_dir, run_id = tmp_path / "sinks", wandb_run_id(tmp_path)
     rows = history(wandb_dir, run_id)
