@@ -21,7 +21,12 @@ from examples.common import tiny_reward_model
 
 
 def build_trainer(
-    work: Path, callbacks: list, max_steps: int = 20, save_steps: int = 8, model: ModelConfig | None = None
+    work: Path,
+    callbacks: list,
+    max_steps: int = 20,
+    save_steps: int = 8,
+    model: ModelConfig | None = None,
+    report_to: tuple = (),
 ):
     """A Trainer over synthetic preference data written under ``work`` (a tiny model, or one of
     ``model``'s size); returns it and the validation pairs' path."""
@@ -38,7 +43,7 @@ def build_trainer(
         learning_rate=3e-3,
         save_steps=save_steps,
         logging_steps=4,
-        report_to=[],
+        report_to=list(report_to),
         use_cpu=True,
         disable_tqdm=True,
     )

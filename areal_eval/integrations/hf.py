@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,6 +53,23 @@ def link_or_copy(files: list[Path], target: Path) -> None:
             shutil.copy2(source, partial / source.name)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
+
+
+def trainer_trackers(args) -> dict:
+    """Where this Trainer logs: its active W&B run (the ``wandb`` integration started it before
+    this callback's ``on_train_begin``) and its TensorBoard ``logging_dir``."""
+    found: dict = {}
+    if "tensorboard" in (args.report_to or []):
+        # Its TensorBoardCallback's directory: $TENSORBOARD_LOGGING_DIR (transformers 5), or
+        # ``logging_dir`` (4.x), else ``runs/<time>_<host>`` in output_dir, whose parent
+        # ``tensorboard --logdir`` is given.
+        logdir = os.environ.get("TENSORBOARD_LOGGING_DIR") or getattr(args, "logging_dir", None)
+        found["tensorboard_logdir"] = str(Path(logdir or Path(args.output_dir) / "runs").expanduser().resolve())
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is not None:
+        found["wandb"] = {"run_id": run.id, "project": run.project, "entity": run.entity, "group": run.group or None}
+    return found
 
 
 class PublishCheckpoints(TrainerCallback):
@@ -98,6 +116,7 @@ class PublishCheckpoints(TrainerCallback):
             )
         if state.is_world_process_zero:
             self._agree_on_run_id()
+            jsonl.write_json(self.run.trainer_trackers, trainer_trackers(args))
         return control
 
     def _agree_on_run_id(self) -> None:

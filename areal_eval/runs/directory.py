@@ -44,6 +44,9 @@ class RunDir:
     """Held while a flow run compares its result with the registered best and moves the alias."""
     tracking_lock = property(lambda self: self.root / "tracking.lock")
     """Held while a flow run finds or creates the run's MLflow run: one MLflow run per run."""
+    trainer_trackers = property(lambda self: self.root / "sinks" / "trainer.json")
+    """Where the trainer logs (its W&B run, its TensorBoard directory), as its callback found
+    them: the sinks of ``tracking.sinks`` that name none write beside them."""
     evaluation_state = property(lambda self: self.root / "evaluation_state.json")
     """What those flow runs share beyond the ledger: alert throttling, refinement and the end."""
 

@@ -9,10 +9,13 @@ what it missed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from areal_eval import jsonl
 from areal_eval.disk import brief
+from areal_eval.runs.directory import RunDir
 from areal_eval.sinks.config import SINKS, TensorBoardConfig, WandbConfig, check_sinks
 from areal_eval.sinks.outbox import SinkOutbox
 
@@ -144,7 +147,20 @@ def open_sinks(
     on_failure,
     single_writer: bool = False,
 ) -> Sinks:
-    """The sinks named in ``tracking.sinks`` other than MLflow (the tracker keeps that one)."""
+    """The sinks named in ``tracking.sinks`` other than MLflow (the tracker keeps that one);
+    what their configs leave open is where the trainer logs, as its callback found it."""
+    found = jsonl.read_json(RunDir(run_dir).trainer_trackers, {}) or {}
+    if "wandb" in names:
+        trainer = found.get("wandb") or {}
+        wandb = dataclasses.replace(
+            wandb,
+            project=wandb.project or trainer.get("project") or "areal-eval",
+            entity=wandb.entity or trainer.get("entity"),
+            run_id=wandb.run_id or trainer.get("run_id"),
+            group=wandb.group or trainer.get("group"),
+        )
+    if "tensorboard" in names and tensorboard.logdir is None and found.get("tensorboard_logdir"):
+        tensorboard = dataclasses.replace(tensorboard, logdir=found["tensorboard_logdir"])
     made = []
     if "tensorboard" in names:
         from areal_eval.sinks.tensorboard_sink import TensorBoardSink

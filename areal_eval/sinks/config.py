@@ -20,18 +20,19 @@ PACKAGES = {
 
 @dataclasses.dataclass
 class WandbConfig:
-    project: str = "areal-eval"
-    """The W&B project; the trainer's, to see evaluation beside training."""
+    project: str | None = None
+    """The W&B project; None: the trainer's (as ``PublishCheckpoints`` found it), else
+    ``areal-eval``."""
     entity: str | None = None
-    """The W&B entity (user or team); None: the logged-in user's default."""
+    """The W&B entity (user or team); None: the trainer's, else the logged-in user's default."""
     group: str | None = None
     """The W&B group of the evaluation run: the trainer's run group (verl, OpenRLHF and TRL set
     one per experiment). None: the trainer's run named by ``run_id``'s group, else the training
     run's id."""
     run_id: str | None = None
     """The trainer's W&B run id. The evaluation run is a run of its own in that run's group,
-    named after it and linked to it in its config (``trainer_run``): two processes never write
-    one run. None: picked up from the trainer's active run by ``PublishCheckpoints``, if any."""
+    linked to it in its config (``trainer_run``): two processes never write one run. None: the
+    Trainer's active run, as ``PublishCheckpoints`` found it, if any."""
     mode: str | None = None
     """``online``, ``offline`` (files only, ``wandb sync`` later) or ``disabled``; None:
     ``$WANDB_MODE``, else W&B's default."""
@@ -49,9 +50,9 @@ class WandbConfig:
 @dataclasses.dataclass
 class TensorBoardConfig:
     logdir: str | None = None
-    """The trainer's TensorBoard log directory (``logging_dir`` of a Hugging Face Trainer): the
-    evaluation writes under ``<logdir>/<subdir>``, so one ``tensorboard --logdir`` shows both.
-    None: ``tensorboard/`` in the run directory."""
+    """The trainer's TensorBoard log directory: the evaluation writes under ``<logdir>/<subdir>``,
+    so one ``tensorboard --logdir`` shows both. None: a Hugging Face Trainer's ``logging_dir``, as
+    ``PublishCheckpoints`` found it, else ``tensorboard/`` in the run directory."""
     subdir: str = "areal-eval"
     """The evaluation's own directory under ``logdir`` (a run of its own in TensorBoard)."""
     answers_per_summary: int = 8

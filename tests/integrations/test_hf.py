@@ -158,3 +158,45 @@ def test_a_publish_that_fails_raises_into_training(tmp_path):
     with pytest.raises(FileNotFoundError, match="valid_data: .*nowhere.jsonl: no such validation data file"):
         trainer.train()
     assert not (tmp_path / "run" / "manifest.jsonl").exists()
+
+
+@pytest.mark.integration  # W&B starts its service process
+def test_the_callback_finds_the_trainers_wandb_run_and_tensorboard_directory_and_the_sinks_write_beside_them(
+    tmp_path, monkeypatch
+):
+    from areal_eval.sinks import TensorBoardConfig, WandbConfig, open_sinks
+    from tests import sink_points
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "trainer-wandb"))
+    monkeypatch.setenv("WANDB_PROJECT", "reward-models")
+    callback = PublishCheckpoints(tmp_path / "run", run_id="hf-run", api_url=None)
+    trainer, _ = hf_trainer(tmp_path, [callback], max_steps=8, report_to=("tensorboard", "wandb"))
+    trainer.train()
+    import wandb
+
+    trainer_run = wandb.run.id
+    wandb.finish()
+    found = json.loads(RunDir(tmp_path / "run").trainer_trackers.read_text())
+    assert found["wandb"]["run_id"] == trainer_run and found["wandb"]["project"] == "reward-models"
+    assert found["tensorboard_logdir"] == str((tmp_path / "trainer" / "runs").resolve())
+
+    said: list = []
+    sinks = open_sinks(
+        ["mlflow", "wandb", "tensorboard"],
+        wandb=WandbConfig(),
+        tensorboard=TensorBoardConfig(),
+        run_dir=tmp_path / "run",
+        run_name="hf-run",
+        on_failure=lambda sink, message: said.append(message),
+    )
+    sinks.record_evaluation(8, {"accuracy": 0.75}, uri="checkpoint-8")
+    sinks.close()
+    assert said == []
+    # Beside the trainer's own event files, in a directory of its own: one tensorboard --logdir shows both.
+    assert sink_points.scalars(tmp_path / "trainer" / "runs" / "areal-eval") == {"eval/accuracy": [8]}
+    [trainers] = [p for p in (tmp_path / "trainer" / "runs").iterdir() if p.name != "areal-eval"]
+    assert "train/loss" in sink_points.scalars(trainers)
+    [run] = sink_points.of_kind(tmp_path / "run" / "sinks", sink_points.wandb_run_id(tmp_path / "run"), "run")
+    assert (run.project, run.run_group) == ("reward-models", trainer_run) and run.run_id != trainer_run
+    assert {u.key: json.loads(u.value_json) for u in run.config.update}["trainer_run"] == trainer_run
