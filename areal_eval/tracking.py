@@ -222,9 +222,10 @@ class Tracker:
         tags: dict | None = None,
         marker: str = "n_pairs",
         prefix: str = EVAL_PREFIX,
+        model_id: str | None = None,
     ) -> bool:
-        """Log one checkpoint's metrics at ``step`` as ``prefix + name``; False (and nothing
-        logged) if already there."""
+        """Log one checkpoint's metrics at ``step`` as ``prefix + name``, linked to the LoggedModel
+        ``model_id`` when given; False (and nothing logged) if already there."""
         from mlflow.entities import Metric, RunTag
 
         key = marker if marker in metrics else sorted(metrics)[0]
@@ -236,7 +237,7 @@ class Tracker:
         now = int(time.time() * 1000)
         self.client.log_batch(
             run_id,
-            metrics=[Metric(prefix + k, float(v), now, step) for k, v in sorted(metrics.items())],
+            metrics=[Metric(prefix + k, float(v), now, step, model_id=model_id) for k, v in sorted(metrics.items())],
             tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
         )
         logged.add(step)

@@ -11,9 +11,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from areal_eval.compare import versus_previous_best
+from areal_eval.disk import brief
 from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.lifecycle.shared_run import SharedRun
+from areal_eval.logged_models import checkpoint_model, log_validation_data
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.redaction import recorded_config
 from areal_eval.runs.directory import RunDir, file_lock
@@ -87,13 +89,20 @@ def _logger():
 def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str, reopen: bool = False) -> str:
     """The MLflow run of a training run (created once), with the whole config as params;
     ``reopen`` marks it RUNNING again (a resumed run)."""
-    return tracker_for(cfg).start_run(
+    tracker, run = tracker_for(cfg), RunDir(run_dir)
+    run_id = tracker.start_run(
         training_run_id,
         recorded_config(dataclasses.asdict(cfg)),
         tags={"areal.run_dir": run_dir},
         reopen=reopen,
-        lock=RunDir(run_dir).tracking_lock,
+        lock=run.tracking_lock,
     )
+    if run.valid_data.exists():  # the run's dataset input, with its digest
+        try:
+            log_validation_data(tracker.client, run_id, run.valid_data, lock=run.tracking_lock)
+        except Exception as exc:  # noqa: BLE001 - a server without dataset inputs: said, the run goes on
+            _logger().warning("validation data not logged as the run's dataset: %s", brief(exc))
+    return run_id
 
 
 def start_tracking(cfg: PipelineConfig, run: RunDir) -> str:
@@ -140,7 +149,9 @@ def log_evaluation(
     if result.probe_metrics:
         logged = tracker.log_evaluation(run_id, step, result.probe_metrics, tags=tags, prefix=PROBE_PREFIX)
     if result.metrics:
-        logged = tracker.log_evaluation(run_id, step, result.metrics, tags=tags | {"last_evaluated_step": step})
+        model_id = checkpoint_model_or_none(tracker, run_id, step, result.uri)
+        tags |= {"last_evaluated_step": step}
+        logged = tracker.log_evaluation(run_id, step, result.metrics, tags=tags, model_id=model_id)
         log_items(tracker, run_id, result, recorded_in)
         if recorded_in is not None and cfg.tracking.registered_model:
             register_best(cfg, tracker, run_id, *recorded_in, result)
@@ -150,6 +161,16 @@ def log_evaluation(
         sinks.record_evaluation(step, result.probe_metrics, prefix=PROBE_PREFIX, uri=result.uri)
         sinks.record_evaluation(step, result.metrics, items=items, uri=result.uri)
     return logged
+
+
+def checkpoint_model_or_none(tracker: Tracker, run_id: str, step: int, uri: str) -> str | None:
+    """The checkpoint's LoggedModel, its metrics linked to it; None where the tracking server
+    keeps no LoggedModels (before MLflow 3): said, and the metrics go in as before."""
+    try:
+        return checkpoint_model(tracker.client, tracker.experiment_id, run_id, step, uri)
+    except Exception as exc:  # noqa: BLE001 - the metrics matter more than the link
+        _logger().warning("step %d: no MLflow LoggedModel for the checkpoint: %s", step, brief(exc))
+        return None
 
 
 def log_items(tracker, run_id: str, result: EvalResult, recorded_in: tuple[RunDir, str] | None) -> None:

@@ -16,6 +16,7 @@ from areal_eval.launcher import stay_offline
 from tests.helpers import sqlite_mlflow_uri
 
 stay_offline()
+os.environ["WANDB_MODE"] = "offline"  # W&B writes its files only: no test sends anything anywhere
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Lanes side by side (scripts/test.sh): torch's default of a thread per core would have each
     # lane's OpenMP threads, and those of the jobs it starts, spin against the other lane's (the

@@ -23,7 +23,14 @@ LAYERS = [
     {"data", "models"},
     {"evaluation"},
     {"clusters"},  # evaluation slots on Ray and Slurm
-    {"sinks", "tracking", "curve_plot", "failures", "compare"},  # what is done with results: MLflow, W&B, TensorBoard
+    {
+        "sinks",
+        "tracking",
+        "logged_models",
+        "curve_plot",
+        "failures",
+        "compare",
+    },  # what is done with results: MLflow, W&B, TensorBoard
     {"lifecycle"},  # one run's lifecycle, on every path
     {"pipeline", "train", "cli", "gpu_check"},  # the combined config and the entry points
 ]

@@ -28,92 +28,95 @@ def held_points(logdir: str | Path) -> dict[str, dict[int, float | str]]:
     return held
 
 
+class EventRun:
+    """One TensorBoard run (a directory of event files): each tag's points once, in the step
+    order TensorBoard needs. TensorBoard takes a step below one it holds as a restart: its server
+    drops the tag's later points, and its ``EventAccumulator`` keeps both. So a late point is
+    written as a restart: a session start at its step (every reader then drops that step and
+    all after it), then the step's points and every later point again."""
+
+    def __init__(self, directory: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.held = held_points(directory)  # what earlier processes wrote: never again
+        self.last = max((max(points, default=-1) for points in self.held.values()), default=-1)
+        # A file per process: flow runs of one run write side by side, taking turns.
+        self.writer = SummaryWriter(str(directory), filename_suffix=f".{os.getpid()}")
+
+    def add(self, step: int, points: dict[str, float | str]) -> None:
+        """``points`` (values by tag) at ``step``, those the tags do not hold yet."""
+        new = {tag: value for tag, value in points.items() if step not in self.held.get(tag, {})}
+        if not new:
+            return
+        later = [] if step >= self.last else sorted((s, t) for t, held in self.held.items() for s in held if s > step)
+        for tag, value in new.items():
+            self.held.setdefault(tag, {})[step] = value
+        self.last = max(self.last, step)
+        if later:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            self.writer.file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+            new = {tag: held[step] for tag, held in self.held.items() if step in held}
+        for tag in sorted(new):
+            self._put(tag, step)
+        for at, tag in later:
+            self._put(tag, at)
+        self.writer.flush()  # on disk before it counts as delivered
+
+    def _put(self, tag: str, step: int) -> None:
+        value = self.held[tag][step]
+        if tag.endswith(TEXT):
+            self.writer.add_text(tag.removesuffix(TEXT), value, global_step=step)
+        else:
+            self.writer.add_scalar(tag, float(value), global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class TensorBoardSink:
-    """Each tag's points once, in step order as TensorBoard needs them. Results arrive out of
-    step order (slots finish when they finish, a look-back comes last), and TensorBoard takes a
-    step below one it holds as a restart: its server drops the tag's later points, and its
-    ``EventAccumulator`` keeps both. So a late point is written as a restart: a session start at
-    its step (every reader then drops what follows it), the point, and every later point again."""
+    """Evaluation results and alerts in ``<logdir>/areal-eval``; training rows in a run of their
+    own below it (``areal-eval/train``): results come after the training steps past them, and in
+    one run each would be a restart."""
 
     name = "tensorboard"
 
     def __init__(self, config: TensorBoardConfig, *, run_dir: str | Path):
         self.config = config
         self.logdir = config.directory(run_dir)
-        self._writer = None
-        self._held: dict[str, dict[int, float | str]] = {}
-        self._last: int | None = None
-        """The highest step held in any tag (None: not known yet)."""
+        self._runs: dict[str, EventRun] = {}
 
     def open(self) -> None:
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+        pass  # each run opens at its first point: no empty run shows in TensorBoard
 
-            self.logdir.mkdir(parents=True, exist_ok=True)
-            self._held, self._last = held_points(self.logdir), None  # what earlier processes wrote: never again
-            # A file per process: flow runs of one run write side by side, taking turns.
-            self._writer = SummaryWriter(str(self.logdir), filename_suffix=f".{os.getpid()}")
-
-    def _add(self, step: int, points: dict[str, float | str]) -> None:
-        """``points`` (values by tag) at ``step``, those the tags do not hold yet."""
-        new = {tag: value for tag, value in points.items() if step not in self._held.get(tag, {})}
-        if not new:
-            return
-        last = (
-            max((max(held, default=-1) for held in self._held.values()), default=-1)
-            if self._last is None
-            else self._last
-        )
-        later = [] if step >= last else sorted((s, t) for t, held in self._held.items() for s in held if s > step)
-        for tag, value in new.items():
-            self._held.setdefault(tag, {})[step] = value
-        self._last = max(last, step)
-        if not later:
-            for tag in sorted(new):
-                self._put(tag, step)
-            return
-        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-
-        # A late point: a restart at its step drops the step and all after it, in every tag;
-        # then the step's points and every later point again.
-        self._writer.file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
-        for tag in sorted(tag for tag, held in self._held.items() if step in held):
-            self._put(tag, step)
-        for at, tag in later:
-            self._put(tag, at)
-
-    def _put(self, tag: str, step: int) -> None:
-        value = self._held[tag][step]
-        if tag.endswith(TEXT):
-            self._writer.add_text(tag.removesuffix(TEXT), value, global_step=step)
-        else:
-            self._writer.add_scalar(tag, float(value), global_step=step)
+    def _run(self, name: str) -> EventRun:
+        if name not in self._runs:
+            self._runs[name] = EventRun(self.logdir if name == "eval" else self.logdir / name)
+        return self._runs[name]
 
     def evaluation(self, step: int, metrics: dict, *, prefix: str, answers: list[dict], uri: str) -> None:
         points = {prefix + name: value for name, value in metrics.items()}
         shown = answers[: self.config.answers_per_summary]
         if shown:
             points[prefix + "answers" + TEXT] = answers_markdown(shown, uri)
-        self._add(step, points)
-        self._writer.flush()  # on disk before it counts as delivered
+        self._run("eval").add(step, points)
 
     def training(self, rows: list[dict]) -> None:
         for row in rows:
             numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            self._add(int(row["step"]), {"train/" + k: v for k, v in numbers.items() if k != "step"})
-        self._writer.flush()
+            self._run("train").add(int(row["step"]), {"train/" + k: v for k, v in numbers.items() if k != "step"})
 
     def alert(self, rule: str, step: int, message: str) -> None:
-        self._add(step, {f"alerts/{rule}": 1.0})
-        self._writer.flush()
+        self._run("eval").add(step, {f"alerts/{rule}": 1.0})
 
     def end(self, status: str, *, plot: Path | None) -> None:
         pass  # TensorBoard draws its own curves
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for run in self._runs.values():
+            run.close()
+        self._runs = {}
 
 
 MAX_COLUMNS = 8

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from areal_eval.checkpoints.manifest import Manifest
+from areal_eval.logged_models import file_digest
 from areal_eval.runs.directory import RunBusy, RunDir, RunLock
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from tests import sink_points
@@ -73,10 +74,23 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
     # The alert rule fired on every evaluation; throttling let one notification through.
     assert len(webhook.requests) == 1 and SENTINEL in webhook.requests[0]["path"]
 
+    # MLflow 3's records: a LoggedModel per evaluated checkpoint, ranked by its linked metrics,
+    # and the validation data as the run's dataset input.
+    ranked = tracker.client.search_logged_models(
+        [tracker.experiment_id], order_by=[{"field_name": "metrics.eval/accuracy", "ascending": False}]
+    )
+    assert sorted(int(m.params["global_step"]) for m in ranked) == evaluated
+    linked = [{x.key: x.value for x in m.metrics}["eval/accuracy"] for m in ranked]
+    assert linked == sorted((m.value for m in history), reverse=True)
+    assert {m.source_run_id for m in ranked} == {runs[0].info.run_id}
+    [dataset] = tracker.client.get_run(runs[0].info.run_id).inputs.dataset_inputs
+    assert dataset.dataset.digest == file_digest(run.valid_data)
+
     # The other sinks hold what MLflow holds, each point once (tests/sinks/ reads them back).
     train_steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss"))
     tensorboard = sink_points.scalars(run.root / "tensorboard" / "areal-eval")
-    assert tensorboard["eval/accuracy"] == evaluated and tensorboard["train/loss"] == train_steps
+    tensorboard_train = sink_points.scalars(run.root / "tensorboard" / "areal-eval" / "train")
+    assert tensorboard["eval/accuracy"] == evaluated and tensorboard_train["train/loss"] == train_steps
     wandb_rows = sink_points.history(run.root / "sinks", sink_points.wandb_run_id(run.root))
     assert sorted(r["eval/step"] for r in wandb_rows if "eval/accuracy" in r) == evaluated
     assert sorted(r["train/step"] for r in wandb_rows if "train/loss" in r) == train_steps
