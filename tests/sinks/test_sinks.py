@@ -111,3 +111,23 @@ def test_a_failing_sink_is_said_in_one_line_never_stops_the_others_and_catches_u
     assert scalars(blocked / "areal-eval")["eval/accuracy"] == [4, 8]
     rows = history(tmp_path / "sinks", wandb_run_id(tmp_path))
     assert [r["eval/step"] for r in rows if "eval/accuracy" in r] == [4, 8]  # none twice
+
+
+def test_a_wandb_that_refuses_is_said_in_one_line_and_the_other_sink_records_on(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "no-login"))  # no stored key either
+    said: list = []
+    online = open_sinks(
+        ["mlflow", "tensorboard", "wandb"],
+        wandb=WandbConfig(project="p", mode="online"),
+        tensorboard=TensorBoardConfig(),
+        run_dir=tmp_path,
+        run_name="run-1",
+        on_failure=lambda sink, message: said.append((sink, message)),
+    )
+    online.record_evaluation(4, {"accuracy": 0.25}, uri="ckpt-4")
+    online.close()
+    [(sink, message)] = said
+    assert sink == "wandb" and message.startswith("step 4's result not recorded in wandb (retried later): ")
+    assert "\n" not in message
+    assert scalars(tmp_path / "tensorboard" / "areal-eval")["eval/accuracy"] == [4]
