@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from pathlib import Path
 
 from areal_eval.runs.directory import file_lock
@@ -63,4 +64,38 @@ def log_validation_data(client, run_id: str, path: str | Path, *, lock: Path | N
             return False
         dataset = Dataset(Path(path).stem, digest, "local", str(Path(path).resolve()))
         client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "eval")])])
+    return True
+
+
+CHECKPOINTS_TABLE = "checkpoints.json"
+"""Every checkpoint of the run, a row each: its step, status, the scheduler's decision, where it
+is, its failed attempts. An MLflow table (the run's Artifacts and Evaluation views), rewritten
+whole from the ledger each time, so a retry or a resume never adds a row twice."""
+COLUMNS = ("step", "status", "decision", "checkpoint", "failed_attempts")
+
+
+TABLE_EVERY_S = 30.0
+"""How often a result rewrites the table while the run goes on: its cost grows with the run (a
+row per checkpoint), so a long run's results do not each pay for it; the run's end writes it."""
+_written: dict[str, float] = {}
+
+
+def log_checkpoints_table(client, run_id: str, entries: list, *, at_most_every_s: float = 0.0) -> bool:
+    """The run's checkpoints (ledger entries, by step) as the table :data:`CHECKPOINTS_TABLE`;
+    skipped (False) when this process wrote it less than ``at_most_every_s`` ago."""
+    import json
+    import time
+
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+    if time.monotonic() - _written.get(run_id, -math.inf) < at_most_every_s:
+        return False
+
+    rows = [[e.step, e.status, e.reason, e.uri, e.failed_attempts] for e in sorted(entries, key=lambda e: e.step)]
+    client.log_dict(run_id, {"columns": list(COLUMNS), "data": rows}, CHECKPOINTS_TABLE)  # log_table's own layout
+    logged = json.loads(client.get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+    if {"path": CHECKPOINTS_TABLE, "type": "table"} not in logged:  # shown as a table, as log_table marks it
+        logged.append({"path": CHECKPOINTS_TABLE, "type": "table"})
+        client.set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(logged))
+    _written[run_id] = time.monotonic()
     return True

@@ -166,8 +166,9 @@ class Timings:
 class PlainIO:
     """The loop's effects as the flow has them, without Prefect: MLflow calls and a thread."""
 
-    def __init__(self, tracker, mlflow_run_id: str, evaluate, timings: Timings):
+    def __init__(self, tracker, mlflow_run_id: str, evaluate, timings: Timings, ledger):
         self.tracker, self.mlflow_run_id, self.evaluate, self.timings = tracker, mlflow_run_id, evaluate, timings
+        self.ledger = ledger
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
         self.alerts = 0
 
@@ -178,10 +179,14 @@ class PlainIO:
         return self.pool.submit(self.evaluate, event)
 
     def log_result(self, result, reason):
-        tags = {f"checkpoint.{result.global_step}.uri": result.uri, f"decision.{result.global_step}": reason}
-        self.timings.timed(
-            "evaluation_log", self.tracker.log_evaluation, self.mlflow_run_id, result.global_step, result.metrics, tags
-        )
+        from areal_eval.logged_models import TABLE_EVERY_S, log_checkpoints_table
+
+        def record():  # as the flow's recording step: the metrics, then the run's table of checkpoints
+            self.tracker.log_evaluation(self.mlflow_run_id, result.global_step, result.metrics)
+            entries = self.ledger.entries()
+            log_checkpoints_table(self.tracker.client, self.mlflow_run_id, entries, at_most_every_s=TABLE_EVERY_S)
+
+        self.timings.timed("evaluation_log", record)
 
     def send_alert(self, alert):
         self.alerts += 1
@@ -280,7 +285,7 @@ def run_once(args, tracking: str, work: Path) -> dict:
             alerts = io.alerts
             task_runs[1.0] = counters["task_runs"]()
         else:
-            io = PlainIO(tracker, mlflow_run_id, evaluator, timings)
+            io = PlainIO(tracker, mlflow_run_id, evaluator, timings, planner.ledger)
             loop = FollowLoop(
                 planner,
                 Manifest(training.manifest),

@@ -26,6 +26,7 @@ from areal_eval.evaluation.jobs import EvalResult, check_validation_data
 from areal_eval.failures import is_known_failure, one_line
 from areal_eval.lifecycle.outcome import Attempt, Outcome
 from areal_eval.lifecycle.shared_run import Claim, SharedRun
+from areal_eval.logged_models import log_checkpoints_table
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config
@@ -290,12 +291,10 @@ def validation_data(data_path: str | None, event: CheckpointEvent, run: RunDir) 
 
 
 def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[CheckpointEvent], shared: SharedRun) -> None:
-    """The decisions this flow run made, whichever of its calls made them, as ``decision.<step>`` tags."""
+    """The decisions this flow run made, whichever of its calls made them, in the run's table of
+    checkpoints (``checkpoints.json``)."""
     if decided:
-        entries = Ledger(shared.run.ledger)
-        tracker_for(cfg).set_tags(
-            mlflow_run_id, {f"decision.{e.global_step}": entries.latest(e.global_step).reason for e in decided}
-        )
+        log_checkpoints_table(tracker_for(cfg).client, mlflow_run_id, Ledger(shared.run.ledger).entries())
 
 
 def evaluate_one(

@@ -15,7 +15,7 @@ from areal_eval.disk import brief
 from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.lifecycle.shared_run import SharedRun
-from areal_eval.logged_models import checkpoint_model, log_validation_data
+from areal_eval.logged_models import TABLE_EVERY_S, checkpoint_model, log_checkpoints_table, log_validation_data
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.redaction import recorded_config
 from areal_eval.runs.directory import RunDir, file_lock
@@ -136,15 +136,16 @@ def record_training(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, rows: 
 def log_evaluation(
     cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str, recorded_in: tuple[RunDir, str] | None = None
 ) -> bool:
-    """Metrics at ``step=global_step`` plus checkpoint tags; False if the step was already logged.
+    """Metrics at ``step=global_step``, linked to the checkpoint's LoggedModel, and the run's
+    table of checkpoints; False if the step was already logged.
     Probe metrics go in as ``eval_probe/*`` (a probe has no others). Given where the result is
     recorded (the run directory and training run id), the checkpoint is also registered if it
     is the best."""
     step = result.global_step
     tracker = tracker_for(cfg)
-    tags = {f"checkpoint.{step}.uri": result.uri, f"decision.{step}": reason}
-    entry = Ledger(recorded_in[0].ledger).latest(step) if recorded_in is not None else None
-    tags |= attempt_tags(entry) if entry is not None else {}  # attempts that failed before this one
+    ledger = Ledger(recorded_in[0].ledger) if recorded_in is not None else None
+    entry = ledger.latest(step) if ledger is not None else None
+    tags = attempt_tags(entry) if entry is not None else {}  # attempts that failed before this one
     logged = False
     if result.probe_metrics:
         logged = tracker.log_evaluation(run_id, step, result.probe_metrics, tags=tags, prefix=PROBE_PREFIX)
@@ -155,6 +156,11 @@ def log_evaluation(
         log_items(tracker, run_id, result, recorded_in)
         if recorded_in is not None and cfg.tracking.registered_model:
             register_best(cfg, tracker, run_id, *recorded_in, result)
+    if ledger is not None:  # its decision, in the run's table of checkpoints: a side record, warned about
+        try:
+            log_checkpoints_table(tracker.client, run_id, ledger.entries(), at_most_every_s=TABLE_EVERY_S)
+        except Exception as exc:  # noqa: BLE001 - an artifact store that refuses: the run's end writes it again
+            _logger().warning("step %d: the table of checkpoints not updated in MLflow: %s", step, brief(exc))
     sinks = sinks_for(cfg, recorded_in[0], run_id) if recorded_in is not None else None
     if sinks is not None:  # where the result is recorded: a dispatched evaluation's owner records it there
         items = result.items or stored_items(recorded_in[0].evals, step)
@@ -230,6 +236,7 @@ def finish_tracking(
     a run that already ended."""
     tracker = tracker_for(cfg)
     tracker.log_dict(run_id, [dataclasses.asdict(e) for e in ledger.entries()], "scheduler_decisions.json")
+    log_checkpoints_table(tracker.client, run_id, ledger.entries())
     if plot is not None:
         tracker.log_artifact(run_id, plot)
     entries = ledger.entries()

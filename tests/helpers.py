@@ -294,3 +294,20 @@ def harness_reference(checkpoint, cfg) -> dict:
         fewshot_random_seed=cfg.seed,
     )
     return flatten_results(out["results"])
+
+
+def checkpoints_table(tracker, mlflow_run_id: str) -> dict[int, dict]:
+    """The MLflow run's table of checkpoints (``checkpoints.json``), its rows by step; it must be
+    marked as a table, as ``log_table`` marks one (MLflow's UI then shows it as a table)."""
+    import json
+    import tempfile
+
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+    from areal_eval.logged_models import CHECKPOINTS_TABLE
+
+    marked = json.loads(tracker.client.get_run(mlflow_run_id).data.tags[MLFLOW_LOGGED_ARTIFACTS])
+    assert {"path": CHECKPOINTS_TABLE, "type": "table"} in marked, marked
+    with tempfile.TemporaryDirectory() as tmp:
+        table = json.loads(Path(tracker.client.download_artifacts(mlflow_run_id, CHECKPOINTS_TABLE, tmp)).read_text())
+    return {int(row[0]): dict(zip(table["columns"], row, strict=True)) for row in table["data"]}

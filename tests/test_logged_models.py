@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from areal_eval.logged_models import checkpoint_model, file_digest, log_validation_data
+from areal_eval.logged_models import checkpoint_model, file_digest, log_checkpoints_table, log_validation_data
+from areal_eval.runs.ledger import LedgerEntry
 from areal_eval.tracking import Tracker
-from tests.helpers import sqlite_mlflow_uri
+from tests.helpers import checkpoints_table, sqlite_mlflow_uri
 
 
 def test_a_checkpoint_is_one_logged_model_its_metrics_rank_it_and_the_data_is_logged_once(tmp_path):
@@ -31,3 +32,18 @@ def test_a_checkpoint_is_one_logged_model_its_metrics_rank_it_and_the_data_is_lo
     [dataset] = tracker.client.get_run(run_id).inputs.dataset_inputs
     assert (dataset.dataset.name, dataset.dataset.digest) == ("valid", file_digest(data))
     assert [(t.key, t.value) for t in dataset.tags] == [("mlflow.data.context", "eval")]
+
+
+def test_the_checkpoints_table_is_rewritten_whole_so_a_retry_adds_no_row(tmp_path):
+    tracker = Tracker(sqlite_mlflow_uri(tmp_path), "areal-eval")
+    run_id = tracker.start_run("run-1", {})
+    entries = [LedgerEntry(0, "/ckpt/0", "evaluated", "first"), LedgerEntry(4, "/ckpt/4", "skipped", "plateau")]
+    log_checkpoints_table(tracker.client, run_id, entries[:1])
+    log_checkpoints_table(tracker.client, run_id, entries)
+    log_checkpoints_table(tracker.client, run_id, entries)  # a retry, or a resumed run
+    table = checkpoints_table(tracker, run_id)  # read back as MLflow's tables are (load_table)
+    assert {step: (r["status"], r["decision"], r["checkpoint"]) for step, r in table.items()} == {
+        0: ("evaluated", "first", "/ckpt/0"),
+        4: ("skipped", "plateau", "/ckpt/4"),
+    }
+    assert not [tag for tag in tracker.client.get_run(run_id).data.tags if tag.startswith("decision.")]

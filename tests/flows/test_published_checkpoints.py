@@ -20,7 +20,7 @@ from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.pipeline.config import load_pipeline_config
 from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import Tracker
-from tests.helpers import assert_best_is_registered, copy_trained_run
+from tests.helpers import assert_best_is_registered, checkpoints_table, copy_trained_run
 from tests.prefect_services import (
     PREFECT,
     REPO,
@@ -132,7 +132,9 @@ def test_a_burst_of_events_decides_as_the_in_flow_planner_and_the_run_ends(serve
     mlflow_run = tracker.client.get_run(tracker.find_run("burst"))
     assert mlflow_run.info.status == "FINISHED"
     assert mlflow_run.data.tags["checkpoints.evaluated"] == str(len(evaluated))
-    assert all(f"decision.{s}" in mlflow_run.data.tags for s in steps)
+    table = checkpoints_table(tracker, mlflow_run.info.run_id)
+    assert sorted(table) == steps and all(row["decision"] for row in table.values())
+    assert not [tag for tag in mlflow_run.data.tags if tag.startswith(("decision.", "checkpoint."))]  # no wall of tags
     assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, "train/loss")) == steps
     artifacts = {a.path for a in tracker.client.list_artifacts(mlflow_run.info.run_id)}
     assert {"evaluation_curve.png", "scheduler_decisions.json"} <= artifacts

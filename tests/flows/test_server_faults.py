@@ -20,7 +20,7 @@ from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, publish_checkpoint
 from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import Tracker
-from tests.helpers import free_port
+from tests.helpers import checkpoints_table, free_port
 from tests.prefect_services import REPO, api, api_get, cli, server_env, start_server, stop, wait_for_runs
 
 pytestmark = pytest.mark.integration
@@ -207,4 +207,5 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
     )
     for name in ("train/loss", "train/lr"):  # every publication's metrics, each once
         assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run.info.run_id, name)) == steps
-    assert all(f"decision.{s}" in mlflow_run.data.tags for s in steps), json.dumps(mlflow_run.data.tags)[:3000]
+    table = checkpoints_table(tracker, mlflow_run.info.run_id)
+    assert sorted(table) == steps and all(row["decision"] for row in table.values()), table  # every decision

@@ -15,6 +15,7 @@ from tests import sink_points
 from tests.conftest import tiny_config
 from tests.helpers import (
     assert_best_is_registered,
+    checkpoints_table,
     copy_trained_run,
     mlflow_run,
     sqlite_mlflow_uri,
@@ -66,7 +67,9 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
     assert tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")
     data = runs[0].data
     assert data.params["train.max_steps"] == "12"
-    assert data.tags[f"checkpoint.{steps[-1]}.uri"].endswith(f"global_step_{steps[-1]:08d}")
+    table = checkpoints_table(tracker, runs[0].info.run_id)  # every checkpoint: a row, not two tags
+    assert sorted(table) == steps and table[steps[-1]]["checkpoint"].endswith(f"global_step_{steps[-1]:08d}")
+    assert {row["status"] for row in table.values()} <= set(FINAL_STATES) and table[0]["status"] == "evaluated"
     artifacts = [a.path for a in tracker.client.list_artifacts(runs[0].info.run_id)]
     assert {"scheduler_decisions.json", "evaluation_curve.png", "alerts"} <= set(artifacts)
     assert_best_is_registered(tracker, f"areal-eval-{run.run_id}", runs[0].info.run_id, ledger)
@@ -248,10 +251,11 @@ def test_triggered_runs_skip_then_the_final_one_refines_next_to_the_best(prefect
         tracker, runs = mlflow_run(cfg)
         steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "eval/accuracy"))
         assert steps == sorted([0, 12] + refined)  # each once
-        assert runs[0].data.tags[f"decision.{refined[0]}"].startswith("refine: next to the best")
+        table = checkpoints_table(tracker, runs[0].info.run_id)
+        assert table[refined[0]]["decision"].startswith("refine: next to the best")
         # The run that found the run over ended it, as train-and-evaluate does.
         assert runs[0].info.status == "FINISHED" and runs[0].data.tags["checkpoints.evaluated"] == "3"
-        assert "min interval" in runs[0].data.tags["decision.4"]
+        assert "min interval" in table[4]["decision"]
         published_loss = {e.global_step for e in Manifest(run.manifest).events() if "loss" in e.train_metrics}
         assert {m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss")} == published_loss
         again = evaluate_checkpoint(12, str(run.manifest), params=params)
