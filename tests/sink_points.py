@@ -82,3 +82,15 @@ def scalars(logdir: str | Path) -> dict[str, list[int]]:
     events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: sorted(e.step for e in events.Scalars(tag)) for tag in events.Tags()["scalars"]}
+
+
+def assert_sinks_hold(run_root: str | Path, evaluated: list[int], train_steps: list[int]) -> None:
+    """The run's TensorBoard and W&B hold what MLflow holds: ``eval/accuracy`` at each evaluated
+    step and ``train/loss`` at each training step, each once."""
+    run_root = Path(run_root)
+    tensorboard = scalars(run_root / "tensorboard" / "areal-eval")
+    assert tensorboard["eval/accuracy"] == sorted(evaluated), tensorboard["eval/accuracy"]
+    assert scalars(run_root / "tensorboard" / "areal-eval" / "train")["train/loss"] == sorted(train_steps)
+    rows = history(run_root / "sinks", wandb_run_id(run_root))
+    assert sorted(r["eval/step"] for r in rows if "eval/accuracy" in r) == sorted(evaluated)
+    assert sorted(r["train/step"] for r in rows if "train/loss" in r) == sorted(train_steps)

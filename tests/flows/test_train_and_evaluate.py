@@ -91,12 +91,7 @@ def test_pipeline_end_to_end(prefect_server, tmp_path, webhook, monkeypatch):
 
     # The other sinks hold what MLflow holds, each point once (tests/sinks/ reads them back).
     train_steps = sorted(m.step for m in tracker.client.get_metric_history(runs[0].info.run_id, "train/loss"))
-    tensorboard = sink_points.scalars(run.root / "tensorboard" / "areal-eval")
-    tensorboard_train = sink_points.scalars(run.root / "tensorboard" / "areal-eval" / "train")
-    assert tensorboard["eval/accuracy"] == evaluated and tensorboard_train["train/loss"] == train_steps
-    wandb_rows = sink_points.history(run.root / "sinks", sink_points.wandb_run_id(run.root))
-    assert sorted(r["eval/step"] for r in wandb_rows if "eval/accuracy" in r) == evaluated
-    assert sorted(r["train/step"] for r in wandb_rows if "train/loss" in r) == train_steps
+    sink_points.assert_sinks_hold(run.root, evaluated, train_steps)
     [alert] = sink_points.of_kind(run.root / "sinks", sink_points.wandb_run_id(run.root), "alert")
     assert alert.title == "[areal-eval] accuracy-seen at step 0"
     body = json.loads(webhook.requests[0]["json"]["body"])
