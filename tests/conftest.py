@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,6 +18,9 @@ from tests.helpers import sqlite_mlflow_uri
 
 stay_offline()
 os.environ["WANDB_MODE"] = "offline"  # W&B writes its files only: no test sends anything anywhere
+# W&B's files of a run started without a directory (a Trainer's): not in the working tree. Set
+# for the session, as W&B reads its settings once per process.
+os.environ["WANDB_DIR"] = tempfile.mkdtemp(prefix="areal-eval-tests-wandb-")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Lanes side by side (scripts/test.sh): torch's default of a thread per core would have each
     # lane's OpenMP threads, and those of the jobs it starts, spin against the other lane's (the

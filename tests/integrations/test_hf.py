@@ -168,7 +168,6 @@ def test_the_callback_finds_the_trainers_wandb_run_and_tensorboard_directory_and
     from tests import sink_points
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "trainer-wandb"))
     monkeypatch.setenv("WANDB_PROJECT", "reward-models")
     callback = PublishCheckpoints(tmp_path / "run", run_id="hf-run", api_url=None)
     trainer, _ = hf_trainer(tmp_path, [callback], max_steps=8, report_to=("tensorboard", "wandb"))
