@@ -79,9 +79,9 @@ class PrefectLoopIO:
         log_failed_attempt(self.cfg, self.mlflow_run_id, self.ledger, step)
 
     def log_training(self, rows: list[dict]) -> None:
-        rows = [r for r in rows if "loss" in r]
-        tracker_for(self.cfg).log_train_metrics(self.mlflow_run_id, rows)
-        record_training(self.cfg, self.run, self.mlflow_run_id, rows)
+        losses = [r for r in rows if "loss" in r]
+        tracker_for(self.cfg).log_train_metrics(self.mlflow_run_id, losses)
+        record_training(self.cfg, self.run, self.mlflow_run_id, losses)
         if self.total_steps:  # unknown for an external trainer without train.max_steps
             self.set_progress(rows[-1]["step"] / self.total_steps)
 
