@@ -166,9 +166,14 @@ class Timings:
 class PlainIO:
     """The loop's effects as the flow has them, without Prefect: MLflow calls and a thread."""
 
-    def __init__(self, tracker, mlflow_run_id: str, evaluate, timings: Timings, ledger):
+    def __init__(self, tracker, mlflow_run_id: str, evaluate, timings: Timings, run_dir: Path):
+        from areal_eval.recording import Recorder
+        from areal_eval.runs.directory import RunDir
+
         self.tracker, self.mlflow_run_id, self.evaluate, self.timings = tracker, mlflow_run_id, evaluate, timings
-        self.ledger = ledger
+        self.recorder = Recorder(
+            tracker, mlflow_run_id, run=RunDir(run_dir), training_run_id="scale"
+        )  # the flows' step
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
         self.alerts = 0
 
@@ -179,21 +184,14 @@ class PlainIO:
         return self.pool.submit(self.evaluate, event)
 
     def log_result(self, result, reason):
-        from areal_eval.logged_models import TABLE_EVERY_S, log_checkpoints_table
-
-        def record():  # as the flow's recording step: the metrics, then the run's table of checkpoints
-            self.tracker.log_evaluation(self.mlflow_run_id, result.global_step, result.metrics)
-            entries = self.ledger.entries()
-            log_checkpoints_table(self.tracker.client, self.mlflow_run_id, entries, at_most_every_s=TABLE_EVERY_S)
-
-        self.timings.timed("evaluation_log", record)
+        self.timings.timed("evaluation_log", self.recorder.result, result)
 
     def send_alert(self, alert):
         self.alerts += 1
         self.tracker.set_tags(self.mlflow_run_id, {f"alert.{alert.rule}": f"step {alert.step}: {alert.message}"})
 
     def log_training(self, rows):
-        self.timings.timed("train_flush", self.tracker.log_train_metrics, self.mlflow_run_id, rows)
+        self.timings.timed("train_flush", self.recorder.training, rows)
 
     def delete_checkpoints(self, events):
         raise AssertionError("retention is off in this benchmark")
@@ -285,7 +283,7 @@ def run_once(args, tracking: str, work: Path) -> dict:
             alerts = io.alerts
             task_runs[1.0] = counters["task_runs"]()
         else:
-            io = PlainIO(tracker, mlflow_run_id, evaluator, timings, planner.ledger)
+            io = PlainIO(tracker, mlflow_run_id, evaluator, timings, work / "run")
             loop = FollowLoop(
                 planner,
                 Manifest(training.manifest),

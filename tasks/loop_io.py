@@ -24,7 +24,7 @@ from areal_eval.runs.ledger import Ledger
 from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
 from tasks.evaluation import dispatch_evaluation, evaluation_task
-from tasks.mlflow_logging import log_evaluation, log_failed_attempt, record_training, sinks_for, tracker_for
+from tasks.mlflow_logging import log_evaluation, log_failed_attempt, recorder_for, sinks_for
 from tasks.reports import update_evaluation_table
 
 
@@ -79,9 +79,7 @@ class PrefectLoopIO:
         log_failed_attempt(self.cfg, self.mlflow_run_id, self.ledger, step)
 
     def log_training(self, rows: list[dict]) -> None:
-        losses = [r for r in rows if "loss" in r]
-        tracker_for(self.cfg).log_train_metrics(self.mlflow_run_id, losses)
-        record_training(self.cfg, self.run, self.mlflow_run_id, losses)
+        recorder_for(self.cfg, self.mlflow_run_id, self.run).training([r for r in rows if "loss" in r])
         if self.total_steps:  # unknown for an external trainer without train.max_steps
             self.set_progress(rows[-1]["step"] / self.total_steps)
 

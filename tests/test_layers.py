@@ -27,6 +27,7 @@ LAYERS = [
         "sinks",
         "tracking",
         "logged_models",
+        "recording",
         "curve_plot",
         "failures",
         "compare",
