@@ -94,6 +94,20 @@ class Recorder:
             self.sinks.record_training(rows)
         return logged
 
+    def alert(self, alert, records: dict[str, str]) -> None:
+        """An alert: in MLflow as an artifact and the tags ``records`` (what fired, what could
+        not be notified), a side record said in one line when MLflow refuses it (the alert went
+        out already); in the other sinks unless throttled (a W&B alert notifies too)."""
+        tracker, run_id = self.tracker, self.mlflow_run_id
+
+        def record():
+            tracker.log_dict(run_id, dataclasses.asdict(alert), f"alerts/step_{alert.step:08d}_{alert.rule}.json")
+            tracker.set_tags(run_id, records)
+
+        self._side(f"alert {alert.rule} at step {alert.step} not recorded in MLflow", record)
+        if self.sinks is not None and self.run is not None and not alert.throttled:
+            self.sinks.record_alert(alert.rule, alert.step, alert.message)
+
     def end(self, ledger: Ledger, plot: Path | None, *, status: str | None, failure: str | None = None) -> None:
         """The decisions, the table of checkpoints, the curve plot and the counts; the run ended
         with ``status`` (``failure`` its cause); None refreshes a run that already ended. The

@@ -16,7 +16,7 @@ from areal_eval.alerts import Alert, AlertsConfig
 from areal_eval.config.parsing import ConfigError
 from areal_eval.redaction import redact
 from areal_eval.runs.directory import RunDir, StopSignal
-from tasks.mlflow_logging import sinks_for, tracker_for
+from tasks.mlflow_logging import recorder_for
 
 
 class NotificationFailed(RuntimeError):
@@ -85,14 +85,6 @@ def send_alert(alert: Alert, pipeline_cfg, run_id: str, run: RunDir) -> None:
                 cause = redact(repr(exc), webhook_url(pipeline_cfg.alerts))  # an HTTP error names the URL
                 records[f"alert.{alert.rule}.notify_failed"] = f"step {alert.step}: {cause}"[:5000]
                 failure = NotificationFailed(f"{alert.rule} at step {alert.step}: {cause}")
-    try:
-        tracker = tracker_for(pipeline_cfg)
-        tracker.log_dict(run_id, dataclasses.asdict(alert), f"alerts/step_{alert.step:08d}_{alert.rule}.json")
-        tracker.set_tags(run_id, records)
-    except Exception as exc:  # noqa: BLE001 - MLflow down: the alert itself went out
-        logger.warning("alert %s at step %d not recorded in MLflow: %r", alert.rule, alert.step, exc)
-    sinks = sinks_for(pipeline_cfg, run, run_id)
-    if sinks is not None and not alert.throttled:  # a W&B alert notifies too: throttled alike
-        sinks.record_alert(alert.rule, alert.step, alert.message)
+    recorder_for(pipeline_cfg, run_id, run).alert(alert, records)  # MLflow down: said; the alert went out
     if failure is not None:
         raise failure

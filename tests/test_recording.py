@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from areal_eval.alerts import Alert
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.recording import Recorder
 from areal_eval.runs.directory import RunDir
@@ -41,6 +42,7 @@ def test_a_result_lands_once_with_its_model_table_and_registered_best_and_the_en
     assert rec.result(result(4, 0.75)) is False  # a retry: nothing twice
     assert rec.training([{"step": 2, "loss": 1.0}, {"step": 4, "loss": 0.5}]) == 2
     assert rec.training([{"step": 4, "loss": 0.5}]) == 0
+    rec.alert(Alert("drop", 4, "accuracy fell", stop_training=False), {"alert.drop": "step 4: accuracy fell"})
     rec.end(ledger, None, status="FINISHED")
 
     client, run_id = rec.tracker.client, rec.mlflow_run_id
@@ -52,6 +54,8 @@ def test_a_result_lands_once_with_its_model_table_and_registered_best_and_the_en
         "checkpoint-00000004",
     }
     assert sorted(checkpoints_table(rec.tracker, run_id)) == [0, 4]
+    assert client.get_run(run_id).data.tags["alert.drop"] == "step 4: accuracy fell"
+    assert [a.path for a in client.list_artifacts(run_id, "alerts")] == ["alerts/step_00000004_drop.json"]
     assert warned == []
 
 
