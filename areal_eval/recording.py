@@ -38,6 +38,9 @@ class Recorder:
     """Where the run's ledger and evaluations are; None: a result recorded by whoever evaluated
     it, not the run's owner (a dispatched evaluation: its owner records it in full)."""
     training_run_id: str | None = None
+    ledger: Ledger | None = None
+    """The run's ledger as this process keeps it (the in-flow loop's, current in memory); None:
+    read from the run directory at each result (flow runs that share the run)."""
     sinks: Sinks | None = None
     registered_model: str | None = None
     """The registered model's name (``{run_id}`` filled in) whose ``best`` alias follows the
@@ -52,7 +55,7 @@ class Recorder:
         checkpoint's LoggedModel, its items, the registered best and the table of checkpoints,
         then the other sinks; False if MLflow had the step already."""
         step, tracker, run_id = result.global_step, self.tracker, self.mlflow_run_id
-        ledger = Ledger(self.run.ledger) if self.run is not None else None
+        ledger = self.ledger or (Ledger(self.run.ledger) if self.run is not None else None)
         entry = ledger.latest(step) if ledger is not None else None
         tags = attempt_tags(entry) if entry is not None else {}  # attempts that failed before this one
         logged = False

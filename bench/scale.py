@@ -166,14 +166,13 @@ class Timings:
 class PlainIO:
     """The loop's effects as the flow has them, without Prefect: MLflow calls and a thread."""
 
-    def __init__(self, tracker, mlflow_run_id: str, evaluate, timings: Timings, run_dir: Path):
+    def __init__(self, tracker, mlflow_run_id: str, evaluate, timings: Timings, run_dir: Path, ledger):
         from areal_eval.recording import Recorder
         from areal_eval.runs.directory import RunDir
 
         self.tracker, self.mlflow_run_id, self.evaluate, self.timings = tracker, mlflow_run_id, evaluate, timings
-        self.recorder = Recorder(
-            tracker, mlflow_run_id, run=RunDir(run_dir), training_run_id="scale"
-        )  # the flows' step
+        # The flows' recording step, as the in-flow loop has it (its ledger in memory).
+        self.recorder = Recorder(tracker, mlflow_run_id, run=RunDir(run_dir), training_run_id="scale", ledger=ledger)
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
         self.alerts = 0
 
@@ -283,7 +282,7 @@ def run_once(args, tracking: str, work: Path) -> dict:
             alerts = io.alerts
             task_runs[1.0] = counters["task_runs"]()
         else:
-            io = PlainIO(tracker, mlflow_run_id, evaluator, timings, work / "run")
+            io = PlainIO(tracker, mlflow_run_id, evaluator, timings, work / "run", planner.ledger)
             loop = FollowLoop(
                 planner,
                 Manifest(training.manifest),

@@ -69,7 +69,7 @@ class PrefectLoopIO:
         return TaskHandle(task.submit(event, data, self.cfg, self.run.evals, self.workers, probe))
 
     def log_result(self, result: EvalResult, reason: str) -> None:
-        log_evaluation(self.cfg, self.mlflow_run_id, result, reason, (self.run, self.run.run_id))
+        log_evaluation(self.cfg, self.mlflow_run_id, result, reason, (self.run, self.run.run_id), self.ledger)
         update_evaluation_table(self.cfg, self.run.run_id, self.ledger)
 
     def send_alert(self, alert: Alert) -> None:

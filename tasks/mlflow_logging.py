@@ -119,7 +119,11 @@ def log_published_train_metrics(cfg: PipelineConfig, mlflow_run_id: str, shared:
 
 
 def recorder_for(
-    cfg: PipelineConfig, mlflow_run_id: str, run: RunDir | None = None, training_run_id: str | None = None
+    cfg: PipelineConfig,
+    mlflow_run_id: str,
+    run: RunDir | None = None,
+    training_run_id: str | None = None,
+    ledger: Ledger | None = None,
 ) -> Recorder:
     """The recording step (:class:`~areal_eval.recording.Recorder`) for the run's MLflow run
     and its other sinks, saying what it warns about in the flow run's log."""
@@ -129,6 +133,7 @@ def recorder_for(
         mlflow_run_id,
         run=run,
         training_run_id=training_run_id,
+        ledger=ledger,
         sinks=sinks_for(cfg, run, mlflow_run_id) if run is not None else None,
         registered_model=cfg.tracking.registered_model,
         metric=cfg.scheduler.metric,
@@ -140,14 +145,20 @@ def recorder_for(
 
 @task(cache_policy=NO_CACHE, name="log-evaluation", task_run_name="log-step-{result.global_step}")
 def log_evaluation(
-    cfg: PipelineConfig, run_id: str, result: EvalResult, reason: str, recorded_in: tuple[RunDir, str] | None = None
+    cfg: PipelineConfig,
+    run_id: str,
+    result: EvalResult,
+    reason: str,
+    recorded_in: tuple[RunDir, str] | None = None,
+    ledger: Ledger | None = None,
 ) -> bool:
     """The recording step for one result (:meth:`Recorder.result`; ``reason``, its decision, is
     in the run's ledger and table of checkpoints); False if the step was already logged. Given
     where the result is recorded (the run directory and training run id), its items, the
-    registered best and the other sinks too."""
+    registered best and the other sinks too; ``ledger``: the run's, as the caller keeps it
+    (else read from the run directory)."""
     run, training_run_id = recorded_in if recorded_in is not None else (None, None)
-    return recorder_for(cfg, run_id, run, training_run_id).result(result)
+    return recorder_for(cfg, run_id, run, training_run_id, ledger).result(result)
 
 
 @task(cache_policy=NO_CACHE, name="finish-tracking")
