@@ -20,6 +20,7 @@ from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.pipeline.config import load_pipeline_config
 from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import Tracker
+from tests import sink_points
 from tests.helpers import assert_best_is_registered, checkpoints_table, copy_trained_run
 from tests.prefect_services import (
     PREFECT,
@@ -205,6 +206,8 @@ def test_the_evaluation_service_evaluates_published_checkpoints_on_warm_workers(
             f"work_dir={tmp_path / 'work'}",
             "--set",
             "eval.nproc=1",
+            "--set",
+            "tracking.sinks=[mlflow,tensorboard,wandb]",  # W&B offline (tests/conftest.py)
         ],
         cwd=REPO,
         env=server,
@@ -230,6 +233,11 @@ def test_the_evaluation_service_evaluates_published_checkpoints_on_warm_workers(
     assert (
         eval_steps(server, "served") == [e.step for e in ledger.entries() if e.status == "evaluated"] == [0, 100, 200]
     )
+    # The other sinks hold the service's results too, each once.
+    served = tmp_path / "served"
+    assert sink_points.scalars(served / "tensorboard" / "areal-eval")["eval/accuracy"] == [0, 100, 200]
+    wandb_rows = sink_points.history(served / "sinks", sink_points.wandb_run_id(served))
+    assert sorted(r["eval/step"] for r in wandb_rows if "eval/accuracy" in r) == [0, 100, 200]
     # One torchrun job served every evaluation: start-up was paid once.
     assert [p.name for p in (tmp_path / "work" / "serve-evaluations").glob("warm-workers-*.log")] == [
         "warm-workers-1.log"
