@@ -2,14 +2,15 @@
 
 :class:`Sinks` takes every record (a result and its answers, training rows, an alert, the run's
 end) and hands it to each sink that has not acknowledged it yet (:mod:`.outbox`). A sink that
-fails is said in one line and left behind; it never stops training or another sink, and its
-next turn, or the next run of the same command (:meth:`Sinks.catch_up` from the ledger), gives it
-what it missed.
+fails is said in one line and left alone for a while; it never stops training or another sink,
+and a later turn, the run's end or the next run of the same command (:meth:`Sinks.catch_up`
+from the ledger) gives it what it missed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from areal_eval.sinks.config import SINKS, TensorBoardConfig, WandbConfig, check
 from areal_eval.sinks.outbox import SinkOutbox
 
 __all__ = ["SINKS", "Sinks", "TensorBoardConfig", "WandbConfig", "check_sinks", "open_sinks"]
+
+
+RETRY_AFTER_S = 60.0
+"""How long a sink that failed is left alone before it is tried again."""
 
 
 class Sinks:
@@ -33,6 +38,7 @@ class Sinks:
         run that record side by side never write one W&B run at once, and each TensorBoard
         writer starts from what the others wrote."""
         self.outbox = SinkOutbox(self.run_dir / "sinks")
+        self._failed_at: dict[str, float] = {}
 
     def record_evaluation(
         self, step: int, metrics: dict, *, prefix: str = "eval/", items: dict[str, str] | None = None, uri: str = ""
@@ -90,19 +96,26 @@ class Sinks:
     def _turn(self, what: str, wanted, deliver, ack) -> None:
         with self.outbox.turn():
             for sink in self.sinks:
-                if not wanted(sink):
+                if not wanted(sink) or self._resting(sink):
                     continue
                 try:
                     sink.open()
                     deliver(sink)
                     if ack is not None:
                         ack(sink)
+                    self._failed_at.pop(sink.name, None)
                 except Exception as exc:  # noqa: BLE001 - a sink's fault is its own: said, and retried later
+                    self._failed_at[sink.name] = time.monotonic()
                     self.on_failure(sink.name, f"{what} not recorded in {sink.name} (retried later): {brief(exc)}")
                     self._close(sink)
             if not self.single_writer:  # other flow runs of the run take their turns: each reads what they wrote
                 for sink in self.sinks:
                     self._close(sink)
+
+    def _resting(self, sink) -> bool:
+        """A sink that failed is left alone for :data:`RETRY_AFTER_S` (a W&B that does not answer
+        would hold up every record for its timeout); what it misses meanwhile is caught up later."""
+        return time.monotonic() - self._failed_at.get(sink.name, -RETRY_AFTER_S) < RETRY_AFTER_S
 
     def _close(self, sink) -> None:
         try:

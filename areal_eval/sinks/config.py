@@ -36,6 +36,9 @@ class WandbConfig:
     mode: str | None = None
     """``online``, ``offline`` (files only, ``wandb sync`` later) or ``disabled``; None:
     ``$WANDB_MODE``, else W&B's default."""
+    init_timeout_s: float = 30.0
+    """How long opening the W&B run may take before it counts as failed (W&B's own default is
+    90 s): a W&B service that does not answer holds up no other record longer."""
     answers_per_table: int = 64
     """Answers in each evaluation's W&B table (the first ones, in item order); every answer stays
     in the run directory and in MLflow."""
@@ -43,6 +46,8 @@ class WandbConfig:
     def __post_init__(self):
         if self.mode not in (None, "online", "offline", "disabled"):
             raise FieldError("mode", f"{self.mode!r} is not one of online, offline, disabled")
+        if self.init_timeout_s <= 0:
+            raise FieldError("init_timeout_s", f"must be > 0, got {self.init_timeout_s}")
         if self.answers_per_table < 0:
             raise FieldError("answers_per_table", f"must be >= 0, got {self.answers_per_table}")
 

@@ -55,7 +55,9 @@ class WandbSink:
             mode=self.config.mode or os.environ.get("WANDB_MODE"),
             reinit="create_new",  # the trainer's own run may live in this process
             config={"areal_run": self.run_name, "trainer_run": self.config.run_id},
-            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+            settings=wandb.Settings(
+                console="off", silent=True, x_disable_stats=True, init_timeout=self.config.init_timeout_s
+            ),
         )
         self._run.define_metric(EVAL_STEP)
         for prefix in ("eval/*", "eval_probe/*", "alerts/*"):

@@ -29,6 +29,7 @@ def test_any_combination_with_mlflow_is_taken_and_the_settings_keep_their_defaul
         ({"sinks": ["mlflow", "wandb", "wandb"]}, "tracking.sinks: ['mlflow', 'wandb', 'wandb'] names a sink twice"),
         ({"wandb": {"mode": "cloud"}}, "tracking.wandb.mode: 'cloud' is not one of online, offline, disabled"),
         ({"wandb": {"answers_per_table": -1}}, "tracking.wandb.answers_per_table: must be >= 0, got -1"),
+        ({"wandb": {"init_timeout_s": 0}}, "tracking.wandb.init_timeout_s: must be > 0, got 0"),
         ({"tensorboard": {"subdir": "../up"}}, "tracking.tensorboard.subdir: '../up' is not a directory name"),
     ],
 )
