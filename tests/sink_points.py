@@ -94,3 +94,18 @@ def assert_sinks_hold(run_root: str | Path, evaluated: list[int], train_steps: l
     rows = history(run_root / "sinks", wandb_run_id(run_root))
     assert sorted(r["eval/step"] for r in rows if "eval/accuracy" in r) == sorted(evaluated)
     assert sorted(r["train/step"] for r in rows if "train/loss" in r) == sorted(train_steps)
+
+
+def every_sink(run_dir: str | Path, run_name: str, said: list, **configs):
+    """The sinks besides MLflow, W&B (offline in the tests) and TensorBoard, on their defaults
+    unless ``configs`` (``wandb=``, ``tensorboard=``) says; their failures appended to ``said``."""
+    from areal_eval.sinks import TensorBoardConfig, WandbConfig, open_sinks
+
+    return open_sinks(
+        ["mlflow", "wandb", "tensorboard"],
+        wandb=configs.get("wandb", WandbConfig()),
+        tensorboard=configs.get("tensorboard", TensorBoardConfig()),
+        run_dir=run_dir,
+        run_name=run_name,
+        on_failure=lambda sink, message: said.append(message),
+    )

@@ -9,10 +9,9 @@ from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.recording import Recorder
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger, LedgerEntry
-from areal_eval.sinks import TensorBoardConfig, WandbConfig, open_sinks
 from areal_eval.tracking import Tracker
 from tests.helpers import checkpoints_table, sqlite_mlflow_uri
-from tests.sink_points import scalars
+from tests.sink_points import every_sink, scalars
 
 
 def recorder(tmp_path, warned: list, sinks=None) -> Recorder:
@@ -62,15 +61,7 @@ def test_a_result_lands_once_with_its_model_table_and_registered_best_and_the_en
 @pytest.mark.integration  # W&B starts its service process
 def test_a_side_record_that_fails_is_said_in_one_line_and_the_metrics_and_sinks_still_land(tmp_path):
     warned, said = [], []
-    sinks = open_sinks(
-        ["mlflow", "tensorboard", "wandb"],
-        wandb=WandbConfig(),
-        tensorboard=TensorBoardConfig(),
-        run_dir=tmp_path / "run",
-        run_name="run-1",
-        on_failure=lambda sink, message: said.append(message),
-    )
-    rec = recorder(tmp_path, warned, sinks)
+    rec = recorder(tmp_path, warned, every_sink(tmp_path / "run", "run-1", said))
     rec.registered_model = "bad/name{run_id}"  # the registry refuses the name
     Ledger(rec.run.ledger).append(LedgerEntry(8, "/ckpt/8", "evaluated", "checkpoint due"))
     assert rec.result(result(8, 0.5)) is True

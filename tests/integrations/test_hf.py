@@ -164,7 +164,6 @@ def test_a_publish_that_fails_raises_into_training(tmp_path):
 def test_the_callback_finds_the_trainers_wandb_run_and_tensorboard_directory_and_the_sinks_write_beside_them(
     tmp_path, monkeypatch
 ):
-    from areal_eval.sinks import TensorBoardConfig, WandbConfig, open_sinks
     from tests import sink_points
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -181,14 +180,7 @@ def test_the_callback_finds_the_trainers_wandb_run_and_tensorboard_directory_and
     assert found["tensorboard_logdir"] == str((tmp_path / "trainer" / "runs").resolve())
 
     said: list = []
-    sinks = open_sinks(
-        ["mlflow", "wandb", "tensorboard"],
-        wandb=WandbConfig(),
-        tensorboard=TensorBoardConfig(),
-        run_dir=tmp_path / "run",
-        run_name="hf-run",
-        on_failure=lambda sink, message: said.append(message),
-    )
+    sinks = sink_points.every_sink(tmp_path / "run", "hf-run", said)  # what they leave open: the trainer's
     sinks.record_evaluation(8, {"accuracy": 0.75}, uri="checkpoint-8")
     sinks.close()
     assert said == []
