@@ -44,9 +44,24 @@ def records(path: str | Path) -> Iterator:
             yield wandb_internal_pb2.Record.FromString(parts)
 
 
-def run_files(wandb_dir: str | Path, run_id: str) -> list[Path]:
-    """The run's files under a ``wandb`` directory: one per process that opened it, oldest first."""
+def run_files(wandb_dir: str | Path, run_id: str, settle_s: float = 15.0) -> list[Path]:
+    """The run's files under a ``wandb`` directory: one per process that opened it, oldest first.
+    W&B's service may still be writing a file after ``finish()`` returned: each is given up to
+    ``settle_s`` to hold its ``exit`` record (a process killed with -9 never writes one)."""
+    import time
+
+    runs = sorted(d for d in Path(wandb_dir).rglob(f"*-run-*-{run_id}") if d.is_dir())  # offline-run-<time>-<id>
+    runs += sorted(d for d in Path(wandb_dir).rglob(f"run-*-{run_id}") if d.is_dir() and d not in runs)
+    deadline = time.monotonic() + settle_s
+    for run in runs:
+        path = run / f"run-{run_id}.wandb"
+        while time.monotonic() < deadline and not (path.exists() and any(exited(r) for r in records(path))):
+            time.sleep(0.2)
     return sorted(Path(wandb_dir).rglob(f"run-{run_id}.wandb"))
+
+
+def exited(record) -> bool:
+    return record.WhichOneof("record_type") == "exit"
 
 
 def history(wandb_dir: str | Path, run_id: str) -> list[dict]:
