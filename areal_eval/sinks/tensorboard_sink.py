@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from areal_eval.sinks.config import TensorBoardConfig
@@ -28,6 +29,22 @@ def held_points(logdir: str | Path) -> dict[str, dict[int, float | str]]:
     return held
 
 
+def wait_for_a_later_second(directory: Path, *, at_most_s: float = 2.0) -> None:
+    """Wait until a file made now sorts after the event files already in ``directory``.
+    TensorBoard reads a run's files in name order, and a name holds the second it was made, then
+    the host and pid: two files of one second sort by pid, not by age, and a restart written in
+    the first would then drop the points of the second."""
+    seconds = [int(p.name.split(".")[3]) for p in directory.glob("events.out.tfevents.*") if _stamped(p.name)]
+    deadline = time.monotonic() + at_most_s  # a clock of another host far ahead is not waited for
+    while seconds and int(time.time()) <= max(seconds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _stamped(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) > 3 and parts[3].isdigit()
+
+
 class EventRun:
     """One TensorBoard run (a directory of event files): each tag's points once, in the step
     order TensorBoard needs. TensorBoard takes a step below one it holds as a restart: its server
@@ -42,6 +59,7 @@ class EventRun:
         self.held = held_points(directory)  # what earlier processes wrote: never again
         self.last = max((max(points, default=-1) for points in self.held.values()), default=-1)
         # A file per process: flow runs of one run write side by side, taking turns.
+        wait_for_a_later_second(directory)
         self.writer = SummaryWriter(str(directory), filename_suffix=f".{os.getpid()}")
 
     def add(self, step: int, points: dict[str, float | str]) -> None:

@@ -91,3 +91,26 @@ def wait_for_json(url: str, server: subprocess.Popen, timeout_s: float = 60):
             pass
         time.sleep(0.5)
     raise AssertionError(f"{url} gave nothing in {timeout_s} s")
+
+
+def test_a_file_made_in_the_same_second_as_another_processs_still_reads_after_it(tmp_path):
+    """Another process's file of this second whose pid sorts after ours: TensorBoard reads files in
+    name order, so ours must not come before it, or its restart at 200 would drop our step 480."""
+    import os
+    import socket
+
+    from areal_eval.sinks.tensorboard_sink import EventRun
+    from tests.sink_points import scalars
+
+    earlier = EventRun(tmp_path)
+    earlier.add(400, {"eval/accuracy": 0.5})
+    earlier.add(200, {"eval/accuracy": 0.4})  # late: written as a restart at 200
+    earlier.close()
+    [made] = tmp_path.glob("events.out.tfevents.*")
+    pid = "9" * (len(str(os.getpid())) + 1)  # sorts after our pid
+    made.rename(tmp_path / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{pid}.0.{pid}")
+    later = EventRun(tmp_path)
+    later.add(480, {"eval/accuracy": 0.6})
+    later.close()
+    assert scalars(tmp_path)["eval/accuracy"] == [200, 400, 480]
+    assert sorted(tmp_path.glob("events.out.tfevents.*"))[-1].name.endswith(f".{os.getpid()}")
