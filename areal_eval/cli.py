@@ -52,7 +52,12 @@ def _replay(args) -> int:
         ),
     ]
     result = replay_mod.replay(
-        curves, policies, args.inject_regression, args.seed, rules, use_items=not args.without_items
+        curves,
+        policies,
+        regression=args.inject_regression,
+        seed=args.seed,
+        alert_rules=rules,
+        use_items=not args.without_items,
     )
     if not args.json or sys.stdout.isatty():
         cols = ["evaluations", "mean_tracking_error", "mean_regret", "max_regret"] + (
@@ -81,7 +86,7 @@ def _follow_node(args) -> int:
             "follow-node runs on nodes 1..N-1 of a multi-node pool (AREAL_EVAL_NNODES >= 2, AREAL_EVAL_NODE_RANK >= 1)"
         )
     worker_args = ["--follow", "--cache-dir", args.cache_dir]
-    command = torchrun_command("areal_eval.evaluation.worker", worker_args, nodes.nproc_per_node or 1, nodes)
+    command = torchrun_command("areal_eval.evaluation.worker", worker_args, nodes.nproc_per_node or 1, nodes=nodes)
     while True:
         code = subprocess.run(command).returncode
         print(f"areal-eval follow-node: evaluation job ended with exit {code}", file=sys.stderr, flush=True)

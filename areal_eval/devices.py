@@ -119,6 +119,7 @@ def check_disjoint(train: Devices, evaluation: Devices, share: bool) -> None:
 def plan_devices(
     train: Devices,
     evaluation: Devices,
+    *,
     train_nproc: int,
     eval_nproc: int,
     slots: int,
@@ -197,12 +198,12 @@ def plan_here(cfg, training_here: bool = True) -> DevicePlan:
         plan = plan_devices(
             cfg.train.devices,
             cfg.eval.devices,
-            cfg.train.nproc,
-            cfg.eval.nproc,
-            cfg.eval.slots,
-            cfg.eval.share_devices,
-            Visible.here(),
-            training_here,
+            train_nproc=cfg.train.nproc,
+            eval_nproc=cfg.eval.nproc,
+            slots=cfg.eval.slots,
+            share=cfg.eval.share_devices,
+            visible=Visible.here(),
+            training_here=training_here,
         )
     except FieldError as exc:
         raise ConfigError(str(exc)) from None

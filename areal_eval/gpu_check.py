@@ -51,7 +51,7 @@ def process_group(device) -> dict:
     return {"backend": backend, "all_reduce_ok": ok}
 
 
-def train(model, batches, device, steps: int, loss_fn) -> float:
+def train(model, batches, *, device, steps: int, loss_fn) -> float:
     import torch
 
     model.to(device).train()
@@ -145,7 +145,7 @@ def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
 
     out: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
     out["process_group"] = process_group(device)
-    plan = plan_devices("auto", "auto", 1, 1, 1, True, Visible.here())
+    plan = plan_devices("auto", "auto", train_nproc=1, eval_nproc=1, slots=1, share=True, visible=Visible.here())
     out["plan"] = {"train": str(plan.train), "eval": str(plan.eval_slots[0])}
 
     pairs_train, pairs_valid = SyntheticPreferences(
@@ -162,7 +162,9 @@ def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
     batches = [reward_model.collate_pairs(rng.sample(encoded, 32), rm_tok.pad_token_id) for _ in range(20)]
     rm_loss = lambda m, b: reward_model.bradley_terry_loss(*reward_model.pair_scores(m, b))  # noqa: E731
     baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    out["reward_model_train_loss"] = round(train(rm, batches, device, sizes.reward_model_steps, rm_loss), 4)
+    out["reward_model_train_loss"] = round(
+        train(rm, batches, device=device, steps=sizes.reward_model_steps, loss_fn=rm_loss), 4
+    )
     rm_dir = work / "rm" / "checkpoint"
     rm.cpu().save_pretrained(rm_dir)
     rm_tok.save_pretrained(rm_dir)
@@ -188,7 +190,9 @@ def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
     lm = SFTObjective.build_model(lm_cfg, sft_tok)
     examples = SFTObjective.encode(sft_tok, rows, lm_cfg)
     batches = [SFTObjective.collate(rng.sample(examples, 32), sft_tok) for _ in range(20)]
-    out["sft_train_loss"] = round(train(lm, batches, device, sizes.causal_lm_steps, SFTObjective.loss), 4)
+    out["sft_train_loss"] = round(
+        train(lm, batches, device=device, steps=sizes.causal_lm_steps, loss_fn=SFTObjective.loss), 4
+    )
     lm_dir = work / "sft" / "checkpoint"
     lm.cpu().save_pretrained(lm_dir)
     sft_tok.save_pretrained(lm_dir)

@@ -93,7 +93,7 @@ FORK_RANKS_ENV = "AREAL_EVAL_FORK_RANKS"
 
 
 def torchrun_command(
-    module: str, args: list[str], nproc: int, nodes: NodeLayout = NodeLayout(), python: str | None = None
+    module: str, args: list[str], nproc: int, *, nodes: NodeLayout = NodeLayout(), python: str | None = None
 ) -> list[str]:
     """torchrun's command line, run by :mod:`areal_eval.forked_ranks` (ranks forked from an agent
     that imported torch and transformers once, instead of each importing them again) unless
@@ -276,7 +276,7 @@ class TorchrunJob:
             full_env.setdefault(key, value)
         stay_offline(full_env)
         _prctl()  # resolved here, before the fork
-        command = torchrun_command(module, args, nproc, nodes, python)
+        command = torchrun_command(module, args, nproc, nodes=nodes, python=python)
         self.dumps_stacks = command[2] == "areal_eval.forked_ranks"
         """Its processes print their Python stacks to the log on :data:`STACKS_SIGNAL`."""
         self.proc = subprocess.Popen(

@@ -24,7 +24,7 @@ def model_name(step: int) -> str:
     return f"checkpoint-{step:08d}"
 
 
-def checkpoint_model(client, experiment_id: str, run_id: str, step: int, uri: str) -> str:
+def checkpoint_model(client, experiment_id: str, run_id: str, step: int, *, uri: str) -> str:
     """The LoggedModel of the run's checkpoint at ``step`` (created once, READY); its id."""
     name = model_name(step)
     found = client.search_logged_models(

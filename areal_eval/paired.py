@@ -79,6 +79,7 @@ def paired_difference(
     a: Mapping[Hashable, float],
     b: Mapping[Hashable, float],
     clusters: Mapping[Hashable, Hashable] | None = None,
+    *,
     confidence: float = 0.95,
     what: str = "the two evaluations",
 ) -> PairedDifference:

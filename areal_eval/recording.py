@@ -65,7 +65,7 @@ class Recorder:
         if result.metrics:
             no_model = f"step {step}: no MLflow LoggedModel for the checkpoint"
             model_id = self._side(
-                no_model, checkpoint_model, tracker.client, tracker.experiment_id, run_id, step, result.uri
+                no_model, checkpoint_model, tracker.client, tracker.experiment_id, run_id, step, uri=result.uri
             )
             tags |= {"last_evaluated_step": step}
             logged = tracker.log_evaluation(run_id, step, result.metrics, tags=tags, model_id=model_id)
@@ -147,10 +147,10 @@ class Recorder:
                     name,
                     self.mlflow_run_id,
                     step,
-                    result.uri,
-                    result.metrics,
-                    self.metric,
-                    self.higher_is_better,
+                    source=result.uri,
+                    metrics=result.metrics,
+                    metric=self.metric,
+                    higher_is_better=self.higher_is_better,
                     versus=lambda previous: versus_previous_best(run.evals, previous, step, self.metric),
                 )
 

@@ -104,13 +104,20 @@ links set it: :func:`mlflow_run_url`); the tag says the same to tools that read 
 
 
 class Tracker:
-    def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
+    """A training run's MLflow run and what is logged to it, in the store and experiment of a
+    :class:`TrackingConfig`; ``work_dir`` holds the SQLite store where the config names none."""
+
+    def __init__(self, config: TrackingConfig, *, work_dir: str | Path | None = None):
+        if not (config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or work_dir):
+            raise ValueError("tracking.tracking_uri: not set, and no work_dir to keep mlflow.db in")
+        tracking_uri = resolve_tracking_uri(config, work_dir or ".")
+        experiment = config.experiment
         # MLflow logs each database error with its traceback before raising it; callers report
         # what they retry (a full disk, a locked store) in one line each.
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         from mlflow.tracking import MlflowClient
 
-        self.tracking_uri = tracking_uri
+        self.config, self.tracking_uri = config, tracking_uri
         # Flow runs that start together on a fresh SQLite store would each create its tables (the
         # losers fail: "table latest_metrics already exists") and the experiment: one at a time.
         database = tracking_uri.removeprefix("sqlite:///") if tracking_uri.startswith("sqlite:///") else None
@@ -118,7 +125,8 @@ class Tracker:
             self.client = MlflowClient(tracking_uri=tracking_uri)
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location, tags=EXPERIMENT_TAGS)
+                location = artifact_location(config, tracking_uri)
+                self.experiment_id = self.client.create_experiment(experiment, location, tags=EXPERIMENT_TAGS)
             else:
                 self.experiment_id = exp.experiment_id
                 for key, value in EXPERIMENT_TAGS.items():  # an experiment made before: kept if set otherwise
@@ -137,6 +145,7 @@ class Tracker:
         self,
         training_run_id: str,
         params: dict,
+        *,
         tags: dict | None = None,
         reopen: bool = False,
         lock: Path | None = None,
@@ -219,6 +228,7 @@ class Tracker:
         run_id: str,
         step: int,
         metrics: dict,
+        *,
         tags: dict | None = None,
         marker: str = "n_pairs",
         prefix: str = EVAL_PREFIX,
@@ -248,6 +258,7 @@ class Tracker:
         name: str,
         run_id: str,
         step: int,
+        *,
         source: str,
         metrics: dict,
         metric: str,

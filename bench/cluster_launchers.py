@@ -104,13 +104,13 @@ def main() -> None:
     from areal_eval.evaluation.cluster_config import RayConfig, SlurmConfig
     from areal_eval.evaluation.jobs import EvalConfig
     from areal_eval.evaluation.worker_pool import WarmWorkerGroups
-    from areal_eval.tracking import Tracker
+    from areal_eval.tracking import Tracker, TrackingConfig
     from tests.slurm_cluster import SlurmCluster
 
     work = Path(tempfile.mkdtemp(prefix="bench-clusters-"))
     cfg, run = trained_tiny_run(work / "trained")
     event = Manifest(run.manifest).events()[-1]
-    tracker = Tracker(f"sqlite:///{work}/mlflow.db", "bench")
+    tracker = Tracker(TrackingConfig(tracking_uri=f"sqlite:///{work}/mlflow.db", experiment="bench"))
     mlflow_run = tracker.start_run("bench", {})
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})

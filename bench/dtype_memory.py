@@ -37,7 +37,7 @@ def build_checkpoint(work: Path, hidden: int, layers: int, heads: int, problems:
     SFTObjective.train_tokenizer(SFTObjective.read(train_rows), work / "tokenizer", 512)
     tokenizer = SFTObjective.load_tokenizer(work / "tokenizer")
     torch.manual_seed(0)
-    model = causal_lm.build_model(tokenizer, hidden, layers, heads, 128)
+    model = causal_lm.build_model(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads, max_length=128)
     checkpoint = work / "checkpoint"
     model.save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)

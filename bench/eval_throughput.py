@@ -118,7 +118,9 @@ def areal_run(event, pairs_path: Path, batch_size: int, max_length: int, nproc: 
     """areal-eval's evaluation as the pipeline runs it: a torchrun job from its launcher."""
     from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
 
-    result = run_evaluation_job(event, pairs_path, EvalConfig(nproc=nproc, batch_size=batch_size), work, max_length)
+    result = run_evaluation_job(
+        event, pairs_path, EvalConfig(nproc=nproc, batch_size=batch_size), work, max_length=max_length
+    )
     loop = json.loads((work / f"global_step_{event.global_step:08d}.json").read_text())["eval_loop_seconds"]
     return loop, result.metrics["accuracy"]
 

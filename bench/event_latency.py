@@ -73,7 +73,7 @@ def start_service(env: dict, home: Path):
 def measure(work: Path, trained, events: int, every_s: float, path: str) -> dict:
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.checkpoints.publisher import publish_checkpoint
-    from areal_eval.tracking import Tracker
+    from areal_eval.tracking import Tracker, TrackingConfig
     from tests.prefect_services import prefect_server
 
     _, run = trained
@@ -114,7 +114,7 @@ def measure(work: Path, trained, events: int, every_s: float, path: str) -> dict
                 raise RuntimeError(f"flow runs not finished: {[r['state_type'] for r in flow_runs]}")
             time.sleep(2)
         task_runs = api(env, "/task_runs/filter", {"limit": 200})
-        tracker = Tracker(env["MLFLOW_TRACKING_URI"], "areal-eval")
+        tracker = Tracker(TrackingConfig(tracking_uri=env["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
         history = tracker.client.get_metric_history(tracker.find_run(run_id), "eval/accuracy")
         if service is not None:
             from tests.prefect_services import stop

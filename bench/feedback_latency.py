@@ -39,7 +39,7 @@ def main() -> None:
 
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.runs.directory import RunDir
-    from areal_eval.tracking import Tracker
+    from areal_eval.tracking import Tracker, TrackingConfig
     from flows.train_and_evaluate import train_and_evaluate
 
     work = Path(tempfile.mkdtemp(prefix="bench-latency-"))
@@ -61,7 +61,7 @@ def main() -> None:
             refined.add(row["step"])
     results = {int(p.stem.split("_")[-1]): json.loads(p.read_text()) for p in run.evals.glob("global_step_*[0-9].json")}
     results = {s: r for s, r in results.items() if s not in refined}
-    tracker = Tracker(summary["tracking_uri"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=summary["tracking_uri"], experiment="areal-eval"))
     history = tracker.client.get_metric_history(summary["mlflow_run_id"], "eval/accuracy")
     visible = {m.step: m.timestamp / 1000 for m in history if m.step not in refined}
     emit(

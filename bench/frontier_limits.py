@@ -33,7 +33,9 @@ def scan(curves) -> dict:
     replayed, fixed = [curve for curve, _ in as_replayed(curves, True, 0)], {}
     return {
         str(error): round(
-            delay_bounded_compute(replayed, error, 1.0) / fixed_frontier_compute(curves, error, True, 0, fixed), 3
+            delay_bounded_compute(replayed, error, 1.0)
+            / fixed_frontier_compute(curves, error, regression=True, seed=0, fixed=fixed),
+            3,
         )
         for error in SCAN
     }

@@ -24,7 +24,10 @@ def mean_scores(curves, spec: str, use_items: bool = True) -> dict:
     from areal_eval.scheduling import replay
 
     policy = replay.parse_policy(spec)
-    runs = [replay.replay(curves, [policy], True, s, use_items=use_items)["policies"][spec] for s in range(10)]
+    runs = [
+        replay.replay(curves, [policy], regression=True, seed=s, use_items=use_items)["policies"][spec]
+        for s in range(10)
+    ]
     return {k: round(statistics.fmean(r[k] for r in runs), 3) for k in KEEP if k in runs[0]}
 
 

@@ -118,7 +118,9 @@ def record_run(
     with WarmEvalWorkers(cfg.eval.nproc, run.evals) as workers:
         for event in Manifest(run.manifest).events():
             whole, part = (
-                run_evaluation_job(event, data, cfg.eval, run.evals / tag, cfg.model.max_length, workers=workers)
+                run_evaluation_job(
+                    event, data, cfg.eval, run.evals / tag, max_length=cfg.model.max_length, workers=workers
+                )
                 for data, tag in ((run.valid_data, "full"), (subset, "subset"))
             )
             for metric, (evaluator, column, _) in recording.metrics.items():

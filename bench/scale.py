@@ -219,7 +219,7 @@ def run_once(args, tracking: str, work: Path) -> dict:
     from areal_eval.lifecycle.planner import EvaluationPlanner
     from areal_eval.runs.ledger import Ledger
     from areal_eval.scheduling.policy import SchedulerConfig
-    from areal_eval.tracking import Tracker
+    from areal_eval.tracking import Tracker, TrackingConfig
 
     work.mkdir(parents=True)
     server = None
@@ -228,7 +228,7 @@ def run_once(args, tracking: str, work: Path) -> dict:
     else:
         uri = f"sqlite:///{work / 'mlflow.db'}"
     try:
-        tracker = Tracker(uri, "scale")
+        tracker = Tracker(TrackingConfig(tracking_uri=uri, experiment="scale"))
         mlflow_run_id = tracker.start_run("scale", {"bench": "scale"})
         every_ms = args.every_ms or {"sqlite": 40.0, "server": 100.0}[tracking]
         training = SyntheticTraining(work / "run", args.checkpoints, args.rows, every_ms / 1000)
@@ -317,7 +317,9 @@ def run_once(args, tracking: str, work: Path) -> dict:
         eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "eval/accuracy")]
         evaluated = sorted(e.step for e in ledger.entries() if e.status == "evaluated")
         all_rows = [json.loads(line) for line in training.train_log.read_text().splitlines()]
-        relogged = Tracker(uri, "scale").log_train_metrics(mlflow_run_id, all_rows)
+        relogged = Tracker(TrackingConfig(tracking_uri=uri, experiment="scale")).log_train_metrics(
+            mlflow_run_id, all_rows
+        )
         counts = ledger.counts()
 
         marks = {}

@@ -49,7 +49,12 @@ class TimedIO:
 
         with self.groups.lease() as group:
             return run_evaluation_job(
-                event, self.run.valid_data, self.cfg.eval, self.run.evals, self.cfg.model.max_length, workers=group
+                event,
+                self.run.valid_data,
+                self.cfg.eval,
+                self.run.evals,
+                max_length=self.cfg.model.max_length,
+                workers=group,
             )
 
     def submit(self, event, reason):
@@ -87,7 +92,12 @@ def warm_up(groups, cfg, run, slots: int) -> None:
     for i, lease in enumerate(leases):
         with lease as group:
             run_evaluation_job(
-                event, run.valid_data, cfg.eval, run.evals / f"warm-up-{i}", cfg.model.max_length, workers=group
+                event,
+                run.valid_data,
+                cfg.eval,
+                run.evals / f"warm-up-{i}",
+                max_length=cfg.model.max_length,
+                workers=group,
             )
 
 
@@ -99,14 +109,14 @@ def run_round(work: Path, trained, slots: int, args) -> dict:
     from areal_eval.lifecycle.planner import EvaluationPlanner
     from areal_eval.runs.ledger import Ledger
     from areal_eval.scheduling.policy import SchedulerConfig
-    from areal_eval.tracking import Tracker
+    from areal_eval.tracking import Tracker, TrackingConfig
 
     cfg, run = trained
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, nproc=1, slots=slots))
     work.mkdir(parents=True)
     manifest = work / "manifest.jsonl"
     checkpoints = [e.uri for e in Manifest(run.manifest).events()]
-    tracker = Tracker(f"sqlite:///{work / 'mlflow.db'}", "slots")
+    tracker = Tracker(TrackingConfig(tracking_uri=f"sqlite:///{work / 'mlflow.db'}", experiment="slots"))
     mlflow_run_id = tracker.start_run(f"slots-{slots}", {"slots": slots})
     durable = multiprocessing.Manager().dict()
     publisher = multiprocessing.Process(

@@ -22,7 +22,7 @@ from areal_eval.runs.ledger import Ledger
 from areal_eval.sinks import Sinks, open_sinks
 from areal_eval.tracking import (
     Tracker,
-    artifact_location,
+    TrackingConfig,
     attempt_tags,
     resolve_tracking_uri,
 )
@@ -32,12 +32,12 @@ def tracker_for(cfg: PipelineConfig) -> Tracker:
     """One tracker per store and experiment in this process: it keeps what it has logged (the
     training watermark, the evaluated steps), so logging never rereads a run's history."""
     uri = resolve_tracking_uri(cfg.tracking, cfg.work_dir)
-    return _tracker(uri, cfg.tracking.experiment, artifact_location(cfg.tracking, uri))
+    return _tracker(uri, cfg.tracking.experiment, cfg.tracking.artifact_location)
 
 
 @functools.lru_cache(maxsize=16)
 def _tracker(tracking_uri: str, experiment: str, artifact_location: str | None) -> Tracker:
-    return Tracker(tracking_uri, experiment, artifact_location)
+    return Tracker(TrackingConfig(tracking_uri, experiment, artifact_location))
 
 
 def sinks_for(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, *, single_writer: bool = False) -> Sinks | None:

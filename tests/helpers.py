@@ -217,9 +217,9 @@ def copy_trained_run(original, run_root, run_id: str | None = None):
 
 def mlflow_run(cfg):
     """The tracker of ``cfg`` and the MLflow runs of its experiment."""
-    from areal_eval.tracking import Tracker
+    from areal_eval.tracking import Tracker, TrackingConfig
 
-    tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+    tracker = Tracker(TrackingConfig(tracking_uri=cfg.tracking.tracking_uri, experiment=cfg.tracking.experiment))
     return tracker, tracker.client.search_runs([tracker.experiment_id])
 
 

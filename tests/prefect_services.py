@@ -21,7 +21,7 @@ import pytest
 
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.runs.directory import file_lock
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tasks.device_slot import FILE_LEASE_STORAGE, LEASE_STORAGE_ENV
 from tests.helpers import free_port, sqlite_mlflow_uri
 
@@ -172,7 +172,7 @@ def api_get(env, path: str) -> dict:
 
 
 def eval_steps(env, run_id: str) -> list[int]:
-    tracker = Tracker(env["MLFLOW_TRACKING_URI"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=env["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
     mlflow_run = tracker.find_run(run_id)
     return sorted(tracker.eval_steps(mlflow_run)) if mlflow_run else []
 

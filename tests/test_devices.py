@@ -18,7 +18,7 @@ def gpus(placement):
 
 
 def test_auto_gives_training_the_first_gpus_and_each_slot_its_own_of_the_rest():
-    plan = plan_devices("auto", "auto", 4, 2, 2, False, EIGHT_GPUS)
+    plan = plan_devices("auto", "auto", train_nproc=4, eval_nproc=2, slots=2, share=False, visible=EIGHT_GPUS)
     assert gpus(plan.train) == "0,1,2,3"
     assert [gpus(p) for p in plan.eval_slots] == ["4,5", "6,7"]
     assert plan.train.cpus is None
@@ -26,48 +26,70 @@ def test_auto_gives_training_the_first_gpus_and_each_slot_its_own_of_the_rest():
 
 def test_indices_are_this_processs_visible_gpus_and_children_get_their_physical_names():
     narrowed = Visible("cuda", (0, 1, 2), ("3", "5", "GPU-9f2c"))
-    plan = plan_devices([0], [2], 1, 1, 1, False, narrowed)
+    plan = plan_devices([0], [2], train_nproc=1, eval_nproc=1, slots=1, share=False, visible=narrowed)
     assert gpus(plan.train) == "3" and gpus(plan.eval_slots[0]) == "GPU-9f2c"
 
 
 def test_too_few_gpus_are_refused_naming_the_field_unless_evaluation_may_share():
     with pytest.raises(FieldError, match=r"eval.devices: 1 slot\(s\) of 1 rank\(s\) need 1 GPUs apart"):
-        plan_devices("auto", "auto", 1, 1, 1, False, ONE_GPU)
-    shared = plan_devices("auto", "auto", 1, 1, 2, True, ONE_GPU)
+        plan_devices("auto", "auto", train_nproc=1, eval_nproc=1, slots=1, share=False, visible=ONE_GPU)
+    shared = plan_devices("auto", "auto", train_nproc=1, eval_nproc=1, slots=2, share=True, visible=ONE_GPU)
     assert gpus(shared.train) == "0" and [gpus(p) for p in shared.eval_slots] == ["0", "0"]
     with pytest.raises(FieldError, match=r"train.devices: 2 training ranks need 2 GPUs"):
-        plan_devices([0], "auto", 2, 1, 1, False, EIGHT_GPUS)
+        plan_devices([0], "auto", train_nproc=2, eval_nproc=1, slots=1, share=False, visible=EIGHT_GPUS)
     # Sharing already: the ranks themselves are too many (it told the user to share, which they did).
     with pytest.raises(FieldError, match=r"eval.nproc: 2 evaluation ranks need a GPU each.*at most 1$"):
-        plan_devices("auto", "auto", 1, 2, 1, True, ONE_GPU)
+        plan_devices("auto", "auto", train_nproc=1, eval_nproc=2, slots=1, share=True, visible=ONE_GPU)
 
 
 def test_an_overlap_is_refused_naming_both_fields_and_a_missing_device_naming_its_own():
     overlap = r"eval.devices: \[1, 2\] overlaps train.devices \[0, 1\] on device\(s\) \[1\]"
     with pytest.raises(FieldError, match=overlap):
-        plan_devices([0, 1], [1, 2], 2, 1, 1, False, EIGHT_GPUS)
-    assert gpus(plan_devices([0, 1], [1, 2], 2, 1, 2, True, EIGHT_GPUS).eval_slots[1]) == "2"
+        plan_devices([0, 1], [1, 2], train_nproc=2, eval_nproc=1, slots=1, share=False, visible=EIGHT_GPUS)
+    assert (
+        gpus(
+            plan_devices(
+                [0, 1], [1, 2], train_nproc=2, eval_nproc=1, slots=2, share=True, visible=EIGHT_GPUS
+            ).eval_slots[1]
+        )
+        == "2"
+    )
     with pytest.raises(FieldError, match=r"eval.devices: device 9 does not exist here \(visible GPUs: 0,1,2"):
-        plan_devices("auto", [9], 1, 1, 1, False, EIGHT_GPUS)
+        plan_devices("auto", [9], train_nproc=1, eval_nproc=1, slots=1, share=False, visible=EIGHT_GPUS)
 
 
 def test_where_no_training_runs_evaluation_takes_every_visible_gpu():
-    plan = plan_devices("auto", "auto", 4, 2, 2, False, EIGHT_GPUS, training_here=False)
+    plan = plan_devices(
+        "auto", "auto", train_nproc=4, eval_nproc=2, slots=2, share=False, visible=EIGHT_GPUS, training_here=False
+    )
     assert [gpus(p) for p in plan.eval_slots] == ["0,1", "2,3"]
     # An evaluation pool's worker pinned to 2 GPUs, for a run that trains on 8 elsewhere.
     pool = Visible("cuda", (0, 1), ("4", "5"))
-    plan = plan_devices([0, 1, 2, 3, 4, 5, 6, 7], "auto", 8, 1, 2, False, pool, training_here=False)
+    plan = plan_devices(
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        "auto",
+        train_nproc=8,
+        eval_nproc=1,
+        slots=2,
+        share=False,
+        visible=pool,
+        training_here=False,
+    )
     assert plan.train is None and [gpus(p) for p in plan.eval_slots] == ["4", "5"]
 
 
 def test_on_cpu_auto_pins_nothing_and_listed_cores_are_split_among_the_slots():
-    assert plan_devices("auto", "auto", 2, 2, 2, False, TWO_CORES).eval_slots == (None, None)
-    plan = plan_devices([0], [1], 2, 2, 1, False, TWO_CORES)
+    assert plan_devices(
+        "auto", "auto", train_nproc=2, eval_nproc=2, slots=2, share=False, visible=TWO_CORES
+    ).eval_slots == (None, None)
+    plan = plan_devices([0], [1], train_nproc=2, eval_nproc=2, slots=1, share=False, visible=TWO_CORES)
     assert plan.train == Placement("cpu", (0,)) and plan.train.env() == {} and plan.eval_slots[0].cpus == {1}
-    three = plan_devices("auto", [0, 1, 2], 1, 1, 2, False, Visible("cpu", (0, 1, 2)))
+    three = plan_devices(
+        "auto", [0, 1, 2], train_nproc=1, eval_nproc=1, slots=2, share=False, visible=Visible("cpu", (0, 1, 2))
+    )
     assert [p.cpus for p in three.eval_slots] == [{0, 1}, {2}]
     with pytest.raises(FieldError, match=r"eval.devices: 1 core\(s\) cannot give 2 slots a core each"):
-        plan_devices("auto", [1], 1, 1, 2, False, TWO_CORES)
+        plan_devices("auto", [1], train_nproc=1, eval_nproc=1, slots=2, share=False, visible=TWO_CORES)
 
 
 def test_the_config_refuses_an_overlap_when_it_is_read(tmp_path):

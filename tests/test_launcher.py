@@ -73,7 +73,7 @@ def test_node_layout_from_the_pool_environment(monkeypatch):
         "MASTER_PORT": "29400",
     }.items():
         monkeypatch.setenv(f"AREAL_EVAL_{key}", value)
-    command = torchrun_command("areal_eval.evaluation.worker", ["--follow"], 8, NodeLayout.from_env())
+    command = torchrun_command("areal_eval.evaluation.worker", ["--follow"], 8, nodes=NodeLayout.from_env())
     assert "--standalone" not in command
     assert {
         "--nnodes=4",

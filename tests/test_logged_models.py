@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from areal_eval.logged_models import checkpoint_model, file_digest, log_checkpoints_table, log_validation_data
 from areal_eval.runs.ledger import LedgerEntry
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests.helpers import checkpoints_table, sqlite_mlflow_uri
 
 
 def test_a_checkpoint_is_one_logged_model_its_metrics_rank_it_and_the_data_is_logged_once(tmp_path):
-    tracker = Tracker(sqlite_mlflow_uri(tmp_path), "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=sqlite_mlflow_uri(tmp_path), experiment="areal-eval"))
     run_id = tracker.start_run("run-1", {})
     for step, accuracy in ((0, 0.5), (4, 0.75), (8, 0.625)):
-        model_id = checkpoint_model(tracker.client, tracker.experiment_id, run_id, step, f"/ckpt/{step}")
-        assert checkpoint_model(tracker.client, tracker.experiment_id, run_id, step, f"/ckpt/{step}") == model_id
+        model_id = checkpoint_model(tracker.client, tracker.experiment_id, run_id, step, uri=f"/ckpt/{step}")
+        assert checkpoint_model(tracker.client, tracker.experiment_id, run_id, step, uri=f"/ckpt/{step}") == model_id
         tracker.log_evaluation(run_id, step, {"accuracy": accuracy, "n_pairs": 8}, model_id=model_id)
     ranked = tracker.client.search_logged_models(
         [tracker.experiment_id], order_by=[{"field_name": "metrics.eval/accuracy", "ascending": False}]
@@ -35,7 +35,7 @@ def test_a_checkpoint_is_one_logged_model_its_metrics_rank_it_and_the_data_is_lo
 
 
 def test_the_checkpoints_table_is_rewritten_whole_so_a_retry_adds_no_row(tmp_path):
-    tracker = Tracker(sqlite_mlflow_uri(tmp_path), "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=sqlite_mlflow_uri(tmp_path), experiment="areal-eval"))
     run_id = tracker.start_run("run-1", {})
     entries = [LedgerEntry(0, "/ckpt/0", "evaluated", "first"), LedgerEntry(4, "/ckpt/4", "skipped", "plateau")]
     log_checkpoints_table(tracker.client, run_id, entries[:1])

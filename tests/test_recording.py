@@ -9,13 +9,13 @@ from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.recording import Recorder
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger, LedgerEntry
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests.helpers import checkpoints_table, sqlite_mlflow_uri
 from tests.sink_points import every_sink, scalars
 
 
 def recorder(tmp_path, warned: list, sinks=None) -> Recorder:
-    tracker = Tracker(sqlite_mlflow_uri(tmp_path), "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=sqlite_mlflow_uri(tmp_path), experiment="areal-eval"))
     return Recorder(
         tracker,
         tracker.start_run("run-1", {}),

@@ -8,9 +8,13 @@ from areal_eval.tracking import TRAIN_WATERMARK_TAG, Tracker, TrackingConfig, ml
 from tests.helpers import sqlite_mlflow_uri
 
 
+def at(tracking_uri: str, experiment: str) -> Tracker:
+    return Tracker(TrackingConfig(tracking_uri, experiment))
+
+
 @pytest.fixture
 def tracker(tmp_path):
-    return Tracker(sqlite_mlflow_uri(tmp_path), "test")
+    return at(sqlite_mlflow_uri(tmp_path), "test")
 
 
 def test_one_run_per_training_run_with_params(tracker):
@@ -25,11 +29,11 @@ def test_the_experiment_opens_as_model_training_in_the_ui_unless_its_kind_was_se
     kind = "mlflow.experimentKind"
     assert tracker.client.get_experiment(tracker.experiment_id).tags[kind] == "custom_model_development"
     made_before = tracker.client.create_experiment("made-before")  # by an older version: no kind
-    assert Tracker(tracker.tracking_uri, "made-before").client.get_experiment(made_before).tags[kind] == (
+    assert at(tracker.tracking_uri, "made-before").client.get_experiment(made_before).tags[kind] == (
         "custom_model_development"
     )
     tracker.client.set_experiment_tag(made_before, kind, "finetuning")  # the user's choice stays
-    assert Tracker(tracker.tracking_uri, "made-before").client.get_experiment(made_before).tags[kind] == "finetuning"
+    assert at(tracker.tracking_uri, "made-before").client.get_experiment(made_before).tags[kind] == "finetuning"
 
 
 def test_links_open_the_run_in_the_uis_model_training_view():
@@ -47,7 +51,7 @@ def test_flow_runs_starting_at_once_share_one_mlflow_run(tracker, tmp_path):
     or create its MLflow run at the same moment: they must all get the same one."""
     import threading
 
-    trackers = [Tracker(tracker.client.tracking_uri, "test") for _ in range(4)]  # a process's each
+    trackers = [at(tracker.client.tracking_uri, "test") for _ in range(4)]  # a process's each
     ready, found = threading.Barrier(len(trackers)), []
 
     def start(t):
@@ -97,7 +101,7 @@ def test_training_watermark_survives_a_resume_and_large_flushes(tracker, tmp_pat
     assert tracker.log_train_metrics(run_id, rows[:500]) == 1500  # 1,500 points: two requests
     tags = tracker.client.get_run(run_id).data.tags
     assert tags[TRAIN_WATERMARK_TAG] == "500"
-    resumed = Tracker(tracker.tracking_uri, "test")  # a restarted flow: reads the watermark once
+    resumed = at(tracker.tracking_uri, "test")  # a restarted flow: reads the watermark once
     assert resumed.log_train_metrics(run_id, rows[400:]) == 900  # steps 501-800 only
     assert resumed.log_train_metrics(run_id, rows) == 0
     history = tracker.client.get_metric_history(run_id, "train/loss")
@@ -117,7 +121,7 @@ def test_evaluation_logged_by_another_tracker_is_not_duplicated(tracker):
     run_id = tracker.start_run("r", {})
     metrics = {"accuracy": 0.8, "n_pairs": 101.0}
     assert tracker.log_evaluation(run_id, 25, metrics)
-    other = Tracker(tracker.tracking_uri, "test")
+    other = at(tracker.tracking_uri, "test")
     assert not other.log_evaluation(run_id, 25, metrics)
     assert other.log_evaluation(run_id, 50, metrics) and not tracker.log_evaluation(run_id, 25, metrics)
     assert sorted(m.step for m in tracker.client.get_metric_history(run_id, "eval/accuracy")) == [25, 50]
@@ -129,7 +133,13 @@ def test_the_best_checkpoint_is_registered_and_the_alias_follows_improvements(tr
     accuracy = {0: 0.55, 4: 0.71, 8: 0.68, 12: 0.74, 16: 0.74}
     registered = {
         s: tracker.register_if_best(
-            name, run_id, s, f"/ckpt/global_step_{s}", {"accuracy": a, "n_pairs": 101}, "accuracy", True
+            name,
+            run_id,
+            s,
+            source=f"/ckpt/global_step_{s}",
+            metrics={"accuracy": a, "n_pairs": 101},
+            metric="accuracy",
+            higher_is_better=True,
         )
         for s, a in accuracy.items()
     }
@@ -139,25 +149,41 @@ def test_the_best_checkpoint_is_registered_and_the_alias_follows_improvements(tr
     assert best.tags["global_step"] == "12" and float(best.tags["eval/accuracy"]) == 0.74
     assert best.tags["eval/n_pairs"] == "101.0" and best.tags["metric"] == "accuracy"
     assert (
-        tracker.register_if_best(name, run_id, 12, "/ckpt/global_step_12", {"accuracy": 0.74}, "accuracy", True) is None
+        tracker.register_if_best(
+            name,
+            run_id,
+            12,
+            source="/ckpt/global_step_12",
+            metrics={"accuracy": 0.74},
+            metric="accuracy",
+            higher_is_better=True,
+        )
+        is None
     )
     # A new best carries how it compares with the best it replaces (compare.versus_previous_best).
     versus = tracker.register_if_best(
         name,
         run_id,
         24,
-        "/c24",
-        {"accuracy": 0.9},
-        "accuracy",
-        True,
+        source="/c24",
+        metrics={"accuracy": 0.9},
+        metric="accuracy",
+        higher_is_better=True,
         versus=lambda prev: {"vs_previous_best": f"{prev}"},
     )
     version = tracker.client.get_model_version(name, versus)
     assert version.tags["vs_previous_best"] == "12" and version.description.endswith("accuracy = 0.9; 12")
-    assert tracker.register_if_best(name, run_id, 20, "/c", {"accuracy": float("nan")}, "accuracy", True) is None
+    assert (
+        tracker.register_if_best(
+            name, run_id, 20, source="/c", metrics={"accuracy": float("nan")}, metric="accuracy", higher_is_better=True
+        )
+        is None
+    )
     # Lower is better: the direction comes from the monitored metric.
     losses = [
-        tracker.register_if_best("loss-model", run_id, s, f"/c{s}", {"loss": v}, "loss", False)
+        tracker.register_if_best(
+            "loss-model", run_id, s, source=f"/c{s}", metrics={"loss": v}, metric="loss", higher_is_better=False
+        )
         for s, v in ((0, 0.9), (4, 0.95), (8, 0.5))
     ]
     assert losses == ["1", None, "2"]
@@ -172,7 +198,7 @@ def test_artifacts_of_a_sqlite_store_go_beside_it_not_into_the_working_directory
     assert location == (tmp_path / "store" / "mlartifacts").as_uri()
     assert artifact_location(TrackingConfig(artifact_location="s3://b/mlflow"), uri) == "s3://b/mlflow"
     assert artifact_location(TrackingConfig(), "http://127.0.0.1:5000") is None  # the server decides
-    tracker = Tracker(uri, "beside", location)
+    tracker = Tracker(TrackingConfig(tracking_uri=uri, experiment="beside", artifact_location=location))
     run_id = tracker.start_run("demo-1", {})
     (tmp_path / "plot.png").write_bytes(b"png")
     tracker.log_artifact(run_id, tmp_path / "plot.png")
@@ -189,10 +215,10 @@ def test_processes_opening_a_fresh_sqlite_store_at_once_all_get_its_experiment(t
     uri, go = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "go"  # no tables yet
     opener = (
         "import pathlib, sys, time\n"
-        "from areal_eval.tracking import Tracker\n"
+        "from areal_eval.tracking import Tracker, TrackingConfig\n"
         "import mlflow.store.tracking.sqlalchemy_store\n"
         "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)\n"
-        "print(Tracker(sys.argv[1], 'burst').experiment_id)\n"
+        "print(Tracker(TrackingConfig(sys.argv[1], 'burst')).experiment_id)\n"
     )
     procs = [
         subprocess.Popen([sys.executable, "-c", opener, uri, str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -61,7 +61,7 @@ def resolve_dtype(name: str, config, device):
 
 
 def load_pretrained(
-    auto_class, path: str | Path, allow_pickle: bool = False, dtype: str = "float32", device=None, **config_kwargs
+    auto_class, path: str | Path, *, allow_pickle: bool = False, dtype: str = "float32", device=None, **config_kwargs
 ):
     """``auto_class`` (e.g. ``AutoModelForCausalLM``) from a local directory: a ``save_pretrained``
     one, or DCP shards beside their ``config.json``, in ``dtype`` (an ``eval.dtype`` value) on

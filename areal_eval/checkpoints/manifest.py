@@ -22,7 +22,7 @@ from areal_eval import jsonl
 log = logging.getLogger(__name__)
 
 
-def announcement(run_id, global_step, epoch, epoch_step, train_metrics) -> tuple[int, int, int, dict]:
+def announcement(run_id, global_step, *, epoch, epoch_step, train_metrics) -> tuple[int, int, int, dict]:
     """``(global_step, epoch, epoch_step, train_metrics)`` as a manifest entry holds them, checked
     before anything is written: the steps non-negative integers (numpy's too); a metric that is
     a one-element tensor or array read as its number (``{"loss": loss}`` straight from the

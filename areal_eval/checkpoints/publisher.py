@@ -182,6 +182,7 @@ def publish_checkpoint(
     manifest: str | Path,
     run_id: str,
     global_step: int,
+    *,
     epoch: int = 0,
     epoch_step: int = 0,
     train_metrics: dict | None = None,
@@ -207,7 +208,9 @@ def publish_checkpoint(
     each waited for at most ``event_timeout_s``; :func:`flush_events` waits for those not yet
     posted, as the process does at exit and a ``final`` publish does before it returns.
     """
-    global_step, epoch, epoch_step, train_metrics = announcement(run_id, global_step, epoch, epoch_step, train_metrics)
+    global_step, epoch, epoch_step, train_metrics = announcement(
+        run_id, global_step, epoch=epoch, epoch_step=epoch_step, train_metrics=train_metrics
+    )
     directory = Path(checkpoint_dir).resolve()
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")

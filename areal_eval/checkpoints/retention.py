@@ -35,6 +35,7 @@ def checkpoints_to_delete(
     checkpoints: list[CheckpointEvent],
     ledger: dict[int, LedgerEntry],
     cfg: RetentionConfig,
+    *,
     metric: str,
     higher_is_better: bool = True,
     deleted: set[int] = frozenset(),

@@ -129,13 +129,14 @@ class CheckpointWriter:
         epoch_step: int,
         global_step: int,
         train_metrics: dict,
+        *,
         final: bool = False,
         resume_state: dict | None = None,
     ) -> None:
         if self._error:
             raise CheckpointError(f"an earlier checkpoint write failed: {self._error}") from self._error
         global_step, epoch, epoch_step, train_metrics = announcement(
-            self.run_id, global_step, epoch, epoch_step, train_metrics
+            self.run_id, global_step, epoch=epoch, epoch_step=epoch_step, train_metrics=train_metrics
         )
         start = time.perf_counter()
         snapshot = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

@@ -51,7 +51,7 @@ def wait_for(path: Path, poll_s: float = POLL_S) -> dict:
     return jsonl.read_json(path)
 
 
-def serve(slot_dir: Path, agent: NodeAgent, nnodes: int, job_id: str, once: bool) -> None:
+def serve(slot_dir: Path, agent: NodeAgent, *, nnodes: int, job_id: str, once: bool) -> None:
     here = job_dir(slot_dir, job_id)
     inbox = here / "inbox"
     inbox.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         collective_timeout_s=args.collective_timeout,
     )
     try:
-        serve(Path(args.slot_dir), agent, nnodes, job_id, args.once)
+        serve(Path(args.slot_dir), agent, nnodes=nnodes, job_id=job_id, once=args.once)
     finally:
         agent.close()
     return 0

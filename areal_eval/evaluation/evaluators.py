@@ -139,7 +139,7 @@ def check_metric_names(metrics: dict[str, float], evaluator: str) -> dict[str, f
     return metrics
 
 
-def truncation_warning(cut: float, total: float, what: str, limit: str, kept: str) -> list[str]:
+def truncation_warning(cut: float, total: float, what: str, *, limit: str, kept: str) -> list[str]:
     """The warning for ``cut`` of ``total`` ``what`` cut to fit ``limit`` (none when none was;
     a subclass that sums no such count gets none either)."""
     if not cut:

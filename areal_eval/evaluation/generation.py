@@ -177,7 +177,9 @@ class GenerationEvaluator(BaseEvaluator):
         if tokenizer_dir is not None:
             tok = causal_lm.load_tokenizer(tokenizer_dir)
             for p in prompts:
-                causal_lm.encode_prompt(tok, p["prompt"], cfg.chat_template, f"{path}:{p['line']}", CHAT_SETTING)
+                causal_lm.encode_prompt(
+                    tok, p["prompt"], chat_template=cfg.chat_template, where=f"{path}:{p['line']}", setting=CHAT_SETTING
+                )
 
     def load(self, checkpoint_dir: Path, data_path: Path, allow_pickle: bool = False) -> None:
         if self.cfg.backend == "vllm":  # the engine loads the weights: no second copy beside it
@@ -195,7 +197,9 @@ class GenerationEvaluator(BaseEvaluator):
         self.max_prompt_tokens = prompt_budget(self.cfg, positions)
         chat = self.cfg.chat_template
         whole = [
-            causal_lm.encode_prompt(self.tokenizer, p["prompt"], chat, f"{data_path}:{p['line']}", CHAT_SETTING)
+            causal_lm.encode_prompt(
+                self.tokenizer, p["prompt"], chat_template=chat, where=f"{data_path}:{p['line']}", setting=CHAT_SETTING
+            )
             for p in self.prompts
         ]
         self.prompt_ids = [ids[-self.max_prompt_tokens :] for ids in whole]
@@ -309,7 +313,7 @@ class GenerationEvaluator(BaseEvaluator):
     def warnings(self, sums):
         budget = f"max_prompt_tokens ({self.max_prompt_tokens} tokens)"
         return truncation_warning(
-            sums.get("truncated_prompts", 0), sums.get("n_prompts", 0), "prompts", budget, "their end"
+            sums.get("truncated_prompts", 0), sums.get("n_prompts", 0), "prompts", limit=budget, kept="their end"
         )
 
 

@@ -255,6 +255,7 @@ def run_evaluation_job(
     data_path: str | Path,
     cfg: EvalConfig,
     work_dir: str | Path,
+    *,
     max_length: int = 64,
     s3: S3Config | None = None,
     cache_dir: str | Path | None = None,

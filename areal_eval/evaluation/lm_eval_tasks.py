@@ -112,7 +112,7 @@ def task_manager(include_path: str | None, tasks: tuple[str, ...]):
 
 
 def run_tasks(
-    model, tokenizer, cfg: LMEvalConfig, shard: int = 0, shards: int = 1, samples: bool = False
+    model, tokenizer, cfg: LMEvalConfig, *, shard: int = 0, shards: int = 1, samples: bool = False
 ) -> tuple[dict[str, float], list[dict]]:
     """The harness's ``simple_evaluate`` of ``cfg.tasks`` on ``model``, its requests answered in
     ``shards`` shards (this rank's: ``shard``): flattened metrics, and with ``samples`` every
@@ -203,7 +203,12 @@ class LMEvalEvaluator(BaseEvaluator):
         shard, shards = batch["shard"].tolist()
         first = distributed.rank() == 0
         metrics, rows = run_tasks(
-            self.model, self.tokenizer, self.cfg, shard, shards, samples=first and self.item_rows is not None
+            self.model,
+            self.tokenizer,
+            self.cfg,
+            shard=shard,
+            shards=shards,
+            samples=first and self.item_rows is not None,
         )
         # Every rank's harness saw all the answers, but only rank 0's result counts (the worker
         # sums over ranks, and a rank that returns nothing adds 0).

@@ -150,7 +150,11 @@ class LMLossEvaluator(BaseEvaluator):
     def warnings(self, sums):
         limit = f"max_length ({self.cfg.max_length} tokens)"
         return truncation_warning(
-            sums.get("truncated_texts", 0), sums.get("n_texts", 0), "texts", limit, "the start of their completion"
+            sums.get("truncated_texts", 0),
+            sums.get("n_texts", 0),
+            "texts",
+            limit=limit,
+            kept="the start of their completion",
         )
 
 
@@ -161,7 +165,9 @@ def encode_row(tok, row: dict, cfg: LMLossConfig, data_path: Path) -> dict:
     where, max_length, completion_text = f"{data_path}:{row['line']}", cfg.max_length, row["completion"]
     if row["prompt"]:
         chat = cfg.chat_template
-        prompt = causal_lm.encode_prompt(tok, row["prompt"], chat, where, "eval.lm_loss.chat_template")
+        prompt = causal_lm.encode_prompt(
+            tok, row["prompt"], chat_template=chat, where=where, setting="eval.lm_loss.chat_template"
+        )
         completion_text = completion_text.lstrip() if chat else completion_text  # as encode_answer
     else:  # a whole text: its first token is predicted from BOS, or EOS (lm-evaluation-harness)
         start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id

@@ -123,6 +123,6 @@ class RewardModelEvaluator(BaseEvaluator):
             sums.get("truncated_texts", 0),
             2 * sums.get("n_pairs", 0),
             "texts",
-            f"max_length ({self.max_length} tokens)",
-            kept,
+            limit=f"max_length ({self.max_length} tokens)",
+            kept=kept,
         )

@@ -97,16 +97,19 @@ def compute_with_probe(
     evaluator: BaseEvaluator,
     layout: distributed.ParallelLayout,
     batch_size: int,
+    *,
     fraction: float,
     probe_only: bool,
     mp_group=None,
 ) -> tuple[dict, dict]:
     """(metrics, probe metrics): see :func:`probe_sums`."""
-    whole, subset = probe_sums(evaluator, layout, batch_size, fraction, probe_only, mp_group)
+    whole, subset = probe_sums(
+        evaluator, layout, batch_size, fraction=fraction, probe_only=probe_only, mp_group=mp_group
+    )
     return (evaluator.metrics(whole) if not probe_only else {}), evaluator.metrics(subset)
 
 
-def probe_sums(evaluator, layout, batch_size, fraction, probe_only, mp_group=None) -> tuple[dict, dict]:
+def probe_sums(evaluator, layout, batch_size, *, fraction, probe_only, mp_group=None) -> tuple[dict, dict]:
     """(sums, probe subset's sums): the probe subset's sums, then (unless ``probe_only``, when
     the first are the subset's) the rest's, kept apart. The whole set's sums are the two added,
     exactly, and the subset's are what a probe of this checkpoint sees."""
@@ -209,7 +212,14 @@ def run_job(spec: EvalJobSpec, started_at: float) -> None:
         sums = compute_sums(evaluator, layout, spec.batch_size, mp_group)
         metrics, probe_metrics = evaluator.metrics(sums), {}
     else:
-        sums, subset = probe_sums(evaluator, layout, spec.batch_size, spec.probe_fraction, spec.probe_only, mp_group)
+        sums, subset = probe_sums(
+            evaluator,
+            layout,
+            spec.batch_size,
+            fraction=spec.probe_fraction,
+            probe_only=spec.probe_only,
+            mp_group=mp_group,
+        )
         metrics = {} if spec.probe_only else evaluator.metrics(sums)
         probe_metrics = evaluator.metrics(subset)
     metrics = check_metric_names(metrics, spec.evaluator)

@@ -270,8 +270,8 @@ class FollowLoop:
             self.planner,
             attempt,
             self.alerts,
-            self.cfg.max_attempts,
-            self.cfg.results_logged_by_evaluator,
+            max_attempts=self.cfg.max_attempts,
+            logged_by_evaluator=self.cfg.results_logged_by_evaluator,
             deleted=self.deleted,
         )
         for event in outcome.looked_back:  # queued: the loop starts it next
@@ -307,9 +307,9 @@ class FollowLoop:
             self.planner.events(),
             {e.step: e for e in self.planner.ledger.entries()},
             self.cfg.retention,
-            sched.metric,
-            sched.higher_is_better,
-            self.deleted,
+            metric=sched.metric,
+            higher_is_better=sched.higher_is_better,
+            deleted=self.deleted,
         )
         if doomed:
             self.io.delete_checkpoints(doomed)

@@ -57,6 +57,7 @@ def record_outcome(
     planner: EvaluationPlanner,
     attempt: Attempt,
     alerts: AlertEngine,
+    *,
     max_attempts: int = 1,
     logged_by_evaluator: bool = False,
     deleted: Collection[int] = (),
@@ -80,7 +81,14 @@ def record_outcome(
             raise exc
         cause = f"probe failed: {exc}" if attempt.probe else str(exc)
         permanent, retried = is_permanent(exc), getattr(exc, "retried", [])
-        if not planner.attempt_failed(event, cause, permanent, max_attempts, retried, is_bad_checkpoint(exc)):
+        if not planner.attempt_failed(
+            event,
+            cause,
+            permanent=permanent,
+            max_attempts=max_attempts,
+            retried=retried,
+            bad_checkpoint=is_bad_checkpoint(exc),
+        ):
             return Outcome([], retry=cause)
         return Outcome(alerts.check(step, None, planner.ledger.latest(step).reason))
     result = attempt.result
@@ -94,10 +102,10 @@ def record_outcome(
     looked_back = planner.evaluated(
         event,
         result.metrics,
-        logged_by_evaluator,
-        result.probe_metrics,
-        result.notes,
-        result.retried,
+        delivered=logged_by_evaluator,
+        probe_metrics=result.probe_metrics,
+        notes=result.notes,
+        retried=result.retried,
         deleted=deleted,
         owner=owner,
     )

@@ -132,7 +132,7 @@ class EvaluationPlanner:
             return Decision(True, "resumed: scheduled before restart", pinned=True, probe=probe)
         step = event.global_step
         offered = self._decisions.offered_before(step)
-        decision = decide(event, self._decisions.view(), self.cfg, offered, self._paired)
+        decision = decide(event, self._decisions.view(), self.cfg, offered, paired=self._paired)
         if not decision.evaluate and self.probes:  # compared when it is done, with the full result before it
             decision = Decision(True, f"probe: {decision.reason}", probe=True)
         status = "scheduled" if decision.evaluate else "skipped"
@@ -246,6 +246,7 @@ class EvaluationPlanner:
         self,
         event: CheckpointEvent,
         metrics: dict,
+        *,
         delivered: bool = False,
         probe_metrics: dict | None = None,
         notes: list[str] = (),
@@ -281,7 +282,9 @@ class EvaluationPlanner:
         )
         step = event.global_step
         looked_back = []
-        for earlier, why in look_back(self._decisions.view(), step, self._skipped, self.cfg, self._paired, deleted):
+        for earlier, why in look_back(
+            self._decisions.view(), step, self._skipped, self.cfg, paired=self._paired, deleted_steps=deleted
+        ):
             if (skipped := self._reschedule(earlier, why, owner)) is not None:
                 looked_back.append(skipped)
         return looked_back
@@ -314,6 +317,7 @@ class EvaluationPlanner:
         self,
         event: CheckpointEvent,
         cause: str,
+        *,
         permanent: bool,
         max_attempts: int,
         retried: list[str] = (),

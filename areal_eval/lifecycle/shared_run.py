@@ -138,6 +138,7 @@ class SharedRun:
     def record_outcome(
         self,
         attempt: Attempt,
+        *,
         max_attempts: int = 1,
         logged_by_evaluator: bool = True,
         deleted: Collection[int] = (),
@@ -154,7 +155,15 @@ class SharedRun:
             for entry in planner.ledger.entries():
                 if entry.status == "evaluated" and entry.step != attempt.event.global_step:
                     engine.remember(entry.step, entry.metrics)
-            outcome = record_outcome(planner, attempt, engine, max_attempts, logged_by_evaluator, deleted, owner)
+            outcome = record_outcome(
+                planner,
+                attempt,
+                engine,
+                max_attempts=max_attempts,
+                logged_by_evaluator=logged_by_evaluator,
+                deleted=deleted,
+                owner=owner,
+            )
             if engine.notified != state.get("notified", {}):
                 self._save_state({**state, "notified": engine.notified})
         return outcome

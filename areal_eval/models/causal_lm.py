@@ -29,7 +29,7 @@ def load_model(path: str | Path, allow_pickle: bool = False, dtype: str = "float
             "generation and lm_loss need a model AutoModelForCausalLM loads (use eval.evaluator: reward_model "
             "for reward models)"
         )
-    return loading.load_pretrained(AutoModelForCausalLM, path, allow_pickle, dtype, device)
+    return loading.load_pretrained(AutoModelForCausalLM, path, allow_pickle=allow_pickle, dtype=dtype, device=device)
 
 
 def load_tokenizer(path: str | Path):
@@ -58,7 +58,7 @@ def load_shared(path: str | Path, allow_pickle: bool = False, models: dict | Non
     return loaded
 
 
-def encode_prompt(tok, prompt: str, chat_template: bool, where: str, setting: str) -> list[int]:
+def encode_prompt(tok, prompt: str, *, chat_template: bool, where: str, setting: str) -> list[int]:
     """A prompt's token ids, whole: as a user turn in the tokenizer's chat template (ending where
     the assistant's answer starts) with ``chat_template``, else as plain text. ``setting`` names
     the field that asked for the template, for the error when the tokenizer has none."""
@@ -106,7 +106,7 @@ def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 512
     return fast
 
 
-def build_model(tokenizer, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4, max_length: int = 128):
+def build_model(tokenizer, *, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4, max_length: int = 128):
     """A fresh small Llama-style causal LM."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 

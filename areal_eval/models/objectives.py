@@ -103,7 +103,11 @@ class SFTObjective:
     @staticmethod
     def build_model(cfg: ModelConfig, tokenizer):
         return causal_lm.build_model(
-            tokenizer, cfg.hidden_size, cfg.num_layers, cfg.num_heads, max(128, cfg.max_length)
+            tokenizer,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            max_length=max(128, cfg.max_length),
         )
 
     @staticmethod
@@ -122,7 +126,9 @@ class SFTObjective:
             where = f"line {row['line']} of the training data"
             answer = causal_lm.encode_answer(tokenizer, row["answer"], chat)[: max_length - 2]
             answer.append(tokenizer.eos_token_id)  # in a chat template, the end of the assistant's turn
-            whole = causal_lm.encode_prompt(tokenizer, row["prompt"], chat, where, "model.chat_template")
+            whole = causal_lm.encode_prompt(
+                tokenizer, row["prompt"], chat_template=chat, where=where, setting="model.chat_template"
+            )
             prompt = whole[-(max_length - len(answer)) :]
             items.append({"ids": prompt + answer, "context": len(prompt)})
         return items

@@ -71,7 +71,9 @@ def load_model(path: str | Path, allow_pickle: bool = False, dtype: str = "float
     :func:`checkpoints.loading.load_pretrained`)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = loading.load_pretrained(AutoModelForSequenceClassification, path, allow_pickle, dtype, device, num_labels=1)
+    model = loading.load_pretrained(
+        AutoModelForSequenceClassification, path, allow_pickle=allow_pickle, dtype=dtype, device=device, num_labels=1
+    )
     return score_head_in_float32(model)
 
 

@@ -173,6 +173,7 @@ def decide(
     history: Sequence[HistoryEntry],
     cfg: SchedulerConfig,
     offered_steps: Sequence[int] = (),
+    *,
     paired: PairedStderr | None = None,
 ) -> Decision:
     """Evaluate this checkpoint? ``offered_steps``: every checkpoint offered before it, evaluated or
@@ -270,6 +271,7 @@ def look_back(
     step: int,
     skipped_steps: Collection[int],
     cfg: SchedulerConfig,
+    *,
     paired: PairedStderr | None = None,
     deleted_steps: Collection[int] = (),
 ) -> list[tuple[int, str]]:

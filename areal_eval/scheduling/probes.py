@@ -73,7 +73,9 @@ def subset_result(curve, i: int, fraction: float, seed: str) -> tuple[float, flo
     return point.value + noise, point.stderr / math.sqrt(fraction)
 
 
-def probe_moved(probe: float, probe_stderr: float, reference: float, reference_stderr: float, stderrs: float) -> bool:
+def probe_moved(
+    probe: float, probe_stderr: float, reference: float, reference_stderr: float, *, stderrs: float
+) -> bool:
     """Did the probe move beyond its noise from the last full evaluation's subset value?"""
     return abs(probe - reference) > stderrs * math.hypot(probe_stderr, reference_stderr)
 
@@ -81,7 +83,7 @@ def probe_moved(probe: float, probe_stderr: float, reference: float, reference_s
 def probe_verdict(probe: tuple[float, float], reference: tuple[float, float], stderrs: float) -> tuple[bool, str]:
     """Escalate? ``probe`` and ``reference`` are (value, stderr) on the probe subset, the reference
     from the newest full evaluation; returns the verdict and the reason, as the ledger records it."""
-    moved = probe_moved(*probe, *reference, stderrs)
+    moved = probe_moved(*probe, *reference, stderrs=stderrs)
     gap = abs(probe[0] - reference[0]) / max(math.hypot(probe[1], reference[1]), 1e-12)
     relation = ">" if moved else "<="
     return moved, f"probe {probe[0]:.4g} vs {reference[0]:.4g} on the subset: {gap:.2f} {relation} {stderrs:g} stderr"
@@ -173,17 +175,17 @@ def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> t
     at = {p.step: i for i, p in enumerate(points)}
     for i, p in enumerate(points):
         event = _Event(p.step, i == len(points) - 1)
-        evaluate = decide(event, index.view(), cfg, index.offered_before(p.step), paired).evaluate
+        evaluate = decide(event, index.view(), cfg, index.offered_before(p.step), paired=paired).evaluate
         if not evaluate and probes and reference is not None:
             probes_run += 1
-            evaluate = probe_escalates(curve, i, reference, probes, seed)
+            evaluate = probe_escalates(curve, i, reference, probes, seed=seed)
         if evaluate:
             chosen.append((i, i))
             history.append(HistoryEntry(p.step, float(p.step), p.value, p.stderr))
             index.set(p.step, history[-1])
             if probes:  # its own subset result: what a probe here saw (a full result contains it)
                 reference = (i, *subset_result(curve, i, probes.fraction, seed))
-            for step, _ in look_back(index.view(), p.step, skipped[-COVER_WINDOW:], cfg, paired):
+            for step, _ in look_back(index.view(), p.step, skipped[-COVER_WINDOW:], cfg, paired=paired):
                 j = at[step]  # evaluated now, with this checkpoint the newest
                 chosen.append((j, i))
                 history.append(HistoryEntry(step, float(step), points[j].value, points[j].stderr))
@@ -212,7 +214,7 @@ def curve_paired_stderr(curve):
     return paired
 
 
-def probe_escalates(curve, i: int, reference: tuple[int, float, float], probes: ProbeSettings, seed: str) -> bool:
+def probe_escalates(curve, i: int, reference: tuple[int, float, float], probes: ProbeSettings, *, seed: str) -> bool:
     """Would the probe of checkpoint ``i`` escalate, against the full evaluation ``reference``
     (its index, subset value and stderr)? Paired on the items where the curve has them, as the
     planner judges a run that keeps its items; else on the subset means."""
@@ -222,7 +224,7 @@ def probe_escalates(curve, i: int, reference: tuple[int, float, float], probes: 
         verdict = paired_probe_verdict((subset, None), (dict(enumerate(base.items)), None), probes.escalate_stderrs)
         if verdict is not None:
             return verdict[0]
-    return probe_moved(*subset_result(curve, i, probes.fraction, seed), *reference[1:], probes.escalate_stderrs)
+    return probe_moved(*subset_result(curve, i, probes.fraction, seed), *reference[1:], stderrs=probes.escalate_stderrs)
 
 
 @dataclasses.dataclass(frozen=True)

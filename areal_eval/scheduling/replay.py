@@ -200,6 +200,7 @@ def score(curve: Curve, chosen: list[int]) -> dict:
 def replay(
     curves: list[Curve],
     policies: list[Policy],
+    *,
     regression: bool = False,
     seed: int = 0,
     alert_rules: list[AlertRule] | None = None,
@@ -221,7 +222,9 @@ def replay(
     for policy in policies:
         if not isinstance(policy, FixedEvery):
             row = results[policy.name]
-            frontier = fixed_frontier_compute(curves, row["mean_tracking_error"], regression, seed, fixed, use_items)
+            frontier = fixed_frontier_compute(
+                curves, row["mean_tracking_error"], regression=regression, seed=seed, fixed=fixed, use_items=use_items
+            )
             row["frontier_compute"] = round(frontier, 2)
             row["frontier_ratio"] = round(row["compute"] / frontier, 4)
             if max(len(c.points) for c in curves) <= MAX_CHECKPOINTS:  # else left out: too slow
@@ -234,6 +237,7 @@ def replay(
 def fixed_frontier_compute(
     curves: list[Curve],
     tracking_error: float,
+    *,
     regression: bool,
     seed: int,
     fixed: dict[int, dict],

@@ -21,7 +21,9 @@ def test_metrics_straight_from_the_training_loop_are_recorded_as_numbers():
         "nan": float("nan"),  # a diverged loss is still a loss
         "stopped": "alert accuracy-regression",  # not a number: kept in the manifest, not in MLflow
     }
-    step, epoch, epoch_step, recorded = announcement("run", np.int64(40), torch.tensor(1), 15, metrics)
+    step, epoch, epoch_step, recorded = announcement(
+        "run", np.int64(40), epoch=torch.tensor(1), epoch_step=15, train_metrics=metrics
+    )
     assert (step, epoch, epoch_step) == (40, 1, 15) and all(type(x) is int for x in (step, epoch, epoch_step))
     assert {k: v for k, v in recorded.items() if k != "nan"} == {
         "loss": 0.5, "loss_bf16": 0.25, "grad_norm": 2.0, "lr": 1e-4, "tokens": 4096, "accuracy": 0.75,
@@ -54,7 +56,8 @@ def test_metrics_straight_from_the_training_loop_are_recorded_as_numbers():
 )
 def test_an_announcement_that_no_follower_could_read_is_refused_naming_the_argument(args, named):
     with pytest.raises(ValueError, match=named):
-        announcement(*args)
+        run_id, step, epoch, epoch_step, metrics = args
+        announcement(run_id, step, epoch=epoch, epoch_step=epoch_step, train_metrics=metrics)
 
 
 def test_a_checkpoint_name_reads_back_as_its_step_and_nothing_else_does():

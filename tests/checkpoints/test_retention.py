@@ -16,7 +16,8 @@ def entry(step, status, accuracy=None):
 def deletable(ledger, cfg, checkpoints=None, **kw):
     checkpoints = checkpoints or [ckpt(s) for s in range(0, 80, 10)]
     return [
-        c.global_step for c in checkpoints_to_delete(checkpoints, {e.step: e for e in ledger}, cfg, "accuracy", **kw)
+        c.global_step
+        for c in checkpoints_to_delete(checkpoints, {e.step: e for e in ledger}, cfg, metric="accuracy", **kw)
     ]
 
 

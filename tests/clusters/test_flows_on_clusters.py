@@ -14,7 +14,7 @@ import pytest
 from areal_eval.clusters.slurm_slots import run_jobs
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests.clusters.conftest import placement_groups_left, slot_actors_alive
 from tests.conftest import TINY
 from tests.flows.test_train_and_evaluate_resume import ROOT, clean_env, flow_command, wait_for
@@ -85,7 +85,7 @@ def test_kill_9_of_the_flow_then_the_same_command_leaves_nothing_on_the_cluster_
     ledger = Ledger(run.ledger)
     assert all(e.status in FINAL_STATES for e in ledger.entries()) and ledger.status(24) == "evaluated"
     evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
-    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=params["tracking"]["tracking_uri"], experiment="areal-eval"))
     [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
     assert mlflow_run.info.status == "FINISHED"
     history = tracker.client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")

@@ -230,13 +230,13 @@ def test_a_probe_subset_and_the_rest_add_up_to_the_whole_set_sampled_answers_inc
     evaluator.load(Path(checkpoint), Path(prompts))
     layout = distributed.ParallelLayout(1, 0, 1)
     whole = compute_metrics(evaluator, layout, 7)
-    metrics, probe = compute_with_probe(evaluator, layout, 7, 0.25, probe_only=False)
+    metrics, probe = compute_with_probe(evaluator, layout, 7, fraction=0.25, probe_only=False)
     generated = {k: v for k, v in whole.items() if k.startswith("generation/")}
     assert {k: v for k, v in metrics.items() if k.startswith("generation/")} == pytest.approx(generated, rel=1e-12)
     # Losses come from forward passes over other batches: equal to float32's last bits.
     assert metrics == pytest.approx(whole, rel=1e-6)
     assert probe["generation/n_prompts"] == probe["lm_loss/n_texts"] == 10  # a quarter of 41 prompts
-    assert compute_with_probe(evaluator, layout, 7, 0.25, probe_only=True) == ({}, probe)
+    assert compute_with_probe(evaluator, layout, 7, fraction=0.25, probe_only=True) == ({}, probe)
 
 
 def copy_with_generation_config(checkpoint, target, **settings):

@@ -107,7 +107,9 @@ def test_with_the_chat_template_the_completion_is_the_assistants_turn_as_sft_tra
     )
     row = {"prompt": "Q: 2 and 3?\nA:", "completion": " 2 + 3 = 5 #### 5", "line": 7}
     encoded = encode_row(tok, row, LMLossConfig(chat_template=True), Path("d.jsonl"))
-    prompt = encode_prompt(tok, row["prompt"], True, "d.jsonl:7", "eval.lm_loss.chat_template")
+    prompt = encode_prompt(
+        tok, row["prompt"], chat_template=True, where="d.jsonl:7", setting="eval.lm_loss.chat_template"
+    )
     assert encoded["ids"] == prompt + encode_answer(tok, row["completion"], True)
     assert encoded["context"] == len(prompt) and tok.decode(prompt) == "Q: 2 and 3?\nA:|>"
     assert encoded["bytes"] == len("2 + 3 = 5 #### 5")

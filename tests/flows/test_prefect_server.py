@@ -13,7 +13,7 @@ import pytest
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.pipeline.config import load_pipeline_config
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests.prefect_services import (
     PREFECT,
     REPO,
@@ -140,7 +140,7 @@ def test_the_sweep_evaluates_only_what_no_flow_run_handles(server, stored_run):
     assert all(e.status in ("evaluated", "skipped", "superseded") for e in ledger.entries())
     evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
     assert eval_steps(server, run_id) == evaluated  # skipped checkpoints stay skipped
-    tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=server["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
     assert tracker.client.get_run(tracker.find_run(run_id)).info.status == "FINISHED"
     cli_or_fail(server, "deployment", "run", "sweep-checkpoints/every-30-minutes", "--watch")  # idempotent
     history = tracker.client.get_metric_history(tracker.find_run(run_id), "eval/accuracy")

@@ -19,7 +19,7 @@ from areal_eval.checkpoints.publisher import post_event
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.pipeline.config import load_pipeline_config
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests import sink_points
 from tests.helpers import assert_best_is_registered, checkpoints_table, copy_trained_run
 from tests.prefect_services import (
@@ -77,7 +77,7 @@ def test_event_triggers_evaluate_checkpoint_with_its_parameters(server, trained_
 
     # A second event for the same checkpoint evaluates nothing new.
     post_event(server["PREFECT_API_URL"], event, manifest)
-    tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=server["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         runs = [
@@ -129,7 +129,7 @@ def test_a_burst_of_events_decides_as_the_in_flow_planner_and_the_run_ends(serve
     assert all(later[0] >= earlier[1] for earlier, later in zip(tasks, tasks[1:], strict=False)), tasks
 
     # The run is over: its MLflow run ended with the curve, the decisions and the publisher's train metrics.
-    tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=server["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
     mlflow_run = tracker.client.get_run(tracker.find_run("burst"))
     assert mlflow_run.info.status == "FINISHED"
     assert mlflow_run.data.tags["checkpoints.evaluated"] == str(len(evaluated))
@@ -152,7 +152,7 @@ def test_missing_validation_data_fails_before_any_worker_and_alerts(server, trai
     entry = Ledger(tmp_path / "nodata" / "ledger.jsonl").latest(0)
     assert entry.status == "failed" and "no such validation data file" in entry.reason and "valid_data" in entry.reason
     assert not list((tmp_path / "nodata").glob("evals/*.log"))  # no torchrun started, none retried
-    tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=server["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
     mlflow_run = tracker.client.get_run(tracker.find_run("nodata"))
     assert "no such validation data file" in mlflow_run.data.tags["alert.eval-failed"]
     # Its checkpoint was the final one: the run ends FAILED with the reason, and its report is written.
@@ -258,5 +258,5 @@ def test_a_hugging_face_trainer_publishes_and_the_trigger_evaluates_its_checkpoi
     ledger = Ledger(run_dir / "ledger.jsonl")
     assert [e.step for e in ledger.entries()] == [8, 16] and ledger.status(16) == "evaluated"
     assert eval_steps(server, "hf-served") == [e.step for e in ledger.entries() if e.status == "evaluated"]
-    tracker = Tracker(server["MLFLOW_TRACKING_URI"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=server["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
     assert tracker.client.get_run(tracker.find_run("hf-served")).info.status == "FINISHED"  # 16 was final

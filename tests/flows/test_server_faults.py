@@ -19,7 +19,7 @@ import pytest
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, publish_checkpoint
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests.helpers import checkpoints_table, free_port
 from tests.prefect_services import REPO, api, api_get, cli, server_env, start_server, stop, wait_for_runs
 
@@ -175,7 +175,7 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
         publish(400, f"http://127.0.0.1:{proxy.port}/api", timeout_s=1.0)
         wait_for_runs(env, runs_of(400), 1, timeout_s=240)
         deadline = time.monotonic() + 60
-        tracker = Tracker(env["MLFLOW_TRACKING_URI"], "areal-eval")
+        tracker = Tracker(TrackingConfig(tracking_uri=env["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
         while tracker.client.get_run(tracker.find_run("faulty")).info.status == "RUNNING":
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(1)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from areal_eval.runs.directory import RunDir, RunLock
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests.helpers import HOLD_RUN_LOCK, sqlite_mlflow_uri
 
 pytestmark = pytest.mark.integration
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def test_a_run_left_running_by_a_dead_flow_is_ended_killed_and_a_live_one_is_not(tmp_path):
     from flows.sweep_checkpoints import end_if_abandoned
 
-    tracker = Tracker(sqlite_mlflow_uri(tmp_path), "sweep")
+    tracker = Tracker(TrackingConfig(tracking_uri=sqlite_mlflow_uri(tmp_path), experiment="sweep"))
     run = RunDir(tmp_path / "run")
     mlflow_run = tracker.start_run("r-1", {})
     assert not end_if_abandoned(tracker, mlflow_run, run)  # no lock file: a trainer outside the flow

@@ -7,7 +7,7 @@ import time
 
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests.conftest import tiny_config
 from tests.helpers import copy_trained_run, sqlite_mlflow_uri, start_mlflow_server
 from tests.prefect_services import stop
@@ -56,7 +56,7 @@ def test_mlflow_server_down_longer_than_its_client_retries_loses_nothing(
         # and a loaded machine can take much of that to start a server.
         server = start_mlflow_server(tmp_path / "server" / "mlflow.db", tmp_path / "artifacts", port)
         thread.join(300)
-        tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+        tracker = Tracker(TrackingConfig(tracking_uri=cfg.tracking.tracking_uri, experiment=cfg.tracking.experiment))
         eval_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "eval/accuracy")]
         train_steps = [m.step for m in tracker.client.get_metric_history(mlflow_run_id, "train/loss")]
     finally:

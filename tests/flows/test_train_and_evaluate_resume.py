@@ -22,7 +22,7 @@ import pytest
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests import sink_points
 from tests.conftest import TINY
 from tests.helpers import sqlite_mlflow_uri, tmpfs
@@ -126,7 +126,7 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
         if flow.poll() is None:
             os.killpg(flow.pid, signal.SIGKILL)
 
-    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=params["tracking"]["tracking_uri"], experiment="areal-eval"))
     [killed] = tracker.client.search_runs([tracker.experiment_id])
     tracker.set_tags(killed.info.run_id, {"areal.failure": "interrupted (Ctrl-C)"})  # as a stopped run leaves it
     env = clean_env(tmp_path / "prefect")
@@ -142,7 +142,7 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
     ledger = Ledger(run.ledger)
     assert [e.step for e in ledger.entries()] == steps and all(e.status in FINAL_STATES for e in ledger.entries())
     evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
-    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=params["tracking"]["tracking_uri"], experiment="areal-eval"))
     [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])  # the same MLflow run went on
     assert (
         mlflow_run.info.status == "FINISHED" and "areal.failure" not in mlflow_run.data.tags
@@ -184,7 +184,7 @@ def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_ha
     assert [e.step for e in ledger.entries()] == published  # every published checkpoint handled
     assert all(e.status == "evaluated" for e in ledger.entries())
     assert (run.root / "evaluation_curve.png").exists()
-    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=params["tracking"]["tracking_uri"], experiment="areal-eval"))
     [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
     assert mlflow_run.info.status == "FAILED" and "training failed" in mlflow_run.data.tags["areal.failure"]
     output = (tmp_path / "rank-flow.log").read_text()  # one line first; the tracebacks are in a file
@@ -233,7 +233,7 @@ def test_ctrl_c_or_sigterm_stops_everything_in_one_line_and_ends_mlflow_killed(t
     resume = f"python -m flows.train_and_evaluate --config {config}"
     last = output.rstrip().splitlines()[-1]
     assert last == f"stopped: {cause}; the same command resumes the run: {resume}"
-    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=params["tracking"]["tracking_uri"], experiment="areal-eval"))
     [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
     assert mlflow_run.info.status == "KILLED" and mlflow_run.data.tags["areal.failure"] == cause
 
@@ -271,7 +271,7 @@ def test_a_full_disk_ends_the_mlflow_run_failed_naming_the_path_and_what_was_bei
     assert "retrying in" not in output and "queued again" not in output
     ledger = Ledger(small_disk / "full" / "ledger.jsonl")
     assert "scheduled" in {ledger.status(e.step) for e in ledger.entries()}
-    tracker = Tracker(params["tracking"]["tracking_uri"], "areal-eval")
+    tracker = Tracker(TrackingConfig(tracking_uri=params["tracking"]["tracking_uri"], experiment="areal-eval"))
     [mlflow_run] = tracker.client.search_runs([tracker.experiment_id])
     assert mlflow_run.info.status == "FAILED"
     assert mlflow_run.data.tags["areal.failure"].startswith("out of disk space: ")

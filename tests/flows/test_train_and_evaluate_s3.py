@@ -11,7 +11,7 @@ import pytest
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
-from areal_eval.tracking import Tracker
+from areal_eval.tracking import Tracker, TrackingConfig
 from tests.conftest import tiny_config
 from tests.helpers import sqlite_mlflow_uri
 from tests.s3_servers import TEST_CREDENTIALS, FaultProxy
@@ -48,7 +48,7 @@ def test_pipeline_on_s3_with_faults_retention_and_sweep(prefect_server, s3_serve
 
     ledger = Ledger(run.ledger)
     assert all(e.status in FINAL_STATES for e in ledger.entries())
-    tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+    tracker = Tracker(TrackingConfig(tracking_uri=cfg.tracking.tracking_uri, experiment=cfg.tracking.experiment))
     mlflow_run = summary["mlflow_run_id"]
     evaluated = [e.step for e in ledger.entries() if e.status == "evaluated"]
     assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run, "eval/accuracy")) == evaluated

@@ -158,7 +158,7 @@ FULL = {"accuracy": 0.5, "accuracy_stderr": 0.01}
 def test_skipped_checkpoints_are_probed_held_within_their_noise_and_escalated_when_they_move(tmp_path):
     planner = EvaluationPlanner(PROBING, Ledger(tmp_path / "ledger.jsonl"))
     planner.offer(ev(0))
-    planner.evaluated(planner.next(), FULL, True, probe_metrics={"accuracy": 0.5, "accuracy_stderr": 0.02})
+    planner.evaluated(planner.next(), FULL, delivered=True, probe_metrics={"accuracy": 0.5, "accuracy_stderr": 0.02})
 
     held = planner.offer(ev(10))  # fixed:100 skips it: a probe instead
     assert held.probe and held.reason == "probe: fixed interval: 10 < 100 steps"

@@ -26,7 +26,9 @@ def test_smollm2_converts_to_safetensors_and_answers_with_its_chat_template(tmp_
     assert pretrained.is_converted(out) and "quantization_config" not in (out / "config.json").read_text()
     model, tok = causal_lm.load_model(out).eval(), causal_lm.load_tokenizer(out)
     assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
-    ids = encode_prompt(tok, "What is 7 + 5?", True, "prompt", "eval.generation.chat_template")
+    ids = encode_prompt(
+        tok, "What is 7 + 5?", chat_template=True, where="prompt", setting="eval.generation.chat_template"
+    )
     with torch.no_grad():
         answer = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :]
     assert "12" in tok.decode(answer, skip_special_tokens=True)

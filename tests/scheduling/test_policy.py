@@ -232,4 +232,4 @@ def test_look_back_judges_by_the_paired_error_where_both_results_kept_items():
     def paired(a, b):  # on the same items their difference has 0.01 of noise, not 0.028: 4 errors
         return 0.01
 
-    assert [s for s, _ in look_back(history, 60, [40, 50], SchedulerConfig(), paired)] == [50, 40]
+    assert [s for s, _ in look_back(history, 60, [40, 50], SchedulerConfig(), paired=paired)] == [50, 40]

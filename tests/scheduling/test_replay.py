@@ -99,9 +99,14 @@ def test_looking_back_finds_more_injected_drops_within_2_checkpoints_at_no_more_
         detected, clean = {}, {}
         for spec in ("adaptive", "adaptive:look_back=0"):
             policies = [parse_policy(spec)]
-            rows = [replay.replay(curves, policies, True, s, rules)["policies"][spec] for s in range(10)]
+            rows = [
+                replay.replay(curves, policies, regression=True, seed=s, alert_rules=rules)["policies"][spec]
+                for s in range(10)
+            ]
             detected[spec] = statistics.fmean(r["alerts"]["default"]["detected_within_2"] for r in rows)
-            clean[spec] = replay.replay(curves, policies, False, 0, rules)["policies"][spec]["alerts"]["default"]
+            clean[spec] = replay.replay(curves, policies, regression=False, seed=0, alert_rules=rules)["policies"][
+                spec
+            ]["alerts"]["default"]
         # Measured: geometric 0.233 -> 0.567, even 0.275 -> 0.45 (reward-model geometric: 0.817 -> 0.85).
         assert detected["adaptive"] >= at_least > detected["adaptive:look_back=0"], path.name
         assert clean["adaptive"] == clean["adaptive:look_back=0"], path.name
@@ -117,9 +122,14 @@ def test_a_drop_at_the_final_checkpoint_fires_unconfirmed_at_no_more_false_alert
     detected, clean = {}, {}
     for final in (NOISE_AWARE_REGRESSION["final_stderrs"], None):
         rules = [AlertRule("default", "regression", **(NOISE_AWARE_REGRESSION | {"final_stderrs": final}))]
-        rows = [replay.replay(curves, policies, True, s, rules)["policies"]["adaptive"] for s in range(10)]
+        rows = [
+            replay.replay(curves, policies, regression=True, seed=s, alert_rules=rules)["policies"]["adaptive"]
+            for s in range(10)
+        ]
         detected[final] = statistics.fmean(r["alerts"]["default"]["detected_within_2"] for r in rows)
-        clean[final] = replay.replay(curves, policies, False, 0, rules)["policies"]["adaptive"]["alerts"]["default"]
+        clean[final] = replay.replay(curves, policies, regression=False, seed=0, alert_rules=rules)["policies"][
+            "adaptive"
+        ]["alerts"]["default"]
     # Measured: 0.755 -> 0.868; a drop at the last of 15 checkpoints is one in 8 of those injected.
     assert detected[3.5] >= 0.85 > detected[None]
     assert clean[3.5] == clean[None]
@@ -262,9 +272,9 @@ def test_the_frontier_is_the_fixed_compute_at_the_same_tracking_error_interpolat
     expected = low["compute"] + (target - low["mean_tracking_error"]) / (
         high["mean_tracking_error"] - low["mean_tracking_error"]
     ) * (high["compute"] - low["compute"])
-    assert replay.fixed_frontier_compute(curves, target, False, 0, {}) == pytest.approx(expected)
+    assert replay.fixed_frontier_compute(curves, target, regression=False, seed=0, fixed={}) == pytest.approx(expected)
     # Worse than every fixed:K: the sparsest one's compute.
-    assert replay.fixed_frontier_compute(curves, 1e9, False, 0, {}) == 2.0
+    assert replay.fixed_frontier_compute(curves, 1e9, regression=False, seed=0, fixed={}) == 2.0
 
 
 def noisy_plateaus(count=100, points=40, se=0.01, seed=0):

@@ -80,7 +80,9 @@ def test_a_drop_that_leaves_every_item_at_the_worst_score_replays(tmp_path):
     rules = [AlertRule("default", "regression", **NOISE_AWARE_REGRESSION)]
     policies = [replay.parse_policy("adaptive"), FixedEvery(1)]
     for use_items in (True, False):
-        for row in replay.replay(curves, policies, True, 0, rules, use_items)["policies"].values():
+        for row in replay.replay(curves, policies, regression=True, seed=0, alert_rules=rules, use_items=use_items)[
+            "policies"
+        ].values():
             assert math.isfinite(row["mean_tracking_error"]) and "detected_within_2" in row["alerts"]["default"]
 
 
@@ -98,9 +100,14 @@ def test_paired_alerts_on_our_item_curves_see_injected_drops_the_unpaired_rule_m
     scores = {}
     for name, use_items in (("paired", True), ("unpaired", False)):  # the same drops, with items and without
         injected = [
-            replay.replay(curves, policies, True, seed, [rule], use_items)["policies"]["fixed:1"] for seed in range(10)
+            replay.replay(curves, policies, regression=True, seed=seed, alert_rules=[rule], use_items=use_items)[
+                "policies"
+            ]["fixed:1"]
+            for seed in range(10)
         ]
-        clean = replay.replay(curves, policies, False, 0, [rule], use_items)["policies"]["fixed:1"]
+        clean = replay.replay(curves, policies, regression=False, seed=0, alert_rules=[rule], use_items=use_items)[
+            "policies"
+        ]["fixed:1"]
         detected = statistics.fmean(r["alerts"]["noise_aware"]["detected_within_2"] for r in injected)
         scores[name] = detected, clean["alerts"]["noise_aware"]["false_alerts_per_100_curves"]
     # Measured: 1.0 of the drops paired, 0.025 unpaired (the same drops, injected into the items).
