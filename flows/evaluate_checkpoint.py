@@ -374,7 +374,11 @@ def finish_attempt(ctx: Evaluating, attempt: Attempt, logged: bool) -> Outcome:
     then what this path does with it: failed attempts in MLflow, the alerts sent."""
     step = attempt.event.global_step
     outcome = ctx.shared.record_outcome(
-        attempt, ctx.cfg.eval.max_attempts, logged_by_evaluator=logged, deleted=ctx.deleted, owner=this_flow_run()
+        attempt,
+        max_attempts=ctx.cfg.eval.max_attempts,
+        logged_by_evaluator=logged,
+        deleted=ctx.deleted,
+        owner=this_flow_run(),
     )
     ctx.looked_back.extend(outcome.looked_back)
     if attempt.error is not None or attempt.result.retried:
