@@ -78,7 +78,7 @@ def _replay(args) -> int:
 def _follow_node(args) -> int:
     """A node other than 0 of a multi-node evaluation pool (``infra/k8s``): join each evaluation
     that node 0 starts, until the pod is stopped. The layout comes from ``AREAL_EVAL_*``."""
-    from areal_eval.launcher import NodeLayout, torchrun_command
+    from areal_eval.launchers.local import NodeLayout, torchrun_command
 
     nodes = NodeLayout.from_env()
     if nodes.nnodes < 2 or nodes.node_rank == 0:

@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import ClassVar
 
 from areal_eval import jsonl
+from areal_eval.checkpoints.freq_ctl import EpochStepTimeFreqCtl
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
 from areal_eval.checkpoints.store import StorageConfig, open_store
 from areal_eval.config.parsing import AT_LEAST_1, BATCH, NON_NEGATIVE, POSITIVE, RANKS, FieldError, Ranges, check_ranges
-from areal_eval.devices import Devices, check_setting
 from areal_eval.disk import named_if_disk_full
 from areal_eval.evaluation.job_spec import read_spec
-from areal_eval.launcher import TorchrunJob, die_with_parent
+from areal_eval.launchers.devices import Devices, check_setting
+from areal_eval.launchers.local import TorchrunJob, die_with_parent
 from areal_eval.models.objectives import ModelConfig, objective
 from areal_eval.runs.directory import RunDir, StopSignal
-from areal_eval.scheduling.freq_ctl import EpochStepTimeFreqCtl
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from areal_eval.launcher import stay_offline  # noqa: E402 (after the path is set)
+from areal_eval.launchers.local import stay_offline  # noqa: E402 (after the path is set)
 
 stay_offline()
 
@@ -29,7 +29,7 @@ def prepared_run(name: str, work_dir: Path, config: Path | None = None, **sectio
 def trained_tiny_run(work_dir: Path, name: str = "trained"):
     """A run directory with the demo's reward model trained 12 steps at a tiny size (2 DDP
     ranks, about a minute): checkpoints at steps 0, 4, 8 and 12."""
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.local import TorchrunJob
 
     cfg, run = prepared_run(
         name,

@@ -23,10 +23,10 @@ from common import emit, median, prepared_run
 
 def run_training(work: Path, steps: int, train_core: int, eval_core: int) -> dict:
     from areal_eval.checkpoints.manifest import Manifest
-    from areal_eval.devices import plan_here
     from areal_eval.evaluation.jobs import run_evaluation_job
     from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.devices import plan_here
+    from areal_eval.launchers.local import TorchrunJob
 
     cfg, run = prepared_run(
         f"separation-{eval_core}",

@@ -81,7 +81,7 @@ def trainer_run(
     checkpoint: Path, pairs_path: Path, batch_size: int, max_length: int, nproc: int, work: Path, heap_settings: bool
 ) -> tuple[float, dict]:
     """Trainer.evaluate in a fresh process: plain python for 1, torchrun (DDP over gloo) for more."""
-    from areal_eval.launcher import HEAP_SETTINGS
+    from areal_eval.launchers.local import HEAP_SETTINGS
 
     out = work / f"trainer-{nproc}.json"
     out.unlink(missing_ok=True)

@@ -115,7 +115,7 @@ def main() -> None:
     from areal_eval.data.prompt_data import read_prompts
     from areal_eval.evaluation.generation import GenerationConfig
     from areal_eval.evaluation.jobs import EvalConfig
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.local import TorchrunJob
 
     work = Path(tempfile.mkdtemp(prefix="bench-generation-"))
     cfg, run = prepared_run(

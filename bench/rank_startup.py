@@ -3,7 +3,7 @@
     .venv/bin/python bench/rank_startup.py [--rounds 3] [--nproc 2]
 
 One evaluation of the demo's reward model (a tiny checkpoint trained here) as a fresh torchrun
-job, as the pipeline starts one when no warm workers are kept: ``areal_eval.forked_ranks`` (the
+job, as the pipeline starts one when no warm workers are kept: ``areal_eval.launchers.forked_ranks`` (the
 default) and plain ``torch.distributed.run`` (``AREAL_EVAL_FORK_RANKS=0``), alternating. CPU
 seconds are the whole job's (agent and ranks, from ``RUSAGE_CHILDREN``), wall seconds from
 launch to result; the metrics of both must be equal. Prints one JSON line.
@@ -28,7 +28,7 @@ def children_cpu_s() -> float:
 
 def one_job(event, run, nproc: int, fork: bool, work: Path) -> tuple[float, float, dict]:
     from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
-    from areal_eval.launcher import FORK_RANKS_ENV
+    from areal_eval.launchers.local import FORK_RANKS_ENV
 
     os.environ[FORK_RANKS_ENV] = "1" if fork else "0"
     cpu, start = children_cpu_s(), time.perf_counter()

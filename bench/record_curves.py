@@ -98,7 +98,7 @@ def record_run(
     from areal_eval.evaluation.items import read_items
     from areal_eval.evaluation.jobs import run_evaluation_job
     from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.local import TorchrunJob
 
     recording = PRESETS[preset]
     noise_part = f"-noise{noise}" if preset == "areal-demo" else ""

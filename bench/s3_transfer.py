@@ -75,7 +75,7 @@ def transfer_round(url: str, bucket: str, staged: Path, work: Path, n: int) -> d
 
 
 def train_blocked(cfg, run) -> dict:
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.local import TorchrunJob
 
     for stale in (run.manifest, run.train_log):
         stale.unlink(missing_ok=True)

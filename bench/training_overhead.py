@@ -27,7 +27,7 @@ from common import emit, median, prepared_run
 def run_training(cfg, run, with_pipeline: bool, nice: int = 0) -> dict:
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.evaluation.jobs import run_evaluation_job
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.local import TorchrunJob
     from areal_eval.lifecycle.followers import ManifestFollower
     from areal_eval.lifecycle.planner import EvaluationPlanner
     from areal_eval.runs.ledger import Ledger

@@ -22,7 +22,7 @@ from common import emit, prepared_run
 
 def trained_run(work: Path, objective: str, valid: int | None = None):
     """A small run trained 12 steps (checkpoints at 0, 4, 8, 12); ``valid``: validation items."""
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.local import TorchrunJob
 
     sections = {
         "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "objective": objective},

@@ -33,9 +33,9 @@ from websockets.exceptions import WebSocketException
 
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, payload_problem
 from areal_eval.config.parsing import ConfigError, to_dict
+from areal_eval.launchers.reaper import watch_over_children
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
-from areal_eval.reaper import watch_over_children
 from flows.evaluate_checkpoint import evaluate_checkpoint
 from flows.sweep_checkpoints import sweep_run
 from tasks.device_slot import leases_kept_in_memory

@@ -27,22 +27,22 @@ from areal_eval.alerts import AlertEngine
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.config.parsing import ConfigError
 from areal_eval.data.preference_data import DataError
-from areal_eval.devices import plan_here
 from areal_eval.disk import is_disk_full
 from areal_eval.evaluation.items import run_item_scores
-from areal_eval.launcher import TorchrunJob
+from areal_eval.launchers.devices import plan_here
+from areal_eval.launchers.local import TorchrunJob
+from areal_eval.launchers.reaper import watch_over_children
 from areal_eval.lifecycle.follow_loop import FollowLoop, LoopConfig
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.lifecycle.shared_run import mark_over, read_state
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import check_inputs, total_train_steps
-from areal_eval.reaper import watch_over_children
 from areal_eval.runs.directory import RunBusy, RunDir, RunLock
 from areal_eval.runs.ledger import Ledger
 from areal_eval.train import training_finished
-from flows.console import stop_cause, stop_line, stop_on_sigterm, tracebacks_to
-from flows.local_server import own_prefect_server
+from commands.console import stop_cause, stop_line, stop_on_sigterm, tracebacks_to
+from commands.local_server import own_prefect_server
 from tasks.alerts import webhook_url
 from tasks.checkpoints import share_run_files
 from tasks.evaluation import warm_workers

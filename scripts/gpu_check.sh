@@ -10,4 +10,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-exec "${PYTHON:-python3}" -m areal_eval.gpu_check "$@" 2> >(grep -v -e "it/s]" >&2)
+exec "${PYTHON:-python3}" -m areal_eval.diagnostics.gpu_check "$@" 2> >(grep -v -e "it/s]" >&2)

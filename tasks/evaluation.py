@@ -18,13 +18,13 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import MissingContextError
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.clusters import cluster_slots
-from areal_eval.clusters.slot_pool import ClusterSlot, SlotPool
-from areal_eval.devices import DevicePlan, Placement, SlotDevices, plan_here
 from areal_eval.disk import is_disk_full
 from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, run_evaluation_job
 from areal_eval.evaluation.worker_pool import WarmWorkerGroups
 from areal_eval.failures import is_permanent
+from areal_eval.launchers.clusters import cluster_slots
+from areal_eval.launchers.devices import DevicePlan, Placement, SlotDevices, plan_here
+from areal_eval.launchers.slot_pool import ClusterSlot, SlotPool
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.tracking import EVAL_PREFIX, PROBE_PREFIX
 from tasks.mlflow_logging import tracker_for

@@ -15,9 +15,9 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.devices import SlotDevices
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.evaluation.worker_pool import WarmWorkerGroups
+from areal_eval.launchers.devices import SlotDevices
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger

@@ -7,8 +7,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from areal_eval.devices import plan_here
-from areal_eval.launcher import TorchrunJob
+from areal_eval.launchers.devices import plan_here
+from areal_eval.launchers.local import TorchrunJob
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.pipeline.setup import prepare_run
 from areal_eval.runs.directory import RunDir

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.launcher import stay_offline
+from areal_eval.launchers.local import stay_offline
 from tests.helpers import sqlite_mlflow_uri
 
 stay_offline()
@@ -105,7 +105,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 
 
 def _train_tiny_run(work: Path) -> None:
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.local import TorchrunJob
     from areal_eval.pipeline.setup import prepare_run
 
     run = prepare_run(tiny_config(work))

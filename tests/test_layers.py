@@ -14,30 +14,34 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
-    {"jsonl", "disk", "config", "estimates", "paired", "redaction"},  # files, configs, statistics
-    {"devices", "distributed", "launcher", "forked_ranks", "reaper"},  # processes: devices, torchrun jobs
-    {"scheduling", "alerts"},  # pure decisions: which checkpoint to evaluate, which result to alert on
+    {"config", "disk", "estimates", "paired", "redaction"},  # configs, files, statistics: import nothing of ours
+    {"jsonl", "data"},  # records on disk, data sets
+    {"launchers", "launchers.devices", "launchers.reaper", "distributed"},  # processes: devices, ranks, clean-up
+    {"launchers.local", "launchers.forked_ranks"},  # torchrun jobs on this machine
+    {"alerts", "scheduling"},  # pure decisions: which checkpoint to evaluate, which result to alert on
     {"runs"},  # a run's directory and ledger
     {"checkpoints"},
-    {"integrations"},  # trainers' side: publishing from HF, AReaL-style loops (checkpoints, runs, freq_ctl)
-    {"data", "models"},
+    {"integrations"},  # trainers' side: publishing from HF, AReaL-style loops
+    {"models"},
     {"evaluation"},
-    {"clusters"},  # evaluation slots on Ray and Slurm
-    {
-        "sinks",
-        "tracking",
-        "logged_models",
-        "recording",
-        "curve_plot",
-        "failures",
-        "compare",
-    },  # what is done with results: MLflow, W&B, TensorBoard
+    {  # evaluation slots on Ray and Slurm, beside the local launcher
+        "launchers.node_agent",
+        "launchers.slot_pool",
+        "launchers.slurm_node",
+        "launchers.ray_slots",
+        "launchers.slurm_slots",
+        "launchers.clusters",
+    },
+    {"sinks", "logged_models", "curve_plot", "failures", "compare"},  # what is made of results
+    {"tracking", "recording"},  # the one recording step: MLflow, then the other sinks
     {"lifecycle"},  # one run's lifecycle, on every path
-    {"pipeline", "train", "cli", "gpu_check"},  # the combined config and the entry points
+    {"pipeline", "train", "cli", "diagnostics"},  # the combined config and the entry points
 ]
-"""Each entry: the first part of a module's name under ``areal_eval`` (a package or a flat module)."""
-OUTSIDE = {"tasks": len(LAYERS), "flows": len(LAYERS) + 1}
-"""The Prefect side, above the library: tasks, then the flows that use them."""
+"""Each entry: a module's name under ``areal_eval``, its first part (a package or a flat module)
+or, for the launchers (processes on this machine, and slots on clusters above evaluation), its
+first two."""
+OUTSIDE = {"tasks": len(LAYERS), "commands": len(LAYERS) + 1, "flows": len(LAYERS) + 2}
+"""The Prefect side, above the library: tasks, what a command does around its flow, then the flows."""
 
 
 def layer_of(module: str) -> int | None:
@@ -46,7 +50,10 @@ def layer_of(module: str) -> int | None:
         return OUTSIDE[parts[0]]
     if parts[0] != "areal_eval" or len(parts) == 1:
         return None
-    return next((i for i, names in enumerate(LAYERS) if parts[1] in names), None)
+    for name in (".".join(parts[1:3]), parts[1]):
+        if (layer := next((i for i, names in enumerate(LAYERS) if name in names), None)) is not None:
+            return layer
+    return None
 
 
 def module_name(path: Path) -> str:
@@ -68,7 +75,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
 
 def project_graph() -> dict[str, set[str]]:
-    paths = [p for top in ("areal_eval", "tasks", "flows") for p in (ROOT / top).rglob("*.py")]
+    paths = [p for top in ("areal_eval", "tasks", "commands", "flows") for p in (ROOT / top).rglob("*.py")]
     modules = {module_name(p) for p in paths}
     return {module_name(p): imports_of(p, modules) - {module_name(p)} for p in paths}
 

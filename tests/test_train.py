@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from areal_eval.checkpoints.manifest import Manifest, verify_checkpoint
-from areal_eval.launcher import TorchrunJob
+from areal_eval.launchers.local import TorchrunJob
 from areal_eval.models.reward_model import load_model
 from areal_eval.pipeline.setup import prepare_run
 from areal_eval.runs.directory import StopSignal
@@ -130,7 +130,7 @@ def test_wrote_done_reads_only_a_complete_done_row_at_the_end(tmp_path):
 def test_a_training_job_that_finished_but_does_not_exit_is_killed_with_its_stacks_in_the_log(tmp_path):
     import time
 
-    from areal_eval.launcher import group_alive
+    from areal_eval.launchers.local import group_alive
     from areal_eval.train import wait_for_exit
 
     log = tmp_path / "train_log.jsonl"
@@ -150,7 +150,7 @@ def test_a_training_job_that_finished_but_does_not_exit_is_killed_with_its_stack
 def test_a_training_job_that_hangs_before_its_done_row_times_out_with_its_stacks_in_the_log(tmp_path):
     import time
 
-    from areal_eval.launcher import WorkerError, group_alive
+    from areal_eval.launchers.local import WorkerError, group_alive
     from areal_eval.train import wait_for_exit
 
     log, job_log = tmp_path / "train_log.jsonl", tmp_path / "train.log"
@@ -166,7 +166,7 @@ def test_a_training_job_that_hangs_before_its_done_row_times_out_with_its_stacks
 
 
 def test_a_training_job_that_fails_after_its_done_row_still_fails(tmp_path):
-    from areal_eval.launcher import WorkerError
+    from areal_eval.launchers.local import WorkerError
     from areal_eval.train import wait_for_exit
 
     log = tmp_path / "train_log.jsonl"

@@ -26,7 +26,6 @@ from areal_eval.config.parsing import (
     Ranges,
     check_ranges,
 )
-from areal_eval.devices import Devices, Placement, check_setting
 from areal_eval.disk import named_if_disk_full
 from areal_eval.evaluation.cluster_config import LAUNCHERS, RayConfig, SlurmConfig, check_launcher
 from areal_eval.evaluation.generation import GenerationConfig
@@ -36,7 +35,8 @@ from areal_eval.evaluation.lm_eval_tasks import LMEvalConfig
 from areal_eval.evaluation.lm_loss import LMLossConfig
 from areal_eval.evaluation.preflight import preflight_cache, preflight_key, run_preflight
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError, failure_summary, stay_offline
+from areal_eval.launchers.devices import Devices, Placement, check_setting
+from areal_eval.launchers.local import NodeLayout, TorchrunJob, WorkerError, failure_summary, stay_offline
 
 
 class EvaluationFailed(RuntimeError):

@@ -20,9 +20,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from areal_eval import jsonl
-from areal_eval.devices import Placement
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json
-from areal_eval.launcher import TorchrunJob, WorkerError
+from areal_eval.launchers.devices import Placement
+from areal_eval.launchers.local import TorchrunJob, WorkerError
 
 STOP = "stop"
 """Name of the job file that ends the ranks; it sorts after the time-stamped jobs before it."""

@@ -1,6 +1,6 @@
 """Drop-ins for AReaL's evaluation classes: swap the import, keep the calls.
 
-``FrequencyControl`` and ``EpochStepTimeFreqCtl`` (from :mod:`areal_eval.scheduling.freq_ctl`,
+``FrequencyControl`` and ``EpochStepTimeFreqCtl`` (from :mod:`areal_eval.checkpoints.freq_ctl`,
 where their rules and AReaL's fixed defects are described) and ``Evaluator`` take AReaL's
 constructors (field names and argument order of ``areal/utils/timeutil.py`` and
 ``areal/utils/evaluator.py``) and fire on the same steps.
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_eval import distributed
+from areal_eval.checkpoints.freq_ctl import EpochStepTimeFreqCtl, FrequencyControl
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import publish_checkpoint
-from areal_eval.scheduling.freq_ctl import EpochStepTimeFreqCtl, FrequencyControl
 
 __all__ = [
     "EpochStepTimeFreqCtl",

@@ -26,10 +26,10 @@ from areal_eval.config.parsing import (
 )
 from areal_eval.data.math_problems import SyntheticMathProblems
 from areal_eval.data.preference_data import SyntheticPreferences
-from areal_eval.devices import check_disjoint
 from areal_eval.evaluation.evaluators import make_evaluator, produced_metrics
 from areal_eval.evaluation.job_spec import EvaluatorSettings
 from areal_eval.evaluation.jobs import EvalConfig
+from areal_eval.launchers.devices import check_disjoint
 from areal_eval.models.objectives import ModelConfig
 from areal_eval.scheduling.policy import SchedulerConfig
 from areal_eval.tracking import TrackingConfig

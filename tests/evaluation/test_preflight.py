@@ -10,7 +10,7 @@ from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.job_spec import EvalJobSpec, write_spec
 from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
 from areal_eval.evaluation.preflight import run_preflight
-from areal_eval.launcher import stay_offline
+from areal_eval.launchers.local import stay_offline
 
 pytestmark = pytest.mark.integration
 

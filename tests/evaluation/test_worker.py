@@ -238,7 +238,7 @@ def test_two_nodes_on_loopback_match_one_process_and_fetch_once_per_node(
     """What the Kubernetes template runs, on one machine: node 1's torchrun agent starts with
     ``--follow`` and knows nothing of the job; node 0's is launched by run_evaluation_job."""
     from areal_eval.checkpoints.store import S3Config, S3Store
-    from areal_eval.launcher import NodeLayout, TorchrunJob
+    from areal_eval.launchers.local import NodeLayout, TorchrunJob
     from tests.helpers import free_port
     from tests.s3_servers import FaultProxy
 

@@ -171,7 +171,7 @@ def test_a_killed_training_rank_ends_the_run_failed_after_its_checkpoints_are_ha
             300,
             f"training past step 12 (flow log {log.name})",
         )
-        # Training ranks are forked from their torchrun agent (areal_eval.forked_ranks), named by rank.
+        # Training ranks are forked from their torchrun agent (areal_eval.launchers.forked_ranks), named by rank.
         ranks = [p for p in psutil.Process(flow.pid).children(recursive=True) if p.name() == "train-rank-1"]
         assert len(ranks) == 1
         ranks[0].kill()

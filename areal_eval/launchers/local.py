@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from areal_eval.devices import Placement
+from areal_eval.launchers.devices import Placement
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -85,7 +85,7 @@ class NodeLayout:
 
 STACKS_SIGNAL = signal.SIGUSR1
 """``kill -USR1 <pid>`` makes a process of a forked-rank job (its agent or a rank) print its
-threads' Python stacks to the job's log (:mod:`areal_eval.forked_ranks` registers
+threads' Python stacks to the job's log (:mod:`areal_eval.launchers.forked_ranks` registers
 :mod:`faulthandler` for it)."""
 
 FORK_RANKS_ENV = "AREAL_EVAL_FORK_RANKS"
@@ -95,14 +95,14 @@ FORK_RANKS_ENV = "AREAL_EVAL_FORK_RANKS"
 def torchrun_command(
     module: str, args: list[str], nproc: int, *, nodes: NodeLayout = NodeLayout(), python: str | None = None
 ) -> list[str]:
-    """torchrun's command line, run by :mod:`areal_eval.forked_ranks` (ranks forked from an agent
+    """torchrun's command line, run by :mod:`areal_eval.launchers.forked_ranks` (ranks forked from an agent
     that imported torch and transformers once, instead of each importing them again) unless
     :data:`FORK_RANKS_ENV` is ``0``; by ``python`` (default: this interpreter)."""
     forked = os.environ.get(FORK_RANKS_ENV, "1") != "0"
     return [
         python or sys.executable,
         "-m",
-        "areal_eval.forked_ranks" if forked else "torch.distributed.run",
+        "areal_eval.launchers.forked_ranks" if forked else "torch.distributed.run",
         *nodes.torchrun_args(),
         f"--nproc-per-node={nproc}",
         # A failing rank brings the job down at once instead of being restarted.
@@ -277,7 +277,7 @@ class TorchrunJob:
         stay_offline(full_env)
         _prctl()  # resolved here, before the fork
         command = torchrun_command(module, args, nproc, nodes=nodes, python=python)
-        self.dumps_stacks = command[2] == "areal_eval.forked_ranks"
+        self.dumps_stacks = command[2] == "areal_eval.launchers.forked_ranks"
         """Its processes print their Python stacks to the log on :data:`STACKS_SIGNAL`."""
         self.proc = subprocess.Popen(
             command,

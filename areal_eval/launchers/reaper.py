@@ -7,7 +7,7 @@ catches everything else. The owner marks its environment with a token that every
 starts inherits; a small separate process waits for the owner to exit and then ends every
 process still carrying the token (SIGTERM, then SIGKILL).
 
-    python -m areal_eval.reaper TOKEN OWNER_PID   (started by watch_over_children)
+    python -m areal_eval.launchers.reaper TOKEN OWNER_PID   (started by watch_over_children)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def watch_over_children() -> str:
     token = f"{os.getpid()}-{time.time_ns()}"
     env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}  # the reaper must not reap itself
     subprocess.Popen(
-        [sys.executable, "-m", "areal_eval.reaper", token, str(os.getpid())],
+        [sys.executable, "-m", "areal_eval.launchers.reaper", token, str(os.getpid())],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

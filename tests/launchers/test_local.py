@@ -2,15 +2,15 @@ import subprocess
 
 import pytest
 
-from areal_eval.launcher import failure_summary, lower_priority
+from areal_eval.launchers.local import failure_summary, lower_priority
 
 
 def test_ranks_are_forked_from_a_warmed_up_agent_unless_turned_off(monkeypatch):
-    from areal_eval.launcher import FORK_RANKS_ENV, torchrun_command
+    from areal_eval.launchers.local import FORK_RANKS_ENV, torchrun_command
 
     monkeypatch.delenv(FORK_RANKS_ENV, raising=False)
     command = torchrun_command("areal_eval.train", ["--config", "c.json"], 2)
-    assert command[1:3] == ["-m", "areal_eval.forked_ranks"]
+    assert command[1:3] == ["-m", "areal_eval.launchers.forked_ranks"]
     assert command[-4:] == ["-m", "areal_eval.train", "--config", "c.json"]  # torchrun's own arguments
     monkeypatch.setenv(FORK_RANKS_ENV, "0")
     assert torchrun_command("areal_eval.train", [], 2)[1:3] == ["-m", "torch.distributed.run"]
@@ -63,7 +63,7 @@ def test_failure_summary_leads_with_the_first_real_error_without_the_teardown_no
 
 
 def test_node_layout_from_the_pool_environment(monkeypatch):
-    from areal_eval.launcher import NodeLayout, torchrun_command
+    from areal_eval.launchers.local import NodeLayout, torchrun_command
 
     assert NodeLayout.from_env() == NodeLayout() and "--standalone" in torchrun_command("m", [], 2)
     for key, value in {
@@ -86,7 +86,7 @@ def test_node_layout_from_the_pool_environment(monkeypatch):
 
 @pytest.mark.integration
 def test_jobs_get_the_heap_settings_unless_the_caller_set_them(tmp_path, monkeypatch):
-    from areal_eval.launcher import HEAP_SETTINGS, TorchrunJob
+    from areal_eval.launchers.local import HEAP_SETTINGS, TorchrunJob
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
     show = "import os; print('heap', os.environ['MALLOC_MMAP_THRESHOLD_'], os.environ['MALLOC_TRIM_THRESHOLD_'])"
@@ -100,7 +100,7 @@ def test_jobs_get_the_heap_settings_unless_the_caller_set_them(tmp_path, monkeyp
 def test_a_jobs_last_error_is_known_when_its_log_cannot_be_written():
     """/dev/full refuses every write with ENOSPC, as a full disk does: the job's output is kept
     in memory, and its failure names the error and says the log was not written."""
-    from areal_eval.launcher import TorchrunJob, WorkerError
+    from areal_eval.launchers.local import TorchrunJob, WorkerError
 
     crash = "raise RuntimeError('the checkpoint write failed')"
     job = TorchrunJob("timeit", ["-n", "1", "-r", "1", crash], 1, "/dev/full")

@@ -49,8 +49,8 @@ def site_packages_without(absent: set[str], mirror_root: Path) -> dict[str, str]
 @pytest.mark.integration
 def test_the_gpu_checks_library_parts_import_without_the_flow_sides_packages():
     code = (
-        "import sys, json; import areal_eval.gpu_check, areal_eval.evaluation.worker, "
-        "areal_eval.evaluation.generation, areal_eval.evaluation.lm_loss, areal_eval.devices, "
+        "import sys, json; import areal_eval.diagnostics.gpu_check, areal_eval.evaluation.worker, "
+        "areal_eval.evaluation.generation, areal_eval.evaluation.lm_loss, areal_eval.launchers.devices, "
         "areal_eval.models.objectives; "
         f"print(json.dumps(sorted(m for m in {FLOW_SIDE!r} if m in sys.modules)))"
     )
@@ -60,7 +60,7 @@ def test_the_gpu_checks_library_parts_import_without_the_flow_sides_packages():
 
 @pytest.mark.integration
 def test_every_step_of_the_gpu_check_runs_without_the_packages_gpu_images_lack(tmp_path):
-    from tests.clusters.conftest import only_loopback
+    from tests.launchers.conftest import only_loopback
 
     # A sitecustomize on PYTHONPATH hides them in this process and in the torchrun workers it starts.
     # Ray too where the network is more than loopback: it would advertise this machine's address.
@@ -70,7 +70,7 @@ def test_every_step_of_the_gpu_check_runs_without_the_packages_gpu_images_lack(t
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE.format(mirrors=mirrors))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
     run = subprocess.run(
-        [sys.executable, "-m", "areal_eval.gpu_check", "--allow-cpu", "--small"],
+        [sys.executable, "-m", "areal_eval.diagnostics.gpu_check", "--allow-cpu", "--small"],
         capture_output=True,
         text=True,
         env=env,

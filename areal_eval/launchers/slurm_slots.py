@@ -1,5 +1,5 @@
 """``eval.launcher: slurm``: each slot one job of ``eval.nodes`` nodes, one node agent per node
-(``srun``: :mod:`~areal_eval.clusters.slurm_node`), kept for the run or submitted per evaluation.
+(``srun``: :mod:`~areal_eval.launchers.slurm_node`), kept for the run or submitted per evaluation.
 
 Jobs, replies and logs pass through ``eval.slurm.shared_dir`` (default: the run's ``evals``
 directory), which the flow's machine and the nodes must both see. A slot's job is named
@@ -24,10 +24,10 @@ from pathlib import Path
 import psutil
 
 from areal_eval import jsonl
-from areal_eval.clusters.slot_pool import ClusterSlot, SlotLost, SlotPool, log
-from areal_eval.clusters.slurm_node import POLL_S, STOP, decode_reply, job_dir
 from areal_eval.config.parsing import ConfigError
-from areal_eval.reaper import OWNER_ENV
+from areal_eval.launchers.reaper import OWNER_ENV
+from areal_eval.launchers.slot_pool import ClusterSlot, SlotLost, SlotPool, log
+from areal_eval.launchers.slurm_node import POLL_S, STOP, decode_reply, job_dir
 
 ENDED = {
     "BOOT_FAIL",
@@ -111,7 +111,7 @@ class SlurmSlot(ClusterSlot):
 
     def _script(self, once: bool) -> Path:
         e = self.cfg
-        agent = [sys.executable, "-m", "areal_eval.clusters.slurm_node", str(self.dir), f"--nproc={e.nproc}"]
+        agent = [sys.executable, "-m", "areal_eval.launchers.slurm_node", str(self.dir), f"--nproc={e.nproc}"]
         agent += [f"--nice={e.nice}", f"--collective-timeout={e.collective_timeout_s}"]
         agent += ([f"--python={e.python}"] if e.python else []) + (["--cold"] if not e.warm_workers else [])
         agent += ["--once"] if once else []

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from areal_eval.config.parsing import ConfigError, FieldError
-from areal_eval.devices import Placement, Visible, plan_devices, plan_here
+from areal_eval.launchers.devices import Placement, Visible, plan_devices, plan_here
 from tests.conftest import tiny_config
 
 EIGHT_GPUS = Visible("cuda", tuple(range(8)), tuple(map(str, range(8))))
@@ -165,7 +165,7 @@ def test_training_and_each_evaluation_slot_really_run_on_their_own_devices(tmp_p
     driver = tmp_path / "gpus"
     for bus in ("0000:17:00.0", "0000:65:00.0", "0000:b3:00.0"):
         (driver / bus).mkdir(parents=True)
-    monkeypatch.setattr("areal_eval.devices.NVIDIA_GPUS", str(driver))
+    monkeypatch.setattr("areal_eval.launchers.devices.NVIDIA_GPUS", str(driver))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = tiny_config(tmp_path, train={"nproc": 1}, eval={"nproc": 1, "slots": 2})
     for training_here, expected in ((True, [{"1"}, {"2"}]), (False, [{"0"}, {"1"}])):
@@ -177,7 +177,7 @@ def test_training_and_each_evaluation_slot_really_run_on_their_own_devices(tmp_p
 
 def test_vllm_on_a_gpu_shared_with_training_needs_its_kv_cache_size(tmp_path, monkeypatch):
     (tmp_path / "gpus" / "0000:17:00.0").mkdir(parents=True)  # a driver listing of one GPU
-    monkeypatch.setattr("areal_eval.devices.NVIDIA_GPUS", str(tmp_path / "gpus"))
+    monkeypatch.setattr("areal_eval.launchers.devices.NVIDIA_GPUS", str(tmp_path / "gpus"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     vllm = {"backend": "vllm"}
     shared = {"nproc": 1, "share_devices": True, "evaluator": "generation", "generation": vllm}
@@ -186,5 +186,7 @@ def test_vllm_on_a_gpu_shared_with_training_needs_its_kv_cache_size(tmp_path, mo
         plan_here(cfg)
     sized = tiny_config(tmp_path, train={"nproc": 1}, eval={**shared, "generation": {**vllm, "vllm_kv_cache_gb": 4}})
     assert gpus(plan_here(sized).eval_slots[0]) == "0"
-    monkeypatch.setattr("areal_eval.devices.NVIDIA_GPUS", str(tmp_path / "none"))  # on CPU cores vLLM takes 1 GiB
+    monkeypatch.setattr(
+        "areal_eval.launchers.devices.NVIDIA_GPUS", str(tmp_path / "none")
+    )  # on CPU cores vLLM takes 1 GiB
     assert plan_here(cfg).eval_slots == (None,)

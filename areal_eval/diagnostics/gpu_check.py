@@ -1,8 +1,8 @@
 """A check of the library on one NVIDIA GPU, with only torch and transformers installed.
 
     bash scripts/gpu_check.sh            # on the GPU machine: prints one JSON line
-    python -m areal_eval.gpu_check --allow-cpu   # the same steps on the CPU (gloo), to try it here
-    python -m areal_eval.gpu_check --allow-cpu --small   # every step on little data, in seconds
+    python -m areal_eval.diagnostics.gpu_check --allow-cpu   # the same steps on the CPU (gloo), to try it here
+    python -m areal_eval.diagnostics.gpu_check --allow-cpu --small   # every step on little data, in seconds
 
 It brings up an nccl process group; plans training and evaluation on the one GPU with
 ``eval.share_devices``; trains a small reward model and a causal LM there; evaluates them in
@@ -138,8 +138,8 @@ def run(work: Path, device, sizes: Sizes = Sizes()) -> dict:
 
     from areal_eval.data.math_problems import SyntheticMathProblems
     from areal_eval.data.preference_data import SyntheticPreferences, read_pairs
-    from areal_eval.devices import Visible, plan_devices
     from areal_eval.evaluation.generation import GenerationConfig
+    from areal_eval.launchers.devices import Visible, plan_devices
     from areal_eval.models import causal_lm, reward_model
     from areal_eval.models.objectives import ModelConfig, SFTObjective
 
@@ -241,9 +241,9 @@ def ray_slot(work: Path, reward_model_job: tuple, on_gpu: bool) -> dict:
     if importlib.util.find_spec("ray") is None:
         return {"skipped": "ray is not installed here: pip install 'ray[default]>=2.40'"}
     from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name, describe_files
-    from areal_eval.clusters.ray_slots import RaySlots
     from areal_eval.evaluation.cluster_config import RayConfig
     from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
+    from areal_eval.launchers.ray_slots import RaySlots
 
     checkpoint, data = reward_model_job
     event = CheckpointEvent("gpu-check", str(checkpoint), 0, 0, 0, time.time(), {}, describe_files(checkpoint))
@@ -268,7 +268,7 @@ def pipeline_trainer(work: Path, plan, sizes: Sizes) -> dict:
 
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.evaluation.jobs import run_evaluation_job
-    from areal_eval.launcher import TorchrunJob
+    from areal_eval.launchers.local import TorchrunJob
     from areal_eval.pipeline.config import load_pipeline_config
     from areal_eval.pipeline.setup import prepare_run
 

@@ -20,7 +20,7 @@ from areal_eval import jsonl
 from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.items import items_dir
 from areal_eval.evaluation.job_spec import EvalJobSpec, to_json
-from areal_eval.launcher import WorkerError
+from areal_eval.launchers.local import WorkerError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Each test names one defect of AReaL's original trigger control that this one must not have."""
 
-from areal_eval.scheduling.freq_ctl import EpochStepTimeFreqCtl, FrequencyControl
+from areal_eval.checkpoints.freq_ctl import EpochStepTimeFreqCtl, FrequencyControl
 
 
 class FakeClock:

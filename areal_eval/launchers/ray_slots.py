@@ -15,10 +15,10 @@ import tempfile
 import threading
 from pathlib import Path
 
-from areal_eval.clusters.node_agent import NodeAgent
-from areal_eval.clusters.slot_pool import ClusterSlot, SlotLost, SlotPool
 from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.cluster_config import RayConfig
+from areal_eval.launchers.node_agent import NodeAgent
+from areal_eval.launchers.slot_pool import ClusterSlot, SlotLost, SlotPool
 
 CONNECT_TIMEOUT_S = 5.0
 """How long a head address may take to answer before it is refused (Ray itself waits minutes)."""

@@ -1,6 +1,6 @@
 """The node agent of a Slurm slot: ``srun`` starts one per node of the slot's job.
 
-    srun python -m areal_eval.clusters.slurm_node SLOT_DIR --nproc N [--once] ...
+    srun python -m areal_eval.launchers.slurm_node SLOT_DIR --nproc N [--once] ...
 
 Each job the flow posts in ``SLOT_DIR/job-<id>/inbox`` (a directory the flow and every node
 see) is run by every node: node 0 runs it and writes the reply, nodes 1..N-1 join it.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from areal_eval import jsonl
-from areal_eval.clusters.node_agent import NodeAgent
+from areal_eval.launchers.node_agent import NodeAgent
 
 STOP = "stop"
 POLL_S = 0.01

@@ -16,7 +16,7 @@ from areal_eval import jsonl
 from areal_eval.evaluation.items import items_dir
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
-from areal_eval.launcher import NodeLayout, TorchrunJob, WorkerError
+from areal_eval.launchers.local import NodeLayout, TorchrunJob, WorkerError
 
 WORKER = "areal_eval.evaluation.worker"
 

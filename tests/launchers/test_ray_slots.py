@@ -13,12 +13,13 @@ import time
 import pytest
 
 from areal_eval.checkpoints.manifest import checkpoint_name
-from areal_eval.clusters.ray_slots import RaySlots, connect
 from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.cluster_config import RayConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
-from tests.clusters.conftest import (
+from areal_eval.launchers.ray_slots import RaySlots, connect
+from tests.flows.test_train_and_evaluate_resume import wait_for
+from tests.launchers.conftest import (
     NODE_GPUS,
     evaluate_on,
     placement_groups_left,
@@ -26,7 +27,6 @@ from tests.clusters.conftest import (
     require,
     slot_actors_alive,
 )
-from tests.flows.test_train_and_evaluate_resume import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -205,7 +205,7 @@ def test_the_vllm_backend_runs_in_a_ray_slot_in_its_own_environment_and_keeps_it
 
 
 def test_a_long_wait_for_a_slot_is_noted_on_the_result_and_a_short_one_is_not(tmp_path):
-    from areal_eval.clusters.slot_pool import WAIT_NOTED_S, ClusterSlot
+    from areal_eval.launchers.slot_pool import WAIT_NOTED_S, ClusterSlot
 
     slot = ClusterSlot(0, tmp_path / "slot.log")
     slot.waited_s = WAIT_NOTED_S - 0.1
@@ -226,7 +226,7 @@ def test_with_no_address_a_run_starts_a_ray_instance_of_its_own_and_stops_it(ray
     script = f"""
 import dataclasses, json
 from areal_eval.checkpoints.manifest import Manifest
-from areal_eval.clusters.ray_slots import RaySlots
+from areal_eval.launchers.ray_slots import RaySlots
 from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
 event = Manifest({str(run.manifest)!r}).events()[-1]
 cfg = EvalConfig(nproc=1, batch_size=16, launcher="ray")

@@ -8,7 +8,7 @@ Forked, the ranks share the agent's imports copy-on-write and start in a fractio
 
 Arguments are torchrun's, and the module must have ``main(argv) -> int``, which each rank calls::
 
-    python -m areal_eval.forked_ranks --standalone --nproc-per-node=2 -m areal_eval.train --config c.json
+    python -m areal_eval.launchers.forked_ranks --standalone --nproc-per-node=2 -m areal_eval.train --config c.json
 
 Everything else is torchrun's own: the agent, rendezvous, failure report and exit code.
 
@@ -46,7 +46,7 @@ collective breaks): lingering lets the agent name the crashed peer, the cause.""
 def run_main(module: str, *args: str) -> int:
     """In a forked rank: the module's ``main``, as ``python -m module`` would run it. A nonzero
     code exits the rank with it; a rank must return (not ``os._exit``) for torchrun to collect it."""
-    from areal_eval.launcher import die_with_parent, name_process
+    from areal_eval.launchers.local import die_with_parent, name_process
 
     die_with_parent()  # the agent: if it is killed outright, its ranks go too
     name_process(f"{module.rsplit('.', 1)[-1]}-rank-{os.environ.get('RANK', '?')}")  # e.g. train-rank-1
@@ -67,7 +67,7 @@ def preload(module: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from areal_eval.launcher import STACKS_SIGNAL
+    from areal_eval.launchers.local import STACKS_SIGNAL
 
     # Inherited by the forked ranks: a job that should have ended shows where it is stuck.
     faulthandler.register(STACKS_SIGNAL, all_threads=True)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = torchrun.parse_args(argv)
     if not args.module:
-        raise SystemExit("areal_eval.forked_ranks runs a module: -m MODULE")
+        raise SystemExit("areal_eval.launchers.forked_ranks runs a module: -m MODULE")
     if args.standalone:  # as torchrun does
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
