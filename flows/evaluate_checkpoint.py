@@ -146,7 +146,7 @@ def decide_and_evaluate(
     published = Manifest(local_manifest)
     if dispatched:
         event = published.find(global_step)
-        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot, probe)
+        result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot=gpu_slot, probe=probe)
         mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
         log_evaluation(cfg, mlflow_run_id, result, reason or "dispatched")
         return {"global_step": global_step, "evaluated": not probe, "metrics": result.metrics}
@@ -160,7 +160,7 @@ def decide_and_evaluate(
             f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}"
         )
     shared = SharedRun(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id)
-    ctx, claim = claim_checkpoint(cfg, shared, global_step, reason, data_path, gpu_slot)
+    ctx, claim = claim_checkpoint(cfg, shared, global_step, reason=reason, data_path=data_path, gpu_slot=gpu_slot)
     summary, failures = evaluate_claimed(ctx, claim)
     return report(ctx, claim, summary, failures)
 
@@ -169,6 +169,7 @@ def claim_checkpoint(
     cfg: PipelineConfig,
     shared: SharedRun,
     global_step: int,
+    *,
     reason: str | None,
     data_path: str | None,
     gpu_slot: str | None,
@@ -230,10 +231,12 @@ def report(ctx: Evaluating, claim: Claim, summary: dict, failures: list[Exceptio
     cfg, shared, run, mlflow_run_id, event = ctx.cfg, ctx.shared, ctx.run, ctx.mlflow_run_id, claim.event
     if (ledger := shared.finish()) is not None:  # this flow run found the run over: end it
         status, failure = end_status(ledger, shared.manifest.events())
-        summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, ledger, status, failure)
+        summary["run"] = report_run(
+            cfg, event.run_id, run, mlflow_run_id, ledger=ledger, status=status, failure=failure
+        )
         get_run_logger().info("run %s is over: MLflow run %s ended %s", event.run_id, mlflow_run_id, status)
     elif claim.evaluate and shared.ended():  # a late evaluation (manual, sweep): counts and curve stay true
-        summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, Ledger(run.ledger), None)
+        summary["run"] = report_run(cfg, event.run_id, run, mlflow_run_id, ledger=Ledger(run.ledger), status=None)
     log_decisions(cfg, mlflow_run_id, shared.take_decided(), shared)
     log_published_train_metrics(cfg, mlflow_run_id, shared)
     if failures:  # on record; the flow says it in one line
@@ -258,6 +261,7 @@ def report_run(
     run_id: str,
     run: RunDir,
     mlflow_run_id: str,
+    *,
     ledger: Ledger,
     status: str | None,
     failure: str | None = None,
@@ -265,8 +269,8 @@ def report_run(
     """The curve, the decision log and the counts in MLflow (the run ended with ``status``, and
     ``failure`` as its reason, or left as it is), and the run's summary artifact."""
     plot = curve_or_none(ledger, cfg.scheduler.metric, run, run_id)
-    finish_tracking(cfg, mlflow_run_id, ledger, plot, status, failure)
-    return summarize(cfg, run_id, run, mlflow_run_id, ledger, plot)
+    finish_tracking(cfg, mlflow_run_id, ledger, plot, status=status, failure=failure)
+    return summarize(cfg, run_id, run, mlflow_run_id, ledger=ledger, plot=plot)
 
 
 def owner_of(run: RunDir) -> str | None:
@@ -298,11 +302,11 @@ def log_decisions(cfg: PipelineConfig, mlflow_run_id: str, decided: list[Checkpo
 
 
 def evaluate_one(
-    cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, gpu_slot: str | None, probe: bool = False
+    cfg: PipelineConfig, event: CheckpointEvent, data: Path, run: RunDir, *, gpu_slot: str | None, probe: bool = False
 ) -> EvalResult:
     with holding_slot(gpu_slot, wait_s=cfg.eval.job_timeout_s):
         # A task run now, on the process's warm workers if it keeps some (the service, the sweep).
-        return evaluation_task(event, probe)(event, data, cfg, run.evals, process_workers(), probe)
+        return evaluation_task(event, probe)(event, data, cfg, run.evals, workers=process_workers(), probe=probe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +331,9 @@ class Evaluating:
         try:
             data = validation_data(self.data_path, event, self.run)
             return Attempt(
-                event, result=evaluate_one(self.cfg, event, data, self.run, self.gpu_slot, probe), probe=probe
+                event,
+                result=evaluate_one(self.cfg, event, data, self.run, gpu_slot=self.gpu_slot, probe=probe),
+                probe=probe,
             )
         except Exception as exc:  # noqa: BLE001 - recorded as the attempt's outcome, then raised
             return Attempt(event, error=exc, probe=probe)
@@ -346,7 +352,7 @@ def probe_and_record(ctx: Evaluating, event: CheckpointEvent) -> dict:
     if decision.evaluate:
         full = evaluate_and_record(ctx, event, decision.reason)
         return {"evaluated": True, "reason": decision.reason, "probe_metrics": probe_metrics, "metrics": full.metrics}
-    log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, decision.reason, (ctx.run, event.run_id))
+    log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, decision.reason, recorded_in=(ctx.run, event.run_id))
     ctx.shared.delivered(event.global_step)
     return {"evaluated": False, "reason": decision.reason, "probe_metrics": probe_metrics}
 
@@ -357,7 +363,7 @@ def evaluate_and_record(ctx: Evaluating, event: CheckpointEvent, reason: str) ->
     attempt = ctx.attempt(event)
     if attempt.result is not None:
         try:  # logged before it is recorded: an evaluated entry on this path is in MLflow
-            log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, reason, (ctx.run, event.run_id))
+            log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, reason, recorded_in=(ctx.run, event.run_id))
         except Exception as exc:  # noqa: BLE001 - a tracker that refuses it fails the attempt (retried)
             attempt = Attempt(event, error=exc)
     finish_attempt(ctx, attempt, logged=True)

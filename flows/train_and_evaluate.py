@@ -140,10 +140,10 @@ def train_and_evaluate(
         plot = curve_or_none(ledger, cfg.scheduler.metric, run, run.run_id)
         if failure is None:
             try:
-                finish_tracking(cfg, mlflow_run_id, ledger, plot, "FINISHED")
+                finish_tracking(cfg, mlflow_run_id, ledger, plot, status="FINISHED")
                 mark_over(run)
                 share_run_files(cfg, run)
-                summary = summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
+                summary = summarize(cfg, run.run_id, run, mlflow_run_id, ledger=ledger, plot=plot)
             except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the run ends failed, as below
                 failure = exc
             else:
@@ -151,19 +151,19 @@ def train_and_evaluate(
                 return summary
         announce_outcome(run.run_id, f"{run.run_id} stopped: {stop_cause(failure)}", failed=True)
         if mlflow_run_id is not None:  # None: MLflow could not be reached to start with
-            end_tracking_failed(cfg, run, mlflow_run_id, ledger, plot, failure)
+            end_tracking_failed(cfg, run, mlflow_run_id, ledger, plot=plot, failure=failure)
         raise failure
 
 
 def end_tracking_failed(
-    cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path | None, failure: BaseException
+    cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, *, plot: Path | None, failure: BaseException
 ) -> None:
     """End the MLflow run FAILED or KILLED with the cause, or say loudly that it could not be
     ended and what the next command does about it (the run's own failure is what gets raised)."""
     status = "FAILED" if isinstance(failure, Exception) else "KILLED"
     try:
-        finish_tracking(cfg, mlflow_run_id, ledger, plot, status, stop_cause(failure))
-        summarize(cfg, run.run_id, run, mlflow_run_id, ledger, plot)
+        finish_tracking(cfg, mlflow_run_id, ledger, plot, status=status, failure=stop_cause(failure))
+        summarize(cfg, run.run_id, run, mlflow_run_id, ledger=ledger, plot=plot)
     except Exception as exc:  # noqa: BLE001 - e.g. MLflow down as well, or its store on the full disk
         where = "its store is on the full disk" if is_disk_full(exc) else f"{stop_cause(exc)}"
         print(

@@ -27,7 +27,7 @@ def announce_checkpoint(event: CheckpointEvent, manifest: Path) -> None:
 
 @task(cache_policy=NO_CACHE, name="apply-retention")
 def apply_retention(
-    cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, doomed: list[CheckpointEvent]
+    cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, ledger: Ledger, *, doomed: list[CheckpointEvent]
 ) -> list[int]:
     """Delete the checkpoints retention let go (``retention.checkpoints_to_delete``) and record
     each as an MLflow tag ``deleted.<step>``; returns their steps."""

@@ -36,6 +36,7 @@ def evaluate_step(
     data_path: Path,
     cfg: PipelineConfig,
     work_dir: Path,
+    *,
     workers: WarmWorkerGroups | SlotDevices | SlotPool | None = None,
     probe: bool = False,
 ) -> EvalResult:
@@ -173,7 +174,7 @@ def warm_workers(cfg: PipelineConfig, work_dir: Path, training_here: bool) -> co
 
 @task(cache_policy=NO_CACHE, name="dispatch-evaluation", task_run_name="dispatch-step-{event.global_step}")
 def dispatch_evaluation(
-    event: CheckpointEvent, manifest: Path, pipeline_cfg: PipelineConfig, reason: str, probe: bool = False
+    event: CheckpointEvent, manifest: Path, pipeline_cfg: PipelineConfig, reason: str, *, probe: bool = False
 ) -> EvalResult:
     """Run ``evaluate-checkpoint`` on the evaluation pool and wait; it logs the metrics to MLflow
     (read back from there: idempotent, so nothing lands twice). The flow decided, and it records

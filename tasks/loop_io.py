@@ -63,13 +63,15 @@ class PrefectLoopIO:
 
     def submit(self, event: CheckpointEvent, reason: str, probe: bool = False) -> TaskHandle:
         if self.cfg.eval.deployment:  # on a server: the evaluation pool's workers run it
-            return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg, reason, probe))
+            return TaskHandle(dispatch_evaluation.submit(event, self.run.manifest, self.cfg, reason, probe=probe))
         data = event.valid_data or self.run.valid_data  # what the publisher named, else the run's own
         task = evaluation_task(event, probe)
-        return TaskHandle(task.submit(event, data, self.cfg, self.run.evals, self.workers, probe))
+        return TaskHandle(task.submit(event, data, self.cfg, self.run.evals, workers=self.workers, probe=probe))
 
     def log_result(self, result: EvalResult, reason: str) -> None:
-        log_evaluation(self.cfg, self.mlflow_run_id, result, reason, (self.run, self.run.run_id), self.ledger)
+        log_evaluation(
+            self.cfg, self.mlflow_run_id, result, reason, recorded_in=(self.run, self.run.run_id), ledger=self.ledger
+        )
         update_evaluation_table(self.cfg, self.run.run_id, self.ledger)
 
     def send_alert(self, alert: Alert) -> None:
@@ -91,7 +93,7 @@ class PrefectLoopIO:
             update_progress_artifact(self.progress, 10.0 * tenths)
 
     def delete_checkpoints(self, events: list[CheckpointEvent]) -> None:
-        apply_retention(self.cfg, self.run, self.mlflow_run_id, self.ledger, events)
+        apply_retention(self.cfg, self.run, self.mlflow_run_id, self.ledger, doomed=events)
 
     def info(self, message: str) -> None:
         self.logger.info(message)

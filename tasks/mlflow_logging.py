@@ -122,6 +122,7 @@ def recorder_for(
     cfg: PipelineConfig,
     mlflow_run_id: str,
     run: RunDir | None = None,
+    *,
     training_run_id: str | None = None,
     ledger: Ledger | None = None,
 ) -> Recorder:
@@ -149,6 +150,7 @@ def log_evaluation(
     run_id: str,
     result: EvalResult,
     reason: str,
+    *,
     recorded_in: tuple[RunDir, str] | None = None,
     ledger: Ledger | None = None,
 ) -> bool:
@@ -158,7 +160,7 @@ def log_evaluation(
     registered best and the other sinks too; ``ledger``: the run's, as the caller keeps it
     (else read from the run directory)."""
     run, training_run_id = recorded_in if recorded_in is not None else (None, None)
-    return recorder_for(cfg, run_id, run, training_run_id, ledger).result(result)
+    return recorder_for(cfg, run_id, run, training_run_id=training_run_id, ledger=ledger).result(result)
 
 
 @task(cache_policy=NO_CACHE, name="finish-tracking")
@@ -167,6 +169,7 @@ def finish_tracking(
     run_id: str,
     ledger: Ledger,
     plot: Path | None,
+    *,
     status: str | None = "FINISHED",
     failure: str | None = None,
 ) -> None:

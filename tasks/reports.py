@@ -54,7 +54,7 @@ def curve_or_none(ledger: Ledger, metric: str, run: RunDir, run_id: str) -> Path
 
 
 def summarize(
-    cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, ledger: Ledger, plot: Path | None
+    cfg: PipelineConfig, run_id: str, run: RunDir, mlflow_run_id: str, *, ledger: Ledger, plot: Path | None
 ) -> dict:
     """The run's summary: returned, and shown as the run's ``summary-<run>`` artifact."""
     counts = ledger.counts()

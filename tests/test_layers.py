@@ -154,10 +154,14 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(graph, problem):
 def test_every_library_module_has_a_test_file_or_a_line_saying_where_it_is_tested():
     listed = (ROOT / "tests" / "README.md").read_text()
     untested = []
-    for path in sorted((ROOT / "areal_eval").rglob("*.py")):
+    for path in sorted(p for top in ("areal_eval", "tasks", "commands") for p in (ROOT / top).rglob("*.py")):
         if path.name == "__init__.py":
             continue
-        relative = path.relative_to(ROOT / "areal_eval")
+        relative = (
+            path.relative_to(ROOT / "areal_eval")
+            if path.is_relative_to(ROOT / "areal_eval")
+            else path.relative_to(ROOT)
+        )
         mirror = ROOT / "tests" / relative.parent / f"test_{path.name}"
         if not mirror.exists() and f"`{path.relative_to(ROOT)}`" not in listed:
             untested.append(str(path.relative_to(ROOT)))

@@ -16,11 +16,13 @@ AReaL's reward functions share, so that a user's own drops in."""
 
 def too_many_positional() -> list[str]:
     found = []
-    for path in sorted((ROOT / "areal_eval").rglob("*.py")):
+    for path in sorted(p for top in ("areal_eval", "tasks", "commands", "flows") for p in (ROOT / top).rglob("*.py")):
         if str(path.relative_to(ROOT)) in PROTOCOLS:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                if any("flow" in ast.unparse(d) for d in node.decorator_list):
+                    continue  # a flow's parameters come by name: deployments, events, the command line
                 names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
                 if len(names) > MOST_POSITIONAL:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({', '.join(names)})")
