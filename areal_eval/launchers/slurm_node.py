@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import os
 import re
 import subprocess
@@ -27,6 +28,15 @@ POLL_S = 0.01
 
 def job_dir(slot_dir: str | Path, job_id: str) -> Path:
     return Path(slot_dir) / f"job-{job_id}"
+
+
+def node_dir(tmp: Path, slot_dir: str | Path, job_id: str, rank: int) -> Path:
+    """This node's working directory for the job (its warm ranks' inbox, the checkpoint cache).
+    A job id names a job of one controller only: two clusters whose jobs share a node's disk (two
+    controllers on one machine, a controller whose state was reset) hand out the same ids, so
+    the slot's own directory is in the name too."""
+    slot = hashlib.sha256(str(Path(slot_dir).resolve()).encode()).hexdigest()[:12]
+    return tmp / "areal-eval-slurm" / f"{job_id}-{slot}" / f"node-{rank}"
 
 
 def node_address(node: str) -> str:
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = os.environ
     job_id, rank, nnodes = env["SLURM_JOB_ID"], int(env["SLURM_NODEID"]), int(env["SLURM_NNODES"])
-    local = Path(env.get("TMPDIR") or tempfile.gettempdir()) / "areal-eval-slurm" / job_id / f"node-{rank}"
+    local = node_dir(Path(env.get("TMPDIR") or tempfile.gettempdir()), args.slot_dir, job_id, rank)
     agent = NodeAgent(
         rank,
         local,
