@@ -229,3 +229,12 @@ def test_processes_opening_a_fresh_sqlite_store_at_once_all_get_its_experiment(t
     said = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [e.decode()[-2000:] for _, e in said]
     assert len({o.strip() for o, _ in said}) == 1
+
+
+def test_a_tracker_takes_its_config_and_keeps_a_store_without_a_uri_in_the_work_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ValueError, match="tracking.tracking_uri: not set, and no work_dir"):
+        Tracker(TrackingConfig())
+    tracker = Tracker(TrackingConfig(experiment="here"), work_dir=tmp_path)
+    assert tracker.tracking_uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}" and (tmp_path / "mlflow.db").exists()
+    assert tracker.client.get_experiment(tracker.experiment_id).name == "here"
