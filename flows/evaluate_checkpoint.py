@@ -20,11 +20,12 @@ from prefect.runtime import flow_run
 from prefect.states import Failed
 from pydantic import Field
 
+from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
 from areal_eval.failures import is_known_failure, one_line
-from areal_eval.lifecycle.outcome import Attempt, Outcome
+from areal_eval.lifecycle.outcome import Attempt, Outcome, decision_line, follow_outcome
 from areal_eval.lifecycle.shared_run import Claim, SharedRun
 from areal_eval.logged_models import log_checkpoints_table
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
@@ -32,6 +33,7 @@ from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config
 from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
+from areal_eval.scheduling.policy import Decision
 from tasks.alerts import send_alert
 from tasks.evaluation import evaluation_task, process_workers
 from tasks.mlflow_logging import (
@@ -344,16 +346,13 @@ def probe_and_record(ctx: Evaluating, event: CheckpointEvent) -> dict:
     ``eval_probe/*`` and the checkpoint stays skipped; escalated, this flow run evaluates it in
     full. A failed probe is recorded and alerted on as a failed evaluation, then raised."""
     attempt = ctx.attempt(event, probe=True)
-    outcome = finish_attempt(ctx, attempt, logged=False)
+    outcome = finish_attempt(ctx, attempt, logged=False)  # a held probe is delivered there
     if attempt.error is not None:
         raise attempt.error
     decision, probe_metrics = outcome.decision, attempt.result.probe_metrics
-    get_run_logger().info("step %d: %s", event.global_step, decision.reason)
     if decision.evaluate:
         full = evaluate_and_record(ctx, event, decision.reason)
         return {"evaluated": True, "reason": decision.reason, "probe_metrics": probe_metrics, "metrics": full.metrics}
-    log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, decision.reason, recorded_in=(ctx.run, event.run_id))
-    ctx.shared.delivered(event.global_step)
     return {"evaluated": False, "reason": decision.reason, "probe_metrics": probe_metrics}
 
 
@@ -366,19 +365,17 @@ def evaluate_and_record(ctx: Evaluating, event: CheckpointEvent, reason: str) ->
             log_evaluation(ctx.cfg, ctx.mlflow_run_id, attempt.result, reason, recorded_in=(ctx.run, event.run_id))
         except Exception as exc:  # noqa: BLE001 - a tracker that refuses it fails the attempt (retried)
             attempt = Attempt(event, error=exc)
-    finish_attempt(ctx, attempt, logged=True)
+    finish_attempt(ctx, attempt, logged=True, reason=reason)
     if attempt.error is not None:
         raise attempt.error
-    for note in attempt.result.notes:
-        get_run_logger().warning("step %d: %s", event.global_step, note)
     update_evaluation_table(ctx.cfg, event.run_id, Ledger(ctx.run.ledger))
     return attempt.result
 
 
-def finish_attempt(ctx: Evaluating, attempt: Attempt, logged: bool) -> Outcome:
+def finish_attempt(ctx: Evaluating, attempt: Attempt, *, logged: bool, reason: str = "") -> Outcome:
     """The one outcome step of every path (:func:`areal_eval.lifecycle.outcome.record_outcome`),
-    then what this path does with it: failed attempts in MLflow, the alerts sent."""
-    step = attempt.event.global_step
+    then what follows it, as on every path (:func:`~areal_eval.lifecycle.outcome.follow_outcome`):
+    here failed attempts in MLflow, a held probe logged, the alerts sent."""
     outcome = ctx.shared.record_outcome(
         attempt,
         max_attempts=ctx.cfg.eval.max_attempts,
@@ -386,14 +383,36 @@ def finish_attempt(ctx: Evaluating, attempt: Attempt, logged: bool) -> Outcome:
         deleted=ctx.deleted,
         owner=this_flow_run(),
     )
-    ctx.looked_back.extend(outcome.looked_back)
-    if attempt.error is not None or attempt.result.retried:
+    follow_outcome(attempt, outcome, InFlowRun(ctx), reason=reason)
+    return outcome
+
+
+@dataclasses.dataclass
+class InFlowRun:
+    """What an ``evaluate-checkpoint`` flow run does after an outcome: its log, its tasks."""
+
+    ctx: Evaluating
+
+    def look_back_at(self, event: CheckpointEvent) -> None:
+        self.ctx.looked_back.append(event)  # claimed for this flow run: evaluated after what it claimed
+
+    def record_failed_attempt(self, step: int) -> None:
+        ctx = self.ctx
         try:
             log_failed_attempt(ctx.cfg, ctx.mlflow_run_id, Ledger(ctx.run.ledger), step)
-        except Exception as tracker_exc:  # noqa: BLE001 - the ledger has it; MLflow gets it with the run's end
-            get_run_logger().warning("step %d: failed attempt not in MLflow yet: %r", step, tracker_exc)
-    if outcome.retry is not None:
-        get_run_logger().warning("step %d: transient failure, left for a later attempt: %s", step, outcome.retry)
-    for alert in outcome.alerts:
-        send_alert(alert, ctx.cfg, ctx.mlflow_run_id, ctx.run)
-    return outcome
+        except Exception as exc:  # noqa: BLE001 - the ledger has it; MLflow gets it with the run's end
+            get_run_logger().warning("step %d: failed attempt not in MLflow yet: %r", step, exc)
+
+    def warn(self, message: str) -> None:
+        get_run_logger().warning(message)
+
+    def say_decision(self, event: CheckpointEvent, decision: Decision) -> None:
+        get_run_logger().info(decision_line(event, decision))
+
+    def deliver(self, event: CheckpointEvent, result: EvalResult, reason: str) -> None:
+        ctx = self.ctx
+        log_evaluation(ctx.cfg, ctx.mlflow_run_id, result, reason, recorded_in=(ctx.run, event.run_id))
+        ctx.shared.delivered(event.global_step)
+
+    def send(self, alert: Alert) -> None:
+        send_alert(alert, self.ctx.cfg, self.ctx.mlflow_run_id, self.ctx.run)

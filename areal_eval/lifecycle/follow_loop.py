@@ -30,7 +30,7 @@ from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.lifecycle.decision_thread import DecisionThread
 from areal_eval.lifecycle.delivery import Deliverer, Notifier
 from areal_eval.lifecycle.followers import JsonlFollower, ManifestFollower
-from areal_eval.lifecycle.outcome import Attempt, record_outcome
+from areal_eval.lifecycle.outcome import Attempt, decision_line, follow_outcome, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import Decision
@@ -249,8 +249,7 @@ class FollowLoop:
             decided = decisions.drain(timeout_s=self.cfg.poll_interval_s)
 
     def _log_decision(self, event: CheckpointEvent, decision: Decision) -> None:
-        verdict = "probe" if decision.probe else "evaluate" if decision.evaluate else "skip"
-        self.io.info(f"checkpoint step {event.global_step}: {verdict} ({decision.reason})")
+        self.io.info(decision_line(event, decision))
 
     def _collect_finished(self) -> bool:
         """Record every finished evaluation, whatever order they finish in."""
@@ -261,7 +260,6 @@ class FollowLoop:
         return bool(finished)
 
     def _collect(self, done: _InFlight) -> None:
-        step = done.event.global_step
         try:
             attempt = Attempt(done.event, result=done.handle.result(), probe=done.probe)
         except Exception as exc:  # noqa: BLE001 - recorded, alerted once failed for good, the loop goes on
@@ -274,23 +272,7 @@ class FollowLoop:
             logged_by_evaluator=self.cfg.results_logged_by_evaluator,
             deleted=self.deleted,
         )
-        for event in outcome.looked_back:  # queued: the loop starts it next
-            self._log_decision(event, Decision(True, self.planner.ledger.latest(event.global_step).reason))
-        if attempt.error is not None:
-            self.notifier.call(
-                f"failed attempt of step {step} not recorded in the tracker", self.io.log_failed_attempt, step
-            )
-        if outcome.retry is not None:
-            self.io.warn(f"checkpoint step {step}: evaluation attempt failed, queued again: {outcome.retry}")
-        if outcome.decision is not None:
-            self._log_decision(done.event, outcome.decision)
-        elif attempt.result is not None:
-            for note in attempt.result.notes:
-                self.io.warn(f"checkpoint step {step}: {note}")
-        if outcome.deliver:
-            self.delivery.add_result(attempt.result, outcome.decision.reason if outcome.decision else done.reason)
-        for alert in outcome.alerts:
-            self.notifier.add(alert)
+        follow_outcome(attempt, outcome, _InFlow(self), reason=done.reason)
 
     def _start_evaluations(self) -> None:
         while len(self.in_flight) < self.cfg.slots and (
@@ -327,3 +309,32 @@ class FollowLoop:
             self.io.warn(f"training failed; evaluating what it published before ending: {exc}")
             return exc
         return None
+
+
+class _InFlow:
+    """What the in-flow loop does after an outcome (:func:`follow_outcome`): its own log, the
+    tracker through its delivery thread and notifier, looked-back checkpoints on its queue."""
+
+    def __init__(self, loop: FollowLoop):
+        self.loop = loop
+
+    def look_back_at(self, event: CheckpointEvent) -> None:  # queued already: the loop starts it next
+        reason = self.loop.planner.ledger.latest(event.global_step).reason
+        self.say_decision(event, Decision(True, reason))
+
+    def record_failed_attempt(self, step: int) -> None:
+        self.loop.notifier.call(
+            f"failed attempt of step {step} not recorded in the tracker", self.loop.io.log_failed_attempt, step
+        )
+
+    def warn(self, message: str) -> None:
+        self.loop.io.warn(message)
+
+    def say_decision(self, event: CheckpointEvent, decision: Decision) -> None:
+        self.loop._log_decision(event, decision)
+
+    def deliver(self, event: CheckpointEvent, result: EvalResult, reason: str) -> None:
+        self.loop.delivery.add_result(result, reason)
+
+    def send(self, alert: Alert) -> None:
+        self.loop.notifier.add(alert)

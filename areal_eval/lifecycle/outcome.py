@@ -5,13 +5,15 @@ evaluate one checkpoint (``evaluate-checkpoint``: trigger, manual run, sweep) an
 service each finish an attempt with :func:`record_outcome`: it records the attempt in the run's
 planner and ledger, judges it by the alert rules, and says what the caller still has to do
 (deliver the result to the tracker, send the alerts, or nothing, as a transient failure left for
-another attempt).
+another attempt). Each then does it with :func:`follow_outcome`, in the same order on every
+path, through its own :class:`AfterOutcome` (a Prefect task, a log line, its planner's queue).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection
+from typing import Protocol
 
 from areal_eval.alerts import Alert, AlertEngine
 from areal_eval.checkpoints.manifest import CheckpointEvent
@@ -111,3 +113,52 @@ def record_outcome(
     )
     fired = alerts.check(step, result.metrics, final=event.final)
     return Outcome(fired, deliver=not logged_by_evaluator, looked_back=looked_back)
+
+
+class AfterOutcome(Protocol):
+    """How a path does what follows an outcome."""
+
+    def look_back_at(self, event: CheckpointEvent) -> None:
+        """A skipped checkpoint the result made worth a look, scheduled for this path: evaluate it next."""
+
+    def record_failed_attempt(self, step: int) -> None:
+        """The step's failed attempts so far, in the tracker (a failure of that is said, not raised)."""
+
+    def warn(self, message: str) -> None: ...
+
+    def say_decision(self, event: CheckpointEvent, decision: Decision) -> None:
+        """A probe's verdict, or a look back's: in the path's log."""
+
+    def deliver(self, event: CheckpointEvent, result: EvalResult, reason: str) -> None:
+        """The result (a held probe's too) to the tracker, then marked delivered."""
+
+    def send(self, alert: Alert) -> None: ...
+
+
+def decision_line(event: CheckpointEvent, decision: Decision) -> str:
+    """A decision as every path logs it: ``checkpoint step 40: skip (reason)``."""
+    verdict = "probe" if decision.probe else "evaluate" if decision.evaluate else "skip"
+    return f"checkpoint step {event.global_step}: {verdict} ({decision.reason})"
+
+
+def follow_outcome(attempt: Attempt, outcome: Outcome, after: AfterOutcome, *, reason: str) -> None:
+    """What follows an outcome (:func:`record_outcome`), the same on every path and in this order:
+    the looked-back checkpoints queued, the failed attempts recorded, a retry or the result's notes
+    said, a probe's verdict said, the result delivered (``reason``: its decision, unless a probe's
+    verdict says otherwise), the alerts sent."""
+    step = attempt.event.global_step
+    for event in outcome.looked_back:
+        after.look_back_at(event)
+    if attempt.error is not None or attempt.result.retried:
+        after.record_failed_attempt(step)
+    if outcome.retry is not None:
+        after.warn(f"checkpoint step {step}: evaluation attempt failed, queued again: {outcome.retry}")
+    elif attempt.result is not None and outcome.decision is None:
+        for note in attempt.result.notes:
+            after.warn(f"checkpoint step {step}: {note}")
+    if outcome.decision is not None:
+        after.say_decision(attempt.event, outcome.decision)
+    if outcome.deliver:
+        after.deliver(attempt.event, attempt.result, outcome.decision.reason if outcome.decision else reason)
+    for alert in outcome.alerts:
+        after.send(alert)

@@ -6,7 +6,7 @@ import pytest
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.evaluation.jobs import CorruptCheckpoint, EvalResult, EvaluationDataError
-from areal_eval.lifecycle.outcome import Attempt, record_outcome
+from areal_eval.lifecycle.outcome import Attempt, follow_outcome, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.lifecycle.shared_run import SharedRun
 from areal_eval.runs.directory import RunDir
@@ -154,3 +154,61 @@ def test_the_in_flow_loop_and_the_shared_record_come_to_the_same_outcomes(tmp_pa
 
     assert fired == fired_shared == [(10, "drop"), (20, "failed")]
     assert ledger_of(in_flow / "ledger.jsonl") == ledger_of(shared.ledger)
+
+
+class Said:
+    """What follows an outcome, as a path would do it: each call, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def look_back_at(self, event):
+        self.calls.append(("look back", event.global_step))
+
+    def record_failed_attempt(self, step):
+        self.calls.append(("failed attempt", step))
+
+    def warn(self, message):
+        self.calls.append(("warn", message))
+
+    def say_decision(self, event, decision):
+        self.calls.append(("decision", event.global_step, decision.evaluate))
+
+    def deliver(self, event, result, reason):
+        self.calls.append(("deliver", event.global_step, reason))
+
+    def send(self, alert):
+        self.calls.append(("alert", alert.rule))
+
+
+def followed(planner, attempt, engine, **options) -> list:
+    said = Said()
+    follow_outcome(attempt, record_outcome(planner, attempt, engine, **options), said, reason="its decision")
+    return said.calls
+
+
+def test_what_follows_an_outcome_is_the_same_sequence_on_every_path(tmp_path):
+    planner, engine = scheduled(tmp_path, steps=(0, 10, 20)), AlertEngine(RULES)
+    first = EvalResult(0, "/ckpt/0", {"accuracy": 0.9}, 0.0, notes=["3 prompts cut"], retried=["rank 1 died"])
+    assert followed(planner, Attempt(ev(0), result=first), engine) == [
+        ("failed attempt", 0),  # retried within its attempt: on record
+        ("warn", "checkpoint step 0: 3 prompts cut"),
+        ("deliver", 0, "its decision"),
+    ]
+    assert followed(planner, Attempt(ev(10), result=result(10, 0.5)), engine) == [
+        ("deliver", 10, "its decision"),
+        ("alert", "drop"),
+    ]
+    assert followed(planner, Attempt(ev(20), error=RuntimeError("rank 0 died")), engine, max_attempts=2) == [
+        ("failed attempt", 20),
+        ("warn", "checkpoint step 20: evaluation attempt failed, queued again: rank 0 died"),
+    ]
+    # A held probe: its verdict said, then the probe delivered under the verdict's reason.
+    cfg = SchedulerConfig(policy="fixed", fixed_interval_steps=20, probe_fraction=0.2)
+    probing = scheduled(tmp_path / "probes", cfg, steps=(0,))
+    record_outcome(probing, Attempt(ev(0), result=result(0, 0.5, {"accuracy": 0.5, "accuracy_stderr": 0.01})), engine)
+    probing.offer(ev(10))
+    assert probing.next() == ev(10) and probing.is_probe(10)
+    probe = Attempt(ev(10), result=result(10, probe={"accuracy": 0.5, "accuracy_stderr": 0.01}), probe=True)
+    [decision, deliver] = followed(probing, probe, AlertEngine(RULES))
+    assert decision == ("decision", 10, False) and deliver[:2] == ("deliver", 10) and deliver[2] != "its decision"
