@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import sys
@@ -82,10 +83,22 @@ def owning_run(run: RunDir) -> Iterator[RunLock]:
 
 
 def run_config(params: PipelineParams | dict | None, config_path: str | None, overrides: list[str] | None):
-    """This flow run's config. A deployment run that names no run (an unedited form) trains a new
-    one named after the flow run, rather than resuming the default ``demo``."""
+    """This flow run's config, loaded once in this process for the same inputs: the command's
+    own check, the flow run's name and its body share it. A deployment run that names no run
+    (an unedited form) trains a new one named after the flow run, rather than resuming the
+    default ``demo``."""
     own_name = flow_run.name if deployment.id else None
-    return load_pipeline_config(config_path, set_fields(params), overrides, run_name=own_name)
+    fields = set_fields(params)
+    file = os.stat(config_path) if config_path and os.path.exists(config_path) else None
+    written = (file.st_mtime_ns, file.st_size) if file else None
+    key = json.dumps([fields, config_path, written, overrides, own_name], sort_keys=True, default=str)
+    if key not in _loaded:
+        _loaded.clear()  # one run's config at a time: a process runs one flow run, a test many in turn
+        _loaded[key] = load_pipeline_config(config_path, fields, overrides, run_name=own_name)
+    return _loaded[key]
+
+
+_loaded: dict[str, PipelineConfig] = {}
 
 
 def training_run_name() -> str:
@@ -223,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = str(PRESETS[args.preset])
     global _taken_by_main
     try:  # bad input is reported once, first, in one line, before Prefect or training starts
-        cfg = load_pipeline_config(args.config, None, args.overrides)
+        cfg = run_config(None, args.config, args.overrides)
         check_inputs(cfg)
         plan_here(cfg)  # a device this machine lacks is named now
         webhook_url(cfg.alerts)

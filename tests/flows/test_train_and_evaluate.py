@@ -4,6 +4,7 @@ torchrun training and evaluation, and a webhook receiver on loopback."""
 import dataclasses
 import json
 import shutil
+import time
 
 import pytest
 
@@ -390,3 +391,16 @@ def test_bad_input_is_one_line_naming_its_field_or_file_and_line(tmp_path, capsy
     assert main([*argv, "--set", f"work_dir={tmp_path}"] if "work_dir" not in argv[-1] else argv) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith(line.format(not_utf8=not_utf8)), err
+
+
+def test_the_command_its_flow_runs_name_and_its_body_load_the_config_once(tmp_path):
+    from flows.train_and_evaluate import run_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"work_dir": str(tmp_path), "run_name": "once"}))
+    first = run_config(None, str(config), ["train.max_steps=8"])
+    assert run_config(None, str(config), ["train.max_steps=8"]) is first and first.train.max_steps == 8
+    assert run_config(None, str(config), ["train.max_steps=9"]).train.max_steps == 9  # other inputs: loaded
+    time.sleep(0.01)
+    config.write_text(json.dumps({"work_dir": str(tmp_path), "run_name": "edited"}))
+    assert run_config(None, str(config), ["train.max_steps=8"]).run_name == "edited"  # an edited file: read again
