@@ -20,9 +20,6 @@ from tests.helpers import free_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "k8s" / "eval-pool.json"
 
-if sys.version_info < (3, 11):  # the test extra installs it only where it runs (see pyproject.toml)
-    pytest.skip("prefect-kubernetes needs Python 3.11 or newer", allow_module_level=True)
-
 
 def render(values: dict) -> dict:
     from prefect.client.schemas.objects import FlowRun

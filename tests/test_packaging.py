@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_torch_is_a_range_in_the_package_and_pinned_only_in_the_set_ups_constraints():
-    # The [project] dependencies' torch line (tomllib is not in Python 3.10).
+    # The [project] dependencies' torch line.
     [line] = re.findall(r'^\s*"(torch[^"]*)",', (ROOT / "pyproject.toml").read_text(), re.M)
     torch = Requirement(line)
     assert not any(spec.operator == "==" for spec in torch.specifier)
@@ -55,3 +55,29 @@ def test_pip_resolves_the_package_beside_another_torch_and_installs_no_torch(tmp
     )
     installs = [i["metadata"]["name"] for i in json.loads(report.read_text())["install"]]
     assert installs == ["areal-eval"]
+
+
+def test_each_requirement_installed_here_runs_on_the_oldest_python_the_package_admits():
+    """``requires-python`` is what the set-up works on: every dependency and extra that this
+    environment installed (their versions as resolved here) admits its oldest Python."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    admitted = SpecifierSet(project["requires-python"])
+    oldest = next(v for v in (f"3.{minor}" for minor in range(8, 20)) if v in admitted)
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    refused, checked = [], 0
+    for requirement in map(Requirement, requirements):
+        if requirement.marker is not None and not requirement.marker.evaluate({"python_version": oldest}):
+            continue
+        try:
+            needs = importlib.metadata.metadata(requirement.name).get("Requires-Python")
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an extra this environment does not install (vllm: its own environment)
+        checked += 1
+        if needs and oldest not in SpecifierSet(needs):
+            refused.append(f"{requirement.name} needs Python {needs}")
+    assert refused == [] and checked >= 20, (oldest, refused)

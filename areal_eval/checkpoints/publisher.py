@@ -76,7 +76,7 @@ def post_event(api_url: str, event: CheckpointEvent, manifest: str | Path, timeo
     body = [
         {
             "id": str(uuid.uuid4()),
-            "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "occurred": datetime.datetime.now(datetime.UTC).isoformat(),
             "event": CHECKPOINT_SAVED,
             "resource": checkpoint_resource(event),
             "related": [],

@@ -121,7 +121,7 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
         # Anyone may emit the event: one that names no checkpoint is skipped, and the service lives on.
         malformed = {
             "id": str(uuid.uuid4()),
-            "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "occurred": datetime.datetime.now(datetime.UTC).isoformat(),
             "event": CHECKPOINT_SAVED,
             "resource": {"prefect.resource.id": "areal.checkpoint.faulty.soon", "areal.source": "publisher"},
             "payload": {"run_id": "faulty", "global_step": "soon"},
