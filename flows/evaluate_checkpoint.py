@@ -20,12 +20,11 @@ from prefect.runtime import flow_run
 from prefect.states import Failed
 from pydantic import Field
 
-from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.checkpoints.store import is_s3, localize_manifest
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
 from areal_eval.failures import is_known_failure, one_line
-from areal_eval.lifecycle.outcome import Attempt, Outcome, decision_line, follow_outcome
+from areal_eval.lifecycle.outcome import Attempt, Outcome, follow_outcome
 from areal_eval.lifecycle.shared_run import Claim, SharedRun
 from areal_eval.logged_models import log_checkpoints_table
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
@@ -33,13 +32,11 @@ from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config
 from areal_eval.runs.directory import RunDir, live_owner
 from areal_eval.runs.ledger import Ledger
-from areal_eval.scheduling.policy import Decision
-from tasks.alerts import send_alert
+from tasks.after_outcome import FlowRunOutcomes
 from tasks.evaluation import evaluation_task, process_workers
 from tasks.mlflow_logging import (
     finish_tracking,
     log_evaluation,
-    log_failed_attempt,
     log_published_train_metrics,
     start_tracking_run,
     tracker_for,
@@ -383,36 +380,6 @@ def finish_attempt(ctx: Evaluating, attempt: Attempt, *, logged: bool, reason: s
         deleted=ctx.deleted,
         owner=this_flow_run(),
     )
-    follow_outcome(attempt, outcome, InFlowRun(ctx), reason=reason)
+    after = FlowRunOutcomes(ctx.cfg, ctx.mlflow_run_id, ctx.run, ctx.shared, ctx.looked_back)
+    follow_outcome(attempt, outcome, after, reason=reason)
     return outcome
-
-
-@dataclasses.dataclass
-class InFlowRun:
-    """What an ``evaluate-checkpoint`` flow run does after an outcome: its log, its tasks."""
-
-    ctx: Evaluating
-
-    def look_back_at(self, event: CheckpointEvent) -> None:
-        self.ctx.looked_back.append(event)  # claimed for this flow run: evaluated after what it claimed
-
-    def record_failed_attempt(self, step: int) -> None:
-        ctx = self.ctx
-        try:
-            log_failed_attempt(ctx.cfg, ctx.mlflow_run_id, Ledger(ctx.run.ledger), step)
-        except Exception as exc:  # noqa: BLE001 - the ledger has it; MLflow gets it with the run's end
-            get_run_logger().warning("step %d: failed attempt not in MLflow yet: %r", step, exc)
-
-    def warn(self, message: str) -> None:
-        get_run_logger().warning(message)
-
-    def say_decision(self, event: CheckpointEvent, decision: Decision) -> None:
-        get_run_logger().info(decision_line(event, decision))
-
-    def deliver(self, event: CheckpointEvent, result: EvalResult, reason: str) -> None:
-        ctx = self.ctx
-        log_evaluation(ctx.cfg, ctx.mlflow_run_id, result, reason, recorded_in=(ctx.run, event.run_id))
-        ctx.shared.delivered(event.global_step)
-
-    def send(self, alert: Alert) -> None:
-        send_alert(alert, self.ctx.cfg, self.ctx.mlflow_run_id, self.ctx.run)
