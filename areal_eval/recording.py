@@ -42,6 +42,10 @@ class Recorder:
     """The run's ledger as this process keeps it (the in-flow loop's, current in memory); None:
     read from the run directory at each result (flow runs that share the run)."""
     sinks: Sinks | None = None
+    to_mlflow: bool = True
+    """MLflow is one of the run's sinks: what its users see there is written too (per-item
+    results, LoggedModels, the table of checkpoints, the curve plot, the registered best). False:
+    the MLflow run is only the run's own record (metrics, tags, decisions), which nothing shows."""
     registered_model: str | None = None
     """The registered model's name (``{run_id}`` filled in) whose ``best`` alias follows the
     best checkpoint by ``metric``; None: none."""
@@ -64,18 +68,19 @@ class Recorder:
         items = result.items or (stored_items(self.run.evals, step) if self.run is not None else {})
         if result.metrics:
             no_model = f"step {step}: no MLflow LoggedModel for the checkpoint"
-            model_id = self._side(
-                no_model, checkpoint_model, tracker.client, tracker.experiment_id, run_id, step, uri=result.uri
-            )
+            model_id = None
+            if self.to_mlflow:
+                args = (tracker.client, tracker.experiment_id, run_id, step)
+                model_id = self._side(no_model, checkpoint_model, *args, uri=result.uri)
             tags |= {"last_evaluated_step": step}
             logged = tracker.log_evaluation(run_id, step, result.metrics, tags=tags, model_id=model_id)
-            if items:
+            if items and self.to_mlflow:
                 self._side(
                     f"step {step}: per-item results not copied to MLflow", tracker.log_items, run_id, step, items
                 )
-            if self.run is not None and self.registered_model:
+            if self.run is not None and self.registered_model and self.to_mlflow:
                 self._register_best(result)
-        if ledger is not None:  # its decision, in the run's table of checkpoints
+        if ledger is not None and self.to_mlflow:  # its decision, in the run's table of checkpoints
             not_table = f"step {step}: the table of checkpoints not updated in MLflow"
             entries = ledger.entries()
             self._side(not_table, log_checkpoints_table, tracker.client, run_id, entries, at_most_every_s=TABLE_EVERY_S)
@@ -118,9 +123,10 @@ class Recorder:
         the end."""
         tracker, run_id, entries = self.tracker, self.mlflow_run_id, ledger.entries()
         tracker.log_dict(run_id, [dataclasses.asdict(e) for e in entries], "scheduler_decisions.json")
-        log_checkpoints_table(tracker.client, run_id, entries)
-        if plot is not None:
-            tracker.log_artifact(run_id, plot)
+        if self.to_mlflow:
+            log_checkpoints_table(tracker.client, run_id, entries)
+            if plot is not None:
+                tracker.log_artifact(run_id, plot)
         tags = {f"checkpoints.{k}": v for k, v in (ledger.counts() | ledger.probe_counts()).items()}
         tags["checkpoints.failed_attempts"] = sum(len(e.attempts) for e in entries)
         for entry in entries:

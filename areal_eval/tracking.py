@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_eval.config.parsing import flatten
+from areal_eval.config.parsing import FieldError, flatten
 from areal_eval.runs.directory import file_lock
 from areal_eval.runs.ledger import LedgerEntry
 from areal_eval.sinks.config import TensorBoardConfig, WandbConfig, check_sinks
@@ -59,9 +59,11 @@ class TrackingConfig:
     the training run's id. A name shared by several runs keeps the best of all of them. None:
     register nothing."""
     sinks: list[str] = dataclasses.field(default_factory=lambda: ["mlflow"])
-    """Where results go: ``mlflow`` (always), ``wandb``, ``tensorboard``, in any combination, e.g.
-    ``[mlflow, wandb, tensorboard]``. Every sink gets every result, training row, alert and the
-    run's end once; one that fails is retried and never holds up the others (docs/tracking.md)."""
+    """Where results go: ``mlflow``, ``wandb``, ``tensorboard``, in any combination, e.g.
+    ``[mlflow, wandb, tensorboard]`` or ``[wandb]``. Every sink gets every result, training row,
+    alert and the run's end once; one that fails is retried and never holds up the others.
+    Without ``mlflow`` no MLflow is needed or written to: the run's own record (decisions,
+    resume) is then an SQLite file in the work dir that nothing shows (docs/tracking.md)."""
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     """The W&B sink: the project, and the trainer's run to sit beside."""
     tensorboard: TensorBoardConfig = dataclasses.field(default_factory=TensorBoardConfig)
@@ -69,6 +71,13 @@ class TrackingConfig:
 
     def __post_init__(self):
         check_sinks(self.sinks)
+        if self.tracking_uri and not self.to_mlflow:
+            raise FieldError("tracking_uri", "set, but mlflow is not in tracking.sinks: add it there, or unset this")
+
+    @property
+    def to_mlflow(self) -> bool:
+        """Results go to an MLflow its users open (``mlflow`` is one of :attr:`sinks`)."""
+        return "mlflow" in self.sinks
 
 
 def mlflow_run_url(cfg: TrackingConfig, tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -90,9 +99,12 @@ def artifact_location(cfg: TrackingConfig, tracking_uri: str) -> str | None:
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, work_root: str | Path) -> str:
+    """The MLflow store of a run's record: ``tracking.tracking_uri``, else
+    ``$MLFLOW_TRACKING_URI``, else SQLite in ``work_root``; always the last where ``mlflow`` is
+    not a sink (nothing reaches the MLflow the environment names)."""
     if cfg.tracking_uri:
         return cfg.tracking_uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
+    if os.environ.get("MLFLOW_TRACKING_URI") and cfg.to_mlflow:
         return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{Path(work_root).resolve() / 'mlflow.db'}"
 
@@ -108,7 +120,7 @@ class Tracker:
     :class:`TrackingConfig`; ``work_dir`` holds the SQLite store where the config names none."""
 
     def __init__(self, config: TrackingConfig, *, work_dir: str | Path | None = None):
-        if not (config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or work_dir):
+        if not (config.tracking_uri or (config.to_mlflow and os.environ.get("MLFLOW_TRACKING_URI")) or work_dir):
             raise ValueError("tracking.tracking_uri: not set, and no work_dir to keep mlflow.db in")
         tracking_uri = resolve_tracking_uri(config, work_dir or ".")
         experiment = config.experiment

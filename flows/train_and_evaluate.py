@@ -271,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         + (f"; probes {summary['probed']} (escalated {summary['escalated']})" if "probed" in summary else "")
     )
     print(f"{cfg.scheduler.metric} by step: {curve}")
-    print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")
-    print(f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}")
-    print(f"  then open {summary['mlflow_url']}")
+    if cfg.tracking.to_mlflow:
+        print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")
+        print(f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}")
+        print(f"  then open {summary['mlflow_url']}")
     if "tensorboard" in cfg.tracking.sinks:
         logdir = cfg.tracking.tensorboard.directory(summary["run_dir"]).parent
         print(f"See it in TensorBoard:  .venv/bin/tensorboard --logdir {logdir} --host 127.0.0.1")

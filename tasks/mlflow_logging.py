@@ -93,7 +93,7 @@ def start_tracking_run(cfg: PipelineConfig, training_run_id: str, run_dir: str, 
         reopen=reopen,
         lock=run.tracking_lock,
     )
-    if run.valid_data.exists():  # the run's dataset input, with its digest
+    if run.valid_data.exists() and cfg.tracking.to_mlflow:  # the run's dataset input, with its digest
         try:
             log_validation_data(tracker.client, run_id, run.valid_data, lock=run.tracking_lock)
         except Exception as exc:  # noqa: BLE001 - a server without dataset inputs: said, the run goes on
@@ -136,6 +136,7 @@ def recorder_for(
         training_run_id=training_run_id,
         ledger=ledger,
         sinks=sinks_for(cfg, run, mlflow_run_id) if run is not None else None,
+        to_mlflow=cfg.tracking.to_mlflow,
         registered_model=cfg.tracking.registered_model,
         metric=cfg.scheduler.metric,
         higher_is_better=cfg.scheduler.higher_is_better,

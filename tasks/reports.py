@@ -70,8 +70,11 @@ def summarize(
         **ledger.probe_counts(),
         "curve": [(e.step, round(e.metrics.get(cfg.scheduler.metric, float("nan")), 4)) for e in evaluated],
     }
-    url = mlflow_run_url(cfg.tracking, tracking_uri, tracker_for(cfg).experiment_id, mlflow_run_id)
+    url = None  # the run's record only: nothing to open
+    if cfg.tracking.to_mlflow:
+        url = mlflow_run_url(cfg.tracking, tracking_uri, tracker_for(cfg).experiment_id, mlflow_run_id)
     summary["mlflow_url"] = url  # the demo prints it
+    where = f"MLflow run: [{mlflow_run_id}]({url}) (tracking URI `{tracking_uri}`)\n\n" if url else ""
     counts_table = "\n".join(
         [f"| {k} | {counts.get(k, 0)} |" for k in COUNTED if counts.get(k)]
         + [f"| {k} (probes) | {n} |" for k, n in ledger.probe_counts().items()]
@@ -82,7 +85,7 @@ def summarize(
         key=artifact_key("summary", run_id),
         description=f"Summary of {run_id}",
         markdown=(
-            f"# {run_id}\n\nMLflow run: [{mlflow_run_id}]({url}) (tracking URI `{tracking_uri}`)\n\n"
+            f"# {run_id}\n\n{where}"
             f"| checkpoints | {summary['checkpoints']} |\n|---|---|\n{counts_table}\n\n"
             f"{image}\n\n"
             f"| step | {cfg.scheduler.metric} |\n|---|---|\n{curve_table}\n"
@@ -113,13 +116,11 @@ def send_queued(timeout_s: float) -> None:
 
 
 def summary_line(summary: dict, metric: str) -> str:
-    """A run's summary in one line: counts, the curve and the MLflow link."""
+    """A run's summary in one line: counts, the curve and the MLflow link (where MLflow is a sink)."""
     counts = ", ".join(f"{k} {summary[k]}" for k in ("evaluated", "skipped", "superseded", "failed"))
     curve = ", ".join(f"{s}:{v}" for s, v in summary["curve"])
-    return (
-        f"{summary['run_name']}: {summary['checkpoints']} checkpoints ({counts}); {metric} by step: {curve}; "
-        f"MLflow: {summary['mlflow_url']}"
-    )
+    line = f"{summary['run_name']}: {summary['checkpoints']} checkpoints ({counts}); {metric} by step: {curve}"
+    return line + (f"; MLflow: {summary['mlflow_url']}" if summary.get("mlflow_url") else "")
 
 
 class WithoutTraceback(logging.Filter):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from areal_eval.alerts import Alert
@@ -14,7 +16,7 @@ from tests.helpers import checkpoints_table, sqlite_mlflow_uri
 from tests.sink_points import every_sink, scalars
 
 
-def recorder(tmp_path, warned: list, sinks=None) -> Recorder:
+def recorder(tmp_path, warned: list, sinks=None, *, to_mlflow: bool = True) -> Recorder:
     tracker = Tracker(TrackingConfig(tracking_uri=sqlite_mlflow_uri(tmp_path), experiment="areal-eval"))
     return Recorder(
         tracker,
@@ -22,6 +24,7 @@ def recorder(tmp_path, warned: list, sinks=None) -> Recorder:
         run=RunDir(tmp_path / "run"),
         training_run_id="run-1",
         sinks=sinks,
+        to_mlflow=to_mlflow,
         registered_model="best-of-{run_id}",
         warn=warned.append,
     )
@@ -69,3 +72,37 @@ def test_a_side_record_that_fails_is_said_in_one_line_and_the_metrics_and_sinks_
     [line] = warned
     assert line.startswith("step 8: not registered in model 'bad/namerun-1': ") and "\n" not in line
     assert scalars(tmp_path / "run" / "tensorboard" / "areal-eval")["eval/accuracy"] == [8] and said == []
+
+
+def test_without_the_mlflow_sink_the_record_keeps_the_metrics_and_nothing_is_made_for_mlflows_ui(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from areal_eval.sinks import TensorBoardConfig, WandbConfig, open_sinks
+
+    warned, said = [], []
+    run = RunDir(tmp_path / "run")
+    tensorboard = open_sinks(
+        ["tensorboard"],
+        wandb=WandbConfig(),
+        tensorboard=TensorBoardConfig(),
+        run_dir=run.root,
+        run_name="run-1",
+        on_failure=lambda sink, message: said.append(message),
+    )
+    rec = recorder(tmp_path, warned, tensorboard, to_mlflow=False)
+    ledger = Ledger(rec.run.ledger)
+    ledger.append(LedgerEntry(4, "/ckpt/4", "evaluated", "checkpoint due", metrics={"accuracy": 0.75}))
+    items = tmp_path / "items.parquet"
+    pq.write_table(pa.table({"prompt": ["2 + 2?"], "answer": ["4"], "score": [1.0]}), items)
+    assert rec.result(dataclasses.replace(result(4, 0.75), items={"pairs": str(items)})) is True
+    assert rec.result(result(4, 0.75)) is False  # the record still keeps it exactly once
+    rec.end(ledger, None, status="FINISHED")
+
+    client, run_id = rec.tracker.client, rec.mlflow_run_id
+    assert [m.step for m in client.get_metric_history(run_id, "eval/accuracy")] == [4]  # resume reads it
+    assert client.search_logged_models([rec.tracker.experiment_id]) == []
+    assert client.search_registered_models() == []
+    assert [a.path for a in client.list_artifacts(run_id)] == ["scheduler_decisions.json"]
+    assert scalars(run.root / "tensorboard" / "areal-eval")["eval/accuracy"] == [4]
+    assert warned == [] and said == []

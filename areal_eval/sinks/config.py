@@ -9,8 +9,9 @@ from pathlib import Path
 from areal_eval.config.parsing import FieldError
 
 SINKS = ("mlflow", "wandb", "tensorboard")
-"""``mlflow``: the run's record (always on); ``wandb``: a W&B run in the trainer's group;
-``tensorboard``: event files beside the trainer's own."""
+"""``mlflow``: the MLflow of ``tracking.tracking_uri`` (its UI, LoggedModels, the registered
+best); ``wandb``: a W&B run in the trainer's group; ``tensorboard``: event files beside the
+trainer's own."""
 
 PACKAGES = {
     "wandb": ("wandb", "pip install 'areal-eval[wandb]'"),
@@ -75,13 +76,13 @@ class TensorBoardConfig:
 
 
 def check_sinks(sinks: list[str]) -> None:
-    """``tracking.sinks``, in one line naming the field: known names, MLflow among them, and each
-    sink's package installed."""
+    """``tracking.sinks``, in one line naming the field: at least one, known names, each once,
+    and each sink's package installed."""
+    if not sinks:
+        raise FieldError("sinks", f"names no sink: results would be seen nowhere (one or more of {', '.join(SINKS)})")
     for name in sinks:
         if name not in SINKS:
             raise FieldError("sinks", f"{name!r} is not one of {', '.join(SINKS)}")
-    if "mlflow" not in sinks:
-        raise FieldError("sinks", "mlflow must stay: it holds the run's decisions, deletions and registered models")
     if len(set(sinks)) != len(sinks):
         raise FieldError("sinks", f"{sinks} names a sink twice")
     for name in sinks:

@@ -8,23 +8,33 @@ import pytest
 
 from areal_eval.config.parsing import ConfigError
 from areal_eval.pipeline.config import load_pipeline_config
+from areal_eval.tracking import resolve_tracking_uri
 
 
 def tracking(**fields):
     return load_pipeline_config(params={"tracking": fields}).tracking
 
 
-def test_any_combination_with_mlflow_is_taken_and_the_settings_keep_their_defaults():
+def test_any_combination_is_taken_and_the_settings_keep_their_defaults():
     cfg = tracking(sinks=["mlflow", "wandb", "tensorboard"], wandb={"mode": "offline", "run_id": "abc"})
-    assert cfg.sinks == ["mlflow", "wandb", "tensorboard"] and cfg.wandb.run_id == "abc"
+    assert cfg.sinks == ["mlflow", "wandb", "tensorboard"] and cfg.wandb.run_id == "abc" and cfg.to_mlflow
     assert cfg.tensorboard.directory("/runs/r1").as_posix() == "/runs/r1/tensorboard/areal-eval"
-    assert tracking().sinks == ["mlflow"]
+    assert tracking().sinks == ["mlflow"] and tracking().to_mlflow
+    for sinks in (["wandb"], ["tensorboard"], ["tensorboard", "wandb"]):
+        assert tracking(sinks=sinks).sinks == sinks and not tracking(sinks=sinks).to_mlflow
+
+
+def test_without_mlflow_the_runs_record_stays_in_the_work_dir_whatever_the_environment_names(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert resolve_tracking_uri(tracking(), "/work") == "http://127.0.0.1:5999"
+    assert resolve_tracking_uri(tracking(sinks=["tensorboard"]), "/work") == "sqlite:////work/mlflow.db"
 
 
 @pytest.mark.parametrize(
     ("fields", "line"),
     [
-        ({"sinks": ["wandb"]}, "tracking.sinks: mlflow must stay"),
+        ({"sinks": []}, "tracking.sinks: names no sink: results would be seen nowhere"),
+        ({"sinks": ["wandb"], "tracking_uri": "http://mlflow"}, "tracking.tracking_uri: set, but mlflow is not in"),
         ({"sinks": ["mlflow", "neptune"]}, "tracking.sinks: 'neptune' is not one of mlflow, wandb, tensorboard"),
         ({"sinks": ["mlflow", "wandb", "wandb"]}, "tracking.sinks: ['mlflow', 'wandb', 'wandb'] names a sink twice"),
         ({"wandb": {"mode": "cloud"}}, "tracking.wandb.mode: 'cloud' is not one of online, offline, disabled"),

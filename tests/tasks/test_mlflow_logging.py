@@ -40,3 +40,15 @@ def test_a_result_is_recorded_once_at_its_step_through_the_task(prefect_server, 
     assert logged == [True, False]
     history = tracker_for(cfg).client.get_metric_history(mlflow_run_id, "eval/accuracy")
     assert [(m.step, m.value) for m in history] == [(8, 0.75)]
+
+
+def test_without_the_mlflow_sink_the_recorder_writes_the_work_dirs_record_alone(tmp_path, monkeypatch):
+    from tasks.mlflow_logging import recorder_for
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'users-mlflow.db'}")
+    cfg = tiny_config(tmp_path, tracking={"sinks": ["tensorboard"], "tracking_uri": None})
+    run = RunDir(tmp_path / "run")
+    recorder = recorder_for(cfg, "mlflow-run", run, training_run_id="run-1")
+    assert not recorder.to_mlflow and recorder.sinks is not None
+    assert recorder.tracker.tracking_uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert not (tmp_path / "users-mlflow.db").exists()
