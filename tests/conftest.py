@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from areal_eval.launchers.local import stay_offline
-from tests.helpers import sqlite_mlflow_uri
+from tests.helpers import LaneService, sqlite_mlflow_uri
 
 stay_offline()
 os.environ["WANDB_MODE"] = "offline"  # W&B writes its files only: no test sends anything anywhere
@@ -45,6 +45,15 @@ def pytest_collection_modifyitems(items):
     # on a long one: the flow tests, then the other files that start processes, then unit tests.
     slow = {item.path for item in items if item.get_closest_marker("integration")}
     items.sort(key=lambda item: (item.path.parent.name != "flows", item.path not in slow))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the lane's shared services (:class:`~tests.helpers.LaneService`) that its next test
+    does not use, after this test's own fixtures are torn down."""
+    for name, service in list(LaneService.running.items()):
+        if nextitem is None or not LaneService.used_by(nextitem, name):
+            service.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -311,3 +311,36 @@ def checkpoints_table(tracker, mlflow_run_id: str) -> dict[int, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         table = json.loads(Path(tracker.client.download_artifacts(mlflow_run_id, CHECKPOINTS_TABLE, tmp)).read_text())
     return {int(row[0]): dict(zip(table["columns"], row, strict=True)) for row in table["data"]}
+
+
+class LaneService:
+    """A service that the tests of a lane share while they run one after another: started by the
+    first that asks (:meth:`get`), stopped by ``pytest_runtest_teardown`` (tests/conftest.py)
+    when the lane's next test does not use it (``name`` among its fixtures, or marked
+    ``@pytest.mark.uses(name)``), started again if a later test does. For services that cost
+    CPU while idle, which a session fixture would keep until the lane's last test."""
+
+    running: dict[str, LaneService] = {}
+
+    def __init__(self, name: str, start):
+        """``start``: a generator function that yields the service and stops it when resumed."""
+        self.name, self.start, self._run, self.value = name, start, None, None
+
+    def get(self):
+        if self._run is None:
+            run = self.start()
+            self.value = next(run)
+            self._run, LaneService.running[self.name] = run, self
+        return self.value
+
+    def stop(self) -> None:
+        run, self._run = self._run, None
+        LaneService.running.pop(self.name, None)
+        if run is not None:
+            next(run, None)
+
+    @staticmethod
+    def used_by(item, name: str) -> bool:
+        return name in getattr(item, "fixturenames", ()) or any(
+            name in mark.args for mark in item.iter_markers("uses")
+        )

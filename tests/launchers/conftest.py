@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import require
+from tests.helpers import LaneService, require
 
 NODE_GPUS = 2
 """Fake GPUs of each Ray node (Ray hands them out as ``CUDA_VISIBLE_DEVICES``; torch runs on CPU)."""
@@ -25,8 +25,7 @@ def only_loopback() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
+def _start_ray_cluster():
     """A Ray head (no GPUs: training's node) and 2 evaluation nodes of :data:`NODE_GPUS` fake
     GPUs and one ``eval_node`` each; this process is connected to it."""
     require(importlib.util.find_spec("ray") is not None, "ray is not installed: bash scripts/setup.sh --ray")
@@ -44,6 +43,18 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+RAY_CLUSTER = LaneService("ray_cluster", _start_ray_cluster)
+"""Idle, the cluster's daemons take 5.5 CPU-seconds a minute here: a lane stops it once its next
+test does not use it (a lane's tests of one file run one after another)."""
+
+
+@pytest.fixture
+def ray_cluster():
+    """(the cluster, its 2 evaluation nodes): :func:`_start_ray_cluster`, shared by the lane's
+    tests that run one after another."""
+    return RAY_CLUSTER.get()
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ def left_on(engine: str, run_name: str) -> list:
     return run_jobs(run_name)
 
 
-@pytest.mark.parametrize("engine", ["ray", "slurm"])
+@pytest.mark.parametrize("engine", [pytest.param("ray", marks=pytest.mark.uses("ray_cluster")), "slurm"])
 def test_kill_9_of_the_flow_then_the_same_command_leaves_nothing_on_the_cluster_and_resumes(engine, request, tmp_path):
     run_name = f"killed-{engine}"
     params = {
