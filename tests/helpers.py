@@ -341,6 +341,4 @@ class LaneService:
 
     @staticmethod
     def used_by(item, name: str) -> bool:
-        return name in getattr(item, "fixturenames", ()) or any(
-            name in mark.args for mark in item.iter_markers("uses")
-        )
+        return name in getattr(item, "fixturenames", ()) or any(name in mark.args for mark in item.iter_markers("uses"))
