@@ -28,7 +28,10 @@ def _areal_eval_cpu_audit():
     try:
         t = os.times()
         with open({log!r}, "a") as f:
-            f.write(json.dumps({{"argv": " ".join(sys.argv)[:300], "cpu": t.user + t.system,
+            argv = " ".join(sys.argv)[:300]
+            if "execnet.gateway_base" in sys.modules:  # a pytest-xdist lane: its argv is just "-c"
+                argv = "pytest lane " + argv
+            f.write(json.dumps({{"argv": argv, "cpu": t.user + t.system,
                                 "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}}) + "\\n")
     except Exception:
         pass
@@ -44,7 +47,7 @@ KINDS = [
     ("prefect CLI or server", "bin/prefect"),
     ("train-and-evaluate command", "flows/train_and_evaluate"),
     ("examples' training loops", "examples/"),
-    ("pytest lanes", "exec(eval"),
+    ("pytest lanes", "pytest lane "),
 ]
 
 
