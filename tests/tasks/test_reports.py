@@ -24,6 +24,8 @@ def test_the_summary_line_holds_the_counts_the_curve_and_the_link():
         "r: 4 checkpoints (evaluated 2, skipped 1, superseded 1, failed 0); accuracy by step: 0:0.5, 8:0.75; "
         "MLflow: http://127.0.0.1:5000/#/runs/1"
     )
+    without_mlflow = summary_line(summary | {"mlflow_url": None}, "accuracy")  # tracking.sinks without it
+    assert without_mlflow.endswith("accuracy by step: 0:0.5, 8:0.75") and "MLflow" not in without_mlflow
 
 
 def record_of(exc: BaseException) -> logging.LogRecord:
