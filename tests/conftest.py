@@ -49,10 +49,10 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Stop the lane's shared services (:class:`~tests.helpers.LaneService`) that its next test
-    does not use, after this test's own fixtures are torn down."""
+    """Stop the lane's shared services (:class:`~tests.helpers.LaneService`) that no test of its
+    next test's file uses, after this test's own fixtures are torn down."""
     for name, service in list(LaneService.running.items()):
-        if nextitem is None or not LaneService.used_by(nextitem, name):
+        if nextitem is None or not LaneService.used_in_file_of(nextitem, name):
             service.stop()
 
 

@@ -316,11 +316,13 @@ def checkpoints_table(tracker, mlflow_run_id: str) -> dict[int, dict]:
 class LaneService:
     """A service that the tests of a lane share while they run one after another: started by the
     first that asks (:meth:`get`), stopped by ``pytest_runtest_teardown`` (tests/conftest.py)
-    when the lane's next test does not use it (``name`` among its fixtures, or marked
-    ``@pytest.mark.uses(name)``), started again if a later test does. For services that cost
-    CPU while idle, which a session fixture would keep until the lane's last test."""
+    when the lane's next test is in a file where no test uses it (``name`` among a test's
+    fixtures, or the test marked ``@pytest.mark.uses(name)``), started again if a later test
+    does. For services that cost CPU while idle, which a session fixture would keep until the
+    lane's last test."""
 
     running: dict[str, LaneService] = {}
+    _files: dict[str, set] = {}
 
     def __init__(self, name: str, start):
         """``start``: a generator function that yields the service and stops it when resumed."""
@@ -342,3 +344,12 @@ class LaneService:
     @staticmethod
     def used_by(item, name: str) -> bool:
         return name in getattr(item, "fixturenames", ()) or any(name in mark.args for mark in item.iter_markers("uses"))
+
+    @staticmethod
+    def used_in_file_of(item, name: str) -> bool:
+        """Some test in ``item``'s file uses the service: it is kept through a file's other tests
+        (a lane runs a file's tests one after another)."""
+        if name not in LaneService._files:
+            users = (i for i in item.session.items if LaneService.used_by(i, name))
+            LaneService._files[name] = {i.path for i in users}
+        return item.path in LaneService._files[name]
