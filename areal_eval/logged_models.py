@@ -25,7 +25,8 @@ def model_name(step: int) -> str:
 
 
 def checkpoint_model(client, experiment_id: str, run_id: str, step: int, *, uri: str) -> str:
-    """The LoggedModel of the run's checkpoint at ``step`` (created once, READY); its id."""
+    """The LoggedModel of the run's checkpoint at ``step`` (created once, READY, and an output of
+    the run at ``step``: the run's page lists it under Logged models); its id."""
     name = model_name(step)
     found = client.search_logged_models(
         [experiment_id], filter_string=f"name = '{name}' AND source_run_id = '{run_id}'", max_results=1
@@ -40,6 +41,9 @@ def checkpoint_model(client, experiment_id: str, run_id: str, step: int, *, uri:
         model_type=MODEL_TYPE,
     )
     client.finalize_logged_model(model.model_id, "READY")
+    from mlflow.entities import LoggedModelOutput
+
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
     return model.model_id
 
 
