@@ -25,7 +25,8 @@ def test_a_checkpoint_is_one_logged_model_its_metrics_rank_it_and_the_data_is_lo
     ]  # READY, one each
     assert [m.step for m in tracker.client.get_metric_history(run_id, "eval/accuracy")] == [0, 4, 8]
     outputs = tracker.client.get_run(run_id).outputs.model_outputs  # the run's page lists them, once each
-    assert sorted(o.step for o in outputs) == [0, 4, 8] and {o.model_id for o in outputs} == {m.model_id for m in ranked}
+    assert sorted(o.step for o in outputs) == [0, 4, 8]
+    assert {o.model_id for o in outputs} == {m.model_id for m in ranked}
 
     data = tmp_path / "valid.jsonl"
     data.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
