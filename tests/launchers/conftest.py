@@ -47,7 +47,7 @@ def _start_ray_cluster():
 
 RAY_CLUSTER = LaneService("ray_cluster", _start_ray_cluster)
 """Idle, the cluster's daemons take 5.5 CPU-seconds a minute here: a lane stops it once its next
-test does not use it (a lane's tests of one file run one after another)."""
+test's file does not use it (a lane runs a file's tests one after another)."""
 
 
 @pytest.fixture
