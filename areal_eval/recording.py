@@ -68,10 +68,8 @@ class Recorder:
         items = result.items or (stored_items(self.run.evals, step) if self.run is not None else {})
         if result.metrics:
             no_model = f"step {step}: no MLflow LoggedModel for the checkpoint"
-            model_id = None
-            if self.to_mlflow:
-                args = (tracker.client, tracker.experiment_id, run_id, step)
-                model_id = self._side(no_model, checkpoint_model, *args, uri=result.uri)
+            args = (tracker.client, tracker.experiment_id, run_id, step)
+            model_id = self._side(no_model, checkpoint_model, *args, uri=result.uri) if self.to_mlflow else None
             tags |= {"last_evaluated_step": step}
             logged = tracker.log_evaluation(run_id, step, result.metrics, tags=tags, model_id=model_id)
             if items and self.to_mlflow:

@@ -57,7 +57,8 @@ def record_run(sinks: tuple[str, ...], work: Path, results: int, items: int) -> 
     run = RunDir(work / "run")
     run.root.mkdir(parents=True)
     failures: list[str] = []
-    tracker = Tracker(TrackingConfig(experiment="bench", sinks=list(sinks)), work_dir=work)
+    cfg = TrackingConfig(experiment="bench", sinks=list(sinks))
+    tracker = Tracker(cfg, work_dir=work)
     mlflow_run_id = tracker.start_run("bench", {})
     others = [name for name in sinks if name != "mlflow"]
     made = None
@@ -78,8 +79,8 @@ def record_run(sinks: tuple[str, ...], work: Path, results: int, items: int) -> 
         training_run_id="bench",
         ledger=Ledger(run.ledger),
         sinks=made,
-        to_mlflow="mlflow" in sinks,
-        registered_model="bench-{run_id}" if "mlflow" in sinks else None,
+        to_mlflow=cfg.to_mlflow,
+        registered_model="bench-{run_id}",
         warn=failures.append,
     )
     seconds = []
