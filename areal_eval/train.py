@@ -30,7 +30,8 @@ from areal_eval.config.parsing import AT_LEAST_1, BATCH, NON_NEGATIVE, POSITIVE,
 from areal_eval.disk import named_if_disk_full
 from areal_eval.evaluation.job_spec import read_spec
 from areal_eval.launchers.devices import Devices, check_setting
-from areal_eval.launchers.local import TorchrunJob, die_with_parent
+from areal_eval.launchers.local import TorchrunJob
+from areal_eval.launchers.process_control import die_with_parent
 from areal_eval.models.objectives import ModelConfig, objective
 from areal_eval.runs.directory import RunDir, StopSignal
 

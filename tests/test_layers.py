@@ -16,8 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     {"config", "disk", "estimates", "paired", "redaction"},  # configs, files, statistics: import nothing of ours
     {"jsonl", "data"},  # records on disk, data sets
-    {"launchers", "launchers.devices", "launchers.reaper", "distributed"},  # processes: devices, ranks, clean-up
-    {"launchers.local", "launchers.forked_ranks"},  # torchrun jobs on this machine
+    {
+        "launchers",
+        "launchers.devices",
+        "launchers.reaper",
+        "launchers.process_control",
+        "distributed",
+    },  # processes: devices, ranks, clean-up
+    {"launchers.local", "launchers.forked_ranks", "launchers.fork_server"},  # torchrun jobs on this machine
     {"alerts", "scheduling"},  # pure decisions: which checkpoint to evaluate, which result to alert on
     {"runs"},  # a run's directory and ledger
     {"checkpoints"},

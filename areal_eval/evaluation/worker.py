@@ -31,7 +31,7 @@ from areal_eval.evaluation.evaluators import BaseEvaluator, check_metric_names, 
 from areal_eval.evaluation.items import gather_items, items_dir, write_items
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, parse_spec, read_spec, to_json
 from areal_eval.evaluation.vllm_decoder import shutdown_engines
-from areal_eval.launchers.local import die_with_parent
+from areal_eval.launchers.process_control import die_with_parent
 from areal_eval.scheduling.probes import probe_items, probe_rest
 
 FAULT_ENV = "AREAL_EVAL_INJECT_FAULT"

@@ -1,8 +1,6 @@
-import subprocess
-
 import pytest
 
-from areal_eval.launchers.local import failure_summary, lower_priority
+from areal_eval.launchers.local import failure_summary
 
 
 def test_ranks_are_forked_from_a_warmed_up_agent_unless_turned_off(monkeypatch):
@@ -14,22 +12,6 @@ def test_ranks_are_forked_from_a_warmed_up_agent_unless_turned_off(monkeypatch):
     assert command[-4:] == ["-m", "areal_eval.train", "--config", "c.json"]  # torchrun's own arguments
     monkeypatch.setenv(FORK_RANKS_ENV, "0")
     assert torchrun_command("areal_eval.train", [], 2)[1:3] == ["-m", "torch.distributed.run"]
-
-
-@pytest.mark.integration
-def test_lower_priority_reaches_the_scheduler():
-    # Run in a new session as the launcher does: with autogroup on, the group's nice is what counts.
-    out = subprocess.run(
-        ["sh", "-c", "nice; cat /proc/self/autogroup 2>/dev/null || true"],
-        start_new_session=True,
-        preexec_fn=lambda: lower_priority(7),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
-    assert out[0] == "7"
-    if out[1]:
-        assert out[1].endswith("nice 7")
 
 
 def test_failure_summary_names_every_failed_rank(tmp_path):
