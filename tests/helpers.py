@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -40,6 +41,16 @@ def require(ok: bool, why: str) -> None:
         import pytest
 
         (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    """Poll ``condition`` until it holds; after ``timeout_s``, fail naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def free_port() -> int:

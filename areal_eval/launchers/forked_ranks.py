@@ -27,7 +27,8 @@ import sys
 import time
 import uuid
 
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # before torch is imported
+NVML_CHECK = ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+os.environ.setdefault(*NVML_CHECK)  # before torch is imported
 
 PRELOAD = (
     "transformers.modeling_utils",
@@ -47,7 +48,7 @@ collective breaks): lingering lets the agent name the crashed peer, the cause.""
 def run_main(module: str, *args: str) -> int:
     """In a forked rank: the module's ``main``, as ``python -m module`` would run it. A nonzero
     code exits the rank with it; a rank must return (not ``os._exit``) for torchrun to collect it."""
-    from areal_eval.launchers.local import die_with_parent, name_process
+    from areal_eval.launchers.process_control import die_with_parent, name_process
 
     die_with_parent()  # the agent: if it is killed outright, its ranks go too
     name_process(f"{module.rsplit('.', 1)[-1]}-rank-{os.environ.get('RANK', '?')}")  # e.g. train-rank-1
@@ -82,16 +83,35 @@ def cheap_rendezvous_event_names() -> None:
     dynamic_rendezvous.get_method_name = get_method_name
 
 
+JOB_MODULES = ("areal_eval.evaluation.worker", "areal_eval.train")
+"""What a fork server (:mod:`areal_eval.launchers.fork_server`) imports for the jobs it will fork."""
+
+
+def warm_up(*modules: str) -> None:
+    """Import what an agent and its ranks need, once.
+
+    Importing torch and transformers allocates millions of objects, and the collections they
+    trigger find no garbage: off until the imports are done, the agent starts in about a fifth
+    less CPU. The imported heap is then frozen, so neither the agent nor a forked rank scans it
+    again, and a rank's collections leave its shared pages uncopied."""
+    gc.disable()
+    import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
+    import torch.distributed.launcher.api  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+
+    cheap_rendezvous_event_names()
+    for module in modules:
+        preload(module)
+    gc.freeze()
+    gc.enable()
+
+
 def main(argv: list[str] | None = None) -> None:
-    from areal_eval.launchers.local import STACKS_SIGNAL
+    from areal_eval.launchers.process_control import STACKS_SIGNAL
 
     # Inherited by the forked ranks: a job that should have ended shows where it is stuck.
     faulthandler.register(STACKS_SIGNAL, all_threads=True)
-    # Importing torch and transformers allocates millions of objects, and the collections they
-    # trigger find no garbage: off until the imports are done, the agent starts in about a fifth
-    # less CPU. The imported heap is then frozen, so neither the agent nor a forked rank scans
-    # it again, and a rank's collections leave its shared pages uncopied.
-    gc.disable()
+    gc.disable()  # until warm_up is done
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
@@ -105,10 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         args.master_port = 29500
     args.start_method = "fork"
     config, _, _ = torchrun.config_from_args(args)
-    cheap_rendezvous_event_names()
-    preload(args.training_script)
-    gc.freeze()
-    gc.enable()
+    warm_up(args.training_script)  # all but the job's own module imported already in a fork server's agent
     record(elastic_launch(config, run_main))(args.training_script, *args.training_script_args)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import os
 import re
 import signal
@@ -19,7 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+from areal_eval.launchers import fork_server
 from areal_eval.launchers.devices import Placement
+from areal_eval.launchers.process_control import STACKS_SIGNAL, die_with_parent, libc_prctl, lower_priority
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -82,11 +83,6 @@ class NodeLayout:
             f"--master-port={self.master_port}",
         ]
 
-
-STACKS_SIGNAL = signal.SIGUSR1
-"""``kill -USR1 <pid>`` makes a process of a forked-rank job (its agent or a rank) print its
-threads' Python stacks to the job's log (:mod:`areal_eval.launchers.forked_ranks` registers
-:mod:`faulthandler` for it)."""
 
 FORK_RANKS_ENV = "AREAL_EVAL_FORK_RANKS"
 """``0``: plain torchrun, each rank a fresh interpreter (the way out if forking ever misbehaves)."""
@@ -153,40 +149,6 @@ def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text[-lines:])
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Have the kernel send ``sig`` to this process when its parent dies, however it dies
-    (``kill -9`` included), so no training or evaluation job outlives the flow that watches it.
-
-    Linux only (elsewhere it does nothing). The kernel watches the *thread* that forked: start
-    jobs from threads that live as long as the job's owner (the flow's, a task runner's).
-    """
-    prctl = _prctl()
-    if prctl is None:
-        return
-    prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before the call
-        os.kill(os.getpid(), sig)
-
-
-def name_process(name: str) -> None:
-    """Set this process's name as ``ps``, ``top`` and psutil show it (15 bytes at most; Linux
-    only): a forked rank would otherwise look like its agent."""
-    prctl = _prctl()
-    if prctl is not None:
-        prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
-@functools.cache
-def _prctl():
-    """libc's prctl, looked up once in the parent: a child between fork and exec must not dlopen."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
 def _start_job(nice: int, cpus: set[int] | None = None) -> None:
     """In the child, before exec: die with the flow, pin its CPU cores and lower its priority
     if asked."""
@@ -195,21 +157,6 @@ def _start_job(nice: int, cpus: set[int] | None = None) -> None:
         os.sched_setaffinity(0, cpus)
     if nice:
         lower_priority(nice)
-
-
-def lower_priority(nice: int) -> None:
-    """Lower this process's CPU priority (runs in the child, after setsid).
-
-    With autogroup scheduling (Linux's default on desktops and many servers) each session is
-    its own scheduling group and a plain nice only ranks processes inside it, so the new
-    session's group gets the same nice value.
-    """
-    os.nice(nice)
-    try:
-        with open("/proc/self/autogroup", "w") as fh:
-            fh.write(str(nice))
-    except OSError:
-        pass  # no autogroup: the plain nice is enough
 
 
 # glibc serves every allocation over its dynamic mmap threshold with a fresh mmap and gives it
@@ -275,18 +222,21 @@ class TorchrunJob:
         for key, value in HEAP_SETTINGS.items():
             full_env.setdefault(key, value)
         stay_offline(full_env)
-        _prctl()  # resolved here, before the fork
+        libc_prctl()  # resolved here, before the fork
         command = torchrun_command(module, args, nproc, nodes=nodes, python=python)
         self.dumps_stacks = command[2] == "areal_eval.launchers.forked_ranks"
         """Its processes print their Python stacks to the log on :data:`STACKS_SIGNAL`."""
-        self.proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            start_new_session=True,
-            preexec_fn=lambda: _start_job(nice, cpus),
-        )
+        # Forked by this process's fork server where it can (its imports done once for all jobs).
+        self.proc = fork_server.spawn(command, full_env, nice=nice, cpus=cpus) if self.dumps_stacks else None
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
+                preexec_fn=lambda: _start_job(nice, cpus),
+            )
         self.output = OutputTee(self.proc.stdout, self.log_path)
         self.output.start()
 
@@ -313,6 +263,8 @@ class TorchrunJob:
 
     def kill(self, grace_s: float = 5.0) -> None:
         """SIGTERM the whole process group, then SIGKILL what is left after ``grace_s``."""
+        if self.proc.pid is None:  # a fork server that died before forking it: nothing ran
+            return
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -329,7 +281,7 @@ class TorchrunJob:
     def _reap_group(self) -> None:
         # Ranks may outlive torchrun briefly; make sure the group is gone.
         deadline = time.monotonic() + 5
-        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+        while self.proc.pid is not None and group_alive(self.proc.pid) and time.monotonic() < deadline:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -340,7 +292,7 @@ class TorchrunJob:
         """Have every process of the job print its threads' Python stacks to the log, to show
         where a job that should have ended is stuck (forked-rank jobs only: in a plain torchrun
         job the signal would kill the ranks)."""
-        if not self.dumps_stacks or self.proc.poll() is not None:
+        if not self.dumps_stacks or self.proc.poll() is not None or self.proc.pid is None:
             return
         try:
             import psutil  # the flow's side only: the workers need nothing beyond torch and transformers

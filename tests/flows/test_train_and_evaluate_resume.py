@@ -12,7 +12,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker, TrackingConfig
 from tests import sink_points
 from tests.conftest import TINY
-from tests.helpers import sqlite_mlflow_uri, tmpfs
+from tests.helpers import sqlite_mlflow_uri, tmpfs, wait_for
 from tests.prefect_services import with_migrated_database
 
 pytestmark = pytest.mark.integration
@@ -57,15 +56,6 @@ def flow_run_states(prefect_home: Path, name: str) -> list[str]:
 def log_text(log) -> str:
     log.flush()
     return Path(log.name).read_text()
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def start_flow(tmp_path: Path, run_name: str, max_steps: int, scheduler: dict, sinks: tuple = ("mlflow",)):
@@ -111,7 +101,7 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
 
         wait_for(mid_run, 300, f"training past step 12 (flow log {log.name})")
         family = psutil.Process(flow.pid).children(recursive=True)
-        assert any("areal_eval.train" in " ".join(p.cmdline()) for p in family)
+        assert any(p.name() == "train-agent" or "areal_eval.train" in " ".join(p.cmdline()) for p in family)
         wandb_opened = (run.root / "sinks" / "wandb.json").exists()  # then the rerun resumes its W&B run
         os.kill(flow.pid, signal.SIGKILL)
         flow.wait(10)

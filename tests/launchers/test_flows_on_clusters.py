@@ -16,8 +16,8 @@ from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker, TrackingConfig
 from tests.conftest import TINY
-from tests.flows.test_train_and_evaluate_resume import ROOT, clean_env, flow_command, wait_for
-from tests.helpers import sqlite_mlflow_uri
+from tests.flows.test_train_and_evaluate_resume import ROOT, clean_env, flow_command
+from tests.helpers import sqlite_mlflow_uri, wait_for
 from tests.launchers.conftest import placement_groups_left, slot_actors_alive
 
 pytestmark = pytest.mark.integration
