@@ -3,7 +3,8 @@
     .venv/bin/python bench/suite_cpu.py [--top 15] -- bash scripts/test.sh -q
 
 Runs the command with a hook in this environment's site-packages (a ``.pth`` file, removed
-afterwards) that appends each exiting Python process's own CPU seconds, its command line and the
+afterwards) that appends each exiting Python process's own CPU seconds (a forked-rank agent's
+include its ranks', which exit without running hooks), its command line, its parent's and the
 test it ran under (``PYTEST_CURRENT_TEST``, inherited) to a file. The whole command's CPU comes
 from ``RUSAGE_CHILDREN``; what no hook saw (processes killed outright, Ray's and Slurm's
 daemons, W&B's service, vLLM's environment, Chromium) is the difference. Prints one JSON line.
@@ -29,9 +30,17 @@ def _areal_eval_cpu_audit():
         t = os.times()
         with open({log!r}, "a") as f:
             argv = " ".join(sys.argv)[:300]
+            try:
+                with open(f"/proc/{{os.getppid()}}/cmdline", "rb") as p:
+                    parent = p.read().replace(b"\\0", b" ").decode(errors="replace")[:300]
+            except OSError:
+                parent = ""
             if "execnet.gateway_base" in sys.modules:  # a pytest-xdist lane: its argv is just "-c"
                 argv = "pytest lane " + argv
-            f.write(json.dumps({{"argv": argv, "cpu": t.user + t.system,
+            cpu = t.user + t.system
+            if "forked_ranks" in argv:  # its ranks are forks that exit without atexit hooks
+                cpu += t.children_user + t.children_system
+            f.write(json.dumps({{"argv": argv, "parent": parent, "cpu": cpu,
                                 "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}}) + "\\n")
     except Exception:
         pass
@@ -41,13 +50,14 @@ atexit.register(_areal_eval_cpu_audit)
 
 KINDS = [
     ("evaluation job (agent and forked ranks)", "evaluation.worker"),
-    ("training ranks", "areal_eval.train"),
+    ("training job (agent and forked ranks)", "areal_eval.train"),
     ("Prefect flow run", "prefect/engine"),
     ("Prefect worker", "prefect worker"),
     ("prefect CLI or server", "bin/prefect"),
     ("train-and-evaluate command", "flows/train_and_evaluate"),
     ("examples' training loops", "examples/"),
     ("pytest lanes", "pytest lane "),
+    ("fork servers (their imports, done once for the jobs they fork)", "launchers/fork_server"),
 ]
 
 
@@ -98,6 +108,7 @@ def main() -> None:
         "cpu_unseen_s": round(total - seen, 1),
         "cpu_by_test": {t: round(v, 1) for t, v in tests.most_common(args.top)},
     }
+    result["processes_log"] = str(log)
     print(json.dumps(result))
     sys.exit(code)
 
