@@ -10,15 +10,15 @@ What a job gets is what :class:`subprocess.Popen` would have given it: its own s
 timeout or a kill takes its whole process group), its own environment, working directory, CPU
 cores, priority and output pipe, and death with its owner: the server dies with the process that
 started it (``PR_SET_PDEATHSIG``), and each agent with the server, so ``kill -9`` of a flow
-still leaves nothing running. A process's command line (``ps``) is the server's; its name
-(``ps -o comm``, ``top``) says which job it is, e.g. ``worker-agent``.
+still leaves nothing running. ``ps`` shows a job's own command line (written over the room the
+server's leaves for it) and its name (``ps -o comm``, ``top``), e.g. ``worker-agent``.
 
 What the imports read from the environment when they ran (OpenMP's thread count, glibc's heap
 settings, Hugging Face's offline switches, ...) cannot change in a fork, so a server serves only
 jobs whose environment equals its own but for what is read later (:data:`LATE_KEYS`); a job
 that differs gets a server of its own. ``AREAL_EVAL_FORK_SERVER=0`` starts every job as a fresh interpreter.
 
-    python -m areal_eval.launchers.fork_server FD   (started by :func:`spawn`, FD its socket)
+    python -m areal_eval.launchers.fork_server FD ROOM   (started by :func:`spawn`, FD its socket)
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ IDLE_EXIT_S = 120.0
 """A server with no job running exits after this long, giving its memory back."""
 
 MAX_MESSAGE = 1 << 20
+
+COMMAND_LINE_ROOM = " " * 4096
+"""The server's last argument: room for each job's own command line, written over it."""
 
 
 def enabled() -> bool:
@@ -147,7 +150,7 @@ class ForkServer:
         libc_prctl()  # looked up before the fork: the child must not dlopen
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "areal_eval.launchers.fork_server", str(theirs.fileno())],
+                [sys.executable, "-m", "areal_eval.launchers.fork_server", str(theirs.fileno()), COMMAND_LINE_ROOM],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # its jobs get pipes of their own; its own errors go to stderr
@@ -194,7 +197,7 @@ class ForkServer:
         """Ask for an agent running ``args`` (``python -m areal_eval.launchers.forked_ranks`` and
         its arguments); None if the server is gone."""
         read, write = os.pipe()
-        request = {"args": args[3:], "env": env, "cwd": os.getcwd(), "nice": nice, "cpus": sorted(cpus or ())}
+        request = {"command": args, "env": env, "cwd": os.getcwd(), "nice": nice, "cpus": sorted(cpus or ())}
         with self.lock:
             if self.alive:
                 try:
@@ -257,7 +260,7 @@ def _run_job(request: dict, out_fd: int, sock: socket.socket) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
         from areal_eval.launchers import forked_ranks
-        from areal_eval.launchers.process_control import die_with_parent, lower_priority, name_process
+        from areal_eval.launchers.process_control import die_with_parent, lower_priority, name_process, set_command_line
 
         die_with_parent()
         if request["cpus"]:
@@ -278,7 +281,8 @@ def _run_job(request: dict, out_fd: int, sock: socket.socket) -> None:
         import importlib
 
         importlib.invalidate_caches()  # modules written since the server started
-        args = request["args"]
+        set_command_line(request["command"])  # what ``ps`` shows: the job's, not the server's
+        args = request["command"][3:]
         sys.argv = [forked_ranks.__file__, *args]
         module = args[args.index("-m") + 1] if "-m" in args else ""
         name_process(f"{module.rsplit('.', 1)[-1]}-agent")

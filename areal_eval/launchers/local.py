@@ -223,7 +223,7 @@ class TorchrunJob:
             full_env.setdefault(key, value)
         stay_offline(full_env)
         libc_prctl()  # resolved here, before the fork
-        command = torchrun_command(module, args, nproc, nodes=nodes, python=python)
+        command = self.command = torchrun_command(module, args, nproc, nodes=nodes, python=python)
         self.dumps_stacks = command[2] == "areal_eval.launchers.forked_ranks"
         """Its processes print their Python stacks to the log on :data:`STACKS_SIGNAL`."""
         # Forked by this process's fork server where it can (its imports done once for all jobs).

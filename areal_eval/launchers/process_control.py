@@ -60,3 +60,25 @@ def lower_priority(nice: int) -> None:
             fh.write(str(nice))
     except OSError:
         pass  # no autogroup: the plain nice is enough
+
+
+def set_command_line(args: list[str]) -> bool:
+    """Show ``args`` as this process's command line (``ps``, ``/proc/PID/cmdline``), written over
+    the one it started with, as far as that reaches (Linux only); True if it was written.
+
+    A process forked to run a job (:mod:`areal_eval.launchers.fork_server`) would otherwise show
+    its server's command line: start the server with room to spare (a long last argument)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49
+    except (OSError, IndexError, ValueError):
+        return False
+    room = end - start - 1  # the last NUL stays, so that the kernel reads no further
+    if room <= 0:
+        return False
+    text = b"\0".join(a.encode(errors="replace") for a in args)[:room]
+    ctypes.memmove(start, text.ljust(room, b"\0"), room)
+    return True

@@ -101,7 +101,7 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
 
         wait_for(mid_run, 300, f"training past step 12 (flow log {log.name})")
         family = psutil.Process(flow.pid).children(recursive=True)
-        assert any(p.name() == "train-agent" or "areal_eval.train" in " ".join(p.cmdline()) for p in family)
+        assert any("areal_eval.train" in " ".join(p.cmdline()) for p in family)
         wandb_opened = (run.root / "sinks" / "wandb.json").exists()  # then the rerun resumes its W&B run
         os.kill(flow.pid, signal.SIGKILL)
         flow.wait(10)

@@ -83,6 +83,9 @@ def test_a_killed_job_takes_its_ranks_and_kill_9_of_the_owner_leaves_nothing(tmp
     job = TorchrunJob("tests.hang_after_done", [str(tmp_path / "rows.jsonl"), "--no-done"], 2, log)
     wait_for(lambda: log.exists() and log.read_text().count("hanging") == 2, 120, "both ranks to hang")
     ranks = psutil.Process(job.pid).children()
+    for process in [psutil.Process(job.pid), *ranks]:  # ``ps`` shows the job's command, not the server's
+        assert process.cmdline()[: len(job.command)] == job.command
+    assert str(tmp_path) in " ".join(psutil.Process(job.pid).cmdline())
     job.kill()
     assert job.poll() is not None and not group_alive(job.pid)
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
