@@ -251,7 +251,7 @@ def spawn(args: list[str], env: dict[str, str], *, nice: int = 0, cpus: set[int]
 # The server's side. It stays single-threaded, so that every fork is safe.
 
 
-def _run_job(request: dict, out_fd: int, sock: socket.socket) -> None:
+def _run_job(request: dict, out_fd: int, sock: socket.socket, session_fd: int) -> None:
     """In the forked child: become the job, as a fresh ``python -m ...forked_ranks`` would be."""
     code = 1
     try:
@@ -259,6 +259,7 @@ def _run_job(request: dict, out_fd: int, sock: socket.socket) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
+        os.close(session_fd)  # tells the server its session exists
         from areal_eval.launchers import forked_ranks
         from areal_eval.launchers.process_control import die_with_parent, lower_priority, name_process, set_command_line
 
@@ -336,10 +337,15 @@ def serve(sock: socket.socket) -> None:
                     closed = True
                     selector.unregister(sock)
                     continue
+                session_r, session_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
-                    _run_job(json.loads(message), fds[0], sock)
+                    os.close(session_r)
+                    _run_job(json.loads(message), fds[0], sock, session_w)
                 os.close(fds[0])
+                os.close(session_w)
+                os.read(session_r, 1)  # until its session exists: a kill of its group right after reaches it
+                os.close(session_r)
                 running.add(pid)
                 sock.send(json.dumps({"pid": pid}).encode())
             else:

@@ -10,7 +10,7 @@ import pytest
 
 from areal_eval.launchers import fork_server
 from areal_eval.launchers.local import TorchrunJob, group_alive
-from tests.helpers import wait_for
+from tests.helpers import live_processes, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -112,6 +112,19 @@ def test_a_killed_job_takes_its_ranks_and_kill_9_of_the_owner_leaves_nothing(tmp
         return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
     wait_for(gone, 60, "the server, agent and ranks of a killed owner to end")
+
+
+def test_a_job_killed_as_soon_as_it_is_started_leaves_nothing(tmp_path):
+    """Its process group exists once its pid is known: a kill at once reaches it, whether its
+    server was still importing (the first job) or already warm."""
+    for i in range(4):
+        env = {"OMP_NUM_THREADS": "4"} if i == 0 else None  # the first waits for a new server's imports
+        job = TorchrunJob(
+            "tests.hang_after_done", [str(tmp_path / f"rows{i}.jsonl"), "--no-done"], 1, tmp_path / f"{i}.log", env=env
+        )
+        job.kill()
+        assert job.poll() is not None
+        wait_for(lambda: not live_processes(str(tmp_path)), 30, f"job {i}'s processes to end")
 
 
 def test_a_server_that_dies_ends_its_jobs_and_the_next_job_gets_a_new_one(tmp_path):
