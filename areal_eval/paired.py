@@ -94,9 +94,9 @@ def paired_difference(
     mean_d = math.fsum(ds) / n
     groups = None
     if clusters is None:
-        stderr = _stderr(ds, mean_d)
         largest = max(abs(d) for d in ds)
         squares = math.fsum((d - mean_d) ** 2 for d in ds)
+        stderr = math.sqrt(squares / (n - 1) / n) if n > 1 else 0.0  # _stderr(ds, mean_d), its sum once
         guarded = math.sqrt((squares + largest * largest) / (n * (n + 1)))
     else:
         by_cluster: dict[Hashable, float] = {}

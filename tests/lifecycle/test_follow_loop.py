@@ -220,16 +220,19 @@ def test_a_transient_failure_is_queued_again_and_every_attempt_stays_on_record(t
 
 
 class HangingWebhookIO(ReversingIO):
-    """Every notification hangs until the test lets it go."""
+    """Every notification hangs until all ``expected`` results were logged (a loop the webhook
+    held up never gets there)."""
 
-    def __init__(self):
+    def __init__(self, expected: int):
         super().__init__(failing_flushes=0)
         self.release = threading.Event()
-        self.logged_while_hanging = 0
+        self.logged_while_hanging, self.expected = 0, expected
 
     def log_result(self, result, reason):
         super().log_result(result, reason)
         self.logged_while_hanging += not self.release.is_set()
+        if self.logged_while_hanging == self.expected:
+            self.release.set()
 
     def send_alert(self, alert):
         self.release.wait(60)
@@ -237,9 +240,9 @@ class HangingWebhookIO(ReversingIO):
 
 
 def test_a_hanging_webhook_never_holds_up_the_loop(tmp_path):
-    io = HangingWebhookIO()
+    io = HangingWebhookIO(expected=20)
     rules = AlertsConfig(rules=[AlertRule(name="seen", kind="threshold", op=">", value=0.0, throttle_secs=0)])
-    backstop = threading.Timer(5.0, io.release.set)  # the loop is done long before; then its notifications go out
+    backstop = threading.Timer(60.0, io.release.set)  # a loop held up by the webhook: the count below fails
     backstop.start()
     try:
         ledger = run_loop(tmp_path, io, slots=1, alerts=rules)
