@@ -11,8 +11,8 @@ if [ "$(id -u)" = 0 ] && [ -z "${AREAL_EVAL_LOOPBACK_ONLY:-}" ] && command -v un
   export AREAL_EVAL_LOOPBACK_ONLY=1
   exec unshare --net bash -c 'ip link set lo up && ip addr add 127.0.0.2/8 dev lo && exec "$0" "$@"' "$0" "$@"
 fi
-# Two test files at a time, in the order tests/conftest.py gives them (longest first): most of a
-# test's time is spent waiting on the processes it starts (torchrun jobs, flow-run processes,
-# servers), so one file at a time leaves a core idle.
-# Add -n 0 to run everything in this one process.
-exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# Test files side by side, in the order tests/conftest.py gives them (longest first): most of an
+# integration test's time is spent waiting on the processes it starts (torchrun jobs, flow-run
+# processes, servers), so one file at a time leaves a core idle. tests/conftest.py picks how many
+# (pytest_xdist_auto_num_workers). Add -n 0 to run everything in this one process.
+exec .venv/bin/python -m pytest -n auto --dist loadfile --no-loadscope-reorder "$@"

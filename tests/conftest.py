@@ -37,6 +37,14 @@ LIBRARY_PROBES = {"uname", "git", "fc-list"}
 lists the fonts once, when it builds its font cache on a fresh machine): not ours."""
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Lanes for ``-n auto`` (scripts/test.sh), as measured on a 2-core machine: the integration
+    tests spend much of their time waiting on the processes they start, and three lanes fill
+    that wait (798 s against 878 with two); unit tests only compute, and a third lane costs its
+    own collection (59 s against 52). docs/performance.md has the runs."""
+    return 2 if "not integration" in (config.getoption("markexpr") or "") else 3
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
