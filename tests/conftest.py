@@ -38,10 +38,10 @@ lists the fonts once, when it builds its font cache on a fresh machine): not our
 
 
 def pytest_xdist_auto_num_workers(config):
-    """Lanes for ``-n auto`` (scripts/test.sh), as measured on a 2-core machine: the integration
-    tests spend much of their time waiting on the processes they start, and three lanes fill
-    that wait (798 s against 878 with two); unit tests only compute, and a third lane costs its
-    own collection (59 s against 52). docs/performance.md has the runs."""
+    """Lanes for ``-n auto`` (scripts/test.sh), as measured on a 2-core machine
+    (docs/performance.md, "The test suite"): the integration tests spend much of their time
+    waiting on the processes they start, and a third lane fills that wait; unit tests only
+    compute, and a third lane would cost its own collection."""
     return 2 if "not integration" in (config.getoption("markexpr") or "") else 3
 
 
