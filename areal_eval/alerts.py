@@ -340,12 +340,9 @@ class AlertEngine:
             common = list(current[0])
         else:
             common = [k for k in current[0] if all(k in s for s in scores)]
-        # Each common item's scores at the baseline steps, then their mean (one step: its scores).
-        if len(scores) == 1:
-            baseline = {k: float(scores[0][k]) for k in common}
-        else:
-            columns = zip(*([s[k] for k in common] for s in scores), strict=True)
-            baseline = dict(zip(common, (sum(c) / len(scores) for c in columns), strict=True))
+        # Each common item's scores at the baseline steps, then their mean.
+        columns = zip(*([s[k] for k in common] for s in scores), strict=True)
+        baseline = dict(zip(common, (sum(c) / len(scores) for c in columns), strict=True))
         try:
             paired = paired_difference(baseline, current[0], current[1])
         except NoCommonItems:
