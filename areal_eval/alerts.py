@@ -342,7 +342,7 @@ class AlertEngine:
             common = [k for k in current[0] if all(k in s for s in scores)]
         # Each common item's scores at the baseline steps, then their mean.
         columns = zip(*([s[k] for k in common] for s in scores), strict=True)
-        baseline = dict(zip(common, (sum(c) / len(scores) for c in columns), strict=True))
+        baseline = dict(zip(common, (total / len(scores) for total in map(sum, columns)), strict=True))
         try:
             paired = paired_difference(baseline, current[0], current[1])
         except NoCommonItems:

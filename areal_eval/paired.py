@@ -15,6 +15,7 @@ Pure Python: the scheduler, the alerts and ``areal-eval compare`` import it in a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Hashable, Mapping
@@ -94,8 +95,8 @@ def paired_difference(
     mean_d = math.fsum(ds) / n
     groups = None
     if clusters is None:
-        largest = max(abs(d) for d in ds)
-        squares = math.fsum((d - mean_d) ** 2 for d in ds)
+        largest = max(map(abs, ds))
+        squares = math.fsum([(d - mean_d) ** 2 for d in ds])  # a list: fsum reads it faster than a generator
         stderr = math.sqrt(squares / (n - 1) / n) if n > 1 else 0.0  # _stderr(ds, mean_d), its sum once
         guarded = math.sqrt((squares + largest * largest) / (n * (n + 1)))
     else:
@@ -112,7 +113,7 @@ def paired_difference(
         guarded = math.sqrt((groups + 1) / groups * (spread + largest * largest)) / n
     unpaired = math.hypot(_stderr(xs, mean_a), _stderr(ys, mean_b))
     half = NormalDist().inv_cdf(0.5 + confidence / 2) * stderr
-    binary = all(v in (0.0, 1.0) for v in xs + ys)
+    binary = {*xs, *ys} <= {0.0, 1.0}
     return PairedDifference(
         n=n,
         mean_a=mean_a,
@@ -132,14 +133,14 @@ def _stderr(values: list[float], mean: float) -> float:
     n = len(values)
     if n < 2:
         return 0.0
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return math.sqrt(math.fsum([(v - mean) ** 2 for v in values]) / (n - 1) / n)
 
 
 def mcnemar_exact(a: list[float], b: list[float]) -> float:
     """McNemar's exact two-sided p-value for paired 0/1 scores: of the discordant items, how
     unlikely a split at least this uneven is when either direction is equally likely."""
-    up = sum(1 for x, y in zip(a, b, strict=True) if x == 0 and y == 1)
-    down = sum(1 for x, y in zip(a, b, strict=True) if x == 1 and y == 0)
+    pairs = collections.Counter(zip(a, b, strict=True))
+    up, down = pairs[0.0, 1.0], pairs[1.0, 0.0]
     n, k = up + down, min(up, down)
     if n == 0:
         return 1.0

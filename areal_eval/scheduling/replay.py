@@ -26,6 +26,7 @@ checkpoint's value is revealed to the policy only when the policy evaluates it. 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import statistics
 
@@ -169,13 +170,14 @@ def lower_items(point: Point, order: list[int], sign: float) -> Point:
 def _moved_stderr(clean: Point, items: list[float]) -> float:
     """The stderr of ``clean`` once its items are ``items``; one of 0 (every item at the worst
     score) counts as ``DEFAULT_STDERR``, as a curve's own does."""
-    before, after = _spread(clean.items), _spread(items)
+    before, after = _spread(clean.items), _spread(tuple(items))
     if before > 0:
         return clean.stderr * after / before or DEFAULT_STDERR
     return max(clean.stderr, after / len(items) ** 0.5)
 
 
-def _spread(scores) -> float:
+@functools.lru_cache(maxsize=1024)  # a clean point's items are lowered again for each seed
+def _spread(scores: tuple[float, ...]) -> float:
     return statistics.stdev(scores) if len(scores) > 1 else 0.0
 
 
@@ -218,7 +220,7 @@ def replay(
         policy.name: _replay_one(curves, policy, regression, seed, alert_rules, use_items) for policy in policies
     }
     fixed: dict[int, dict] = {}
-    replayed = [curve for curve, _ in as_replayed(curves, regression, seed, use_items)]
+    replayed = None
     for policy in policies:
         if not isinstance(policy, FixedEvery):
             row = results[policy.name]
@@ -228,6 +230,7 @@ def replay(
             row["frontier_compute"] = round(frontier, 2)
             row["frontier_ratio"] = round(row["compute"] / frontier, 4)
             if max(len(c.points) for c in curves) <= MAX_CHECKPOINTS:  # else left out: too slow
+                replayed = replayed or [curve for curve, _ in as_replayed(curves, regression, seed, use_items)]
                 floor = oracle_compute(replayed, row["mean_tracking_error"])
                 row["oracle_compute"] = round(floor, 2)
                 row["oracle_ratio"] = round(floor / frontier, 4)
@@ -268,20 +271,31 @@ def fixed_frontier_compute(
 def alerts_fired(curve: Curve, evaluations: list[tuple[int, int]], rule: AlertRule) -> list[tuple[int, int]]:
     """The evaluations ``(checkpoint, when)`` on which ``rule`` fires, judged in the order they
     were evaluated, as the pipeline's alert engine judges them (each point's stderr as its noise)."""
-    rule = dataclasses.replace(rule, metric="value", higher_is_better=curve.higher_is_better, throttle_secs=0.0)
+    return fired_by_rule(curve, evaluations, [rule])[rule.name]
+
+
+def fired_by_rule(
+    curve: Curve, evaluations: list[tuple[int, int]], rules: list[AlertRule]
+) -> dict[str, list[tuple[int, int]]]:
+    """:func:`alerts_fired` for each of ``rules``, by its name: one engine judges them all, as the
+    pipeline's does, and reads each pair of results' items once for all of them."""
+    rules = [
+        dataclasses.replace(rule, metric="value", higher_is_better=curve.higher_is_better, throttle_secs=0.0)
+        for rule in rules
+    ]
     by_step = {p.step: p for p in curve.points}
 
     def items(step: int, metric: str):
         scores = by_step[step].items
-        return None if scores is None else ({j: v for j, v in enumerate(scores)}, None)
+        return None if scores is None else (dict(enumerate(scores)), None)
 
-    engine = AlertEngine(AlertsConfig(rules=[rule]), clock=lambda: 0.0, items=items)
-    fired = []
+    engine = AlertEngine(AlertsConfig(rules=rules), clock=lambda: 0.0, items=items)
+    fired = {rule.name: [] for rule in rules}
     for index, when in sorted(evaluations, key=lambda e: (e[1], e[0])):
         point = curve.points[index]
         final = index == len(curve.points) - 1
-        if engine.check(point.step, {"value": point.value, "value_stderr": point.stderr}, final=final):
-            fired.append((index, when))
+        for alert in engine.check(point.step, {"value": point.value, "value_stderr": point.stderr}, final=final):
+            fired[alert.rule].append((index, when))
     return fired
 
 
@@ -323,10 +337,9 @@ def _replay_one(
         if start is not None:
             seen = [when for i, when in evaluations if i >= start] + [len(curve.points) - 1]
             delays.append(min(seen) - start)
-        for rule in alert_rules or ():
-            fired = alerts_fired(curve, evaluations, rule)
-            false_alerts[rule.name] += any(start is None or when < start for _, when in fired)
-            detected[rule.name] += start is not None and any(i >= start and when <= start + 2 for i, when in fired)
+        for name, fired in fired_by_rule(curve, evaluations, alert_rules).items() if alert_rules else ():
+            false_alerts[name] += any(start is None or when < start for _, when in fired)
+            detected[name] += start is not None and any(i >= start and when <= start + 2 for i, when in fired)
     probe_compute = probes_run * policy.probes.fraction if policy.probes else 0.0  # a probe costs its share
     out = {
         "evaluations": sum(r["evaluations"] for r in per_curve),
