@@ -7,7 +7,9 @@ afterwards) that appends each exiting Python process's own CPU seconds (a forked
 include its ranks', which exit without running hooks), its command line, its parent's and the
 test it ran under (``PYTEST_CURRENT_TEST``, inherited) to a file. The whole command's CPU comes
 from ``RUSAGE_CHILDREN``; what no hook saw (processes killed outright, Ray's and Slurm's
-daemons, W&B's service, vLLM's environment, Chromium) is the difference. Prints one JSON line.
+daemons, W&B's service, vLLM's environment, Chromium) is the difference; a thread that reads
+``/proc`` twice a second names it, by the processes started after this one (so run it alone).
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import resource
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,13 +65,80 @@ KINDS = [
 ]
 
 
+UNSEEN_KINDS = [
+    (
+        "Ray's daemons (GCS, raylets, dashboard, agents)",
+        ("gcs_server", "raylet", "dashboard", "ray/_private", "log_monitor", "monitor.py"),
+    ),
+    ("Ray's workers", ("ray::", "default_worker.py")),
+    ("Slurm's daemons and steps", ("slurmctld", "slurmd", "slurmstepd", "munged", "srun", "sbatch")),
+    ("vLLM's engine processes", ("VLLM", "EngineCore", "vllm", "multiprocessing.spawn", "spawn_main")),
+    ("W&B's service", ("wandb-core", "wandb")),
+    ("Chromium", ("chrom",)),
+    ("TensorBoard", ("tensorboard",)),
+    ("MLflow server", ("mlflow",)),
+    ("moto's S3", ("moto",)),
+]
+
+
 def kind_of(argv: str) -> str:
     return next((kind for kind, marker in KINDS if marker in argv), "other")
+
+
+def unseen_kind_of(command: str) -> str:
+    return next((kind for kind, markers in UNSEEN_KINDS if any(m in command for m in markers)), "other")
+
+
+class ProcSampler(threading.Thread):
+    """Each process started after this one, its own CPU as last read from ``/proc`` (what a
+    process spends after its last reading, or in one that lives under half a second, is missed)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.since = self._starttime(os.getpid())
+        self.cpu: dict[int, tuple[str, float]] = {}
+        self.done = threading.Event()
+
+    @staticmethod
+    def _starttime(pid: int) -> int:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+    def run(self):
+        while not self.done.wait(0.5):
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    stat = (entry / "stat").read_text()
+                    fields = stat[stat.rindex(")") + 2 :].split()
+                    if int(fields[19]) < self.since:
+                        continue
+                    command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+                except (OSError, ValueError):
+                    continue
+                pid = int(entry.name)
+                if not command.strip() and pid in self.cpu:  # exited: a zombie's command line is empty
+                    command = self.cpu[pid][0].split(" ", 1)[-1]
+                self.cpu[pid] = (f"{comm} {command}"[:300], (int(fields[11]) + int(fields[12])) / self.tick)
 
 
 def children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def sampled_by_kind(cpu: dict[int, tuple[str, float]]) -> dict:
+    """What ``/proc`` showed, by the kinds of both tables (a process the hook sees by its own)."""
+    kinds, counts = collections.Counter(), collections.Counter()
+    for command, seconds in cpu.values():
+        kind = kind_of(command.split(" ", 1)[-1])
+        kind = unseen_kind_of(command) if kind == "other" else kind
+        kinds[kind] += seconds
+        counts[kind] += 1
+    return {k: {"cpu_s": round(v, 1), "processes": counts[k]} for k, v in kinds.most_common()}
 
 
 def main() -> None:
@@ -84,9 +155,12 @@ def main() -> None:
     module.write_text(HOOK.format(log=str(log)))
     pth.write_text("import _areal_eval_cpu_audit\n")
     start = time.monotonic()
+    sampler = ProcSampler()
+    sampler.start()
     try:
         code = subprocess.run(command).returncode
     finally:
+        sampler.done.set()
         pth.unlink()
         module.unlink()
     wall, total = time.monotonic() - start, children_cpu_s()
@@ -106,9 +180,13 @@ def main() -> None:
         "cores_busy": round(total / wall, 2),
         "cpu_by_kind": {k: {"cpu_s": round(v, 1), "processes": counts[k]} for k, v in kinds.most_common()},
         "cpu_unseen_s": round(total - seen, 1),
+        "cpu_sampled_by_kind": sampled_by_kind(sampler.cpu),
         "cpu_by_test": {t: round(v, 1) for t, v in tests.most_common(args.top)},
     }
     result["processes_log"] = str(log)
+    sampled = log.with_name("sampled.jsonl")
+    sampled.write_text("".join(json.dumps({"command": c, "cpu": v}) + "\n" for c, v in sampler.cpu.values()))
+    result["sampled_log"] = str(sampled)
     print(json.dumps(result))
     sys.exit(code)
 
