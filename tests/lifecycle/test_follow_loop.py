@@ -32,6 +32,7 @@ class ReversingIO:
         self.alerts, self.warnings, self.announced, self.failed_attempts = [], [], [], []
         self.fail_steps, self.failing_flushes = set(fail_steps), failing_flushes
         self.fail_once: set = set()  # steps whose evaluation fails the first time only
+        self.lonely_s = 0.05  # how long an evaluation alone in flight waits for one to overtake it
         self.stop = threading.Event()
         threading.Thread(target=self._complete, daemon=True).start()
 
@@ -40,7 +41,7 @@ class ReversingIO:
         while not self.stop.is_set():
             with self.lock:
                 self.most_in_flight = max(self.most_in_flight, len(self.pending))
-                ready = len(self.pending) >= 2 or (lonely_since and time.monotonic() - lonely_since > 0.05)
+                ready = len(self.pending) >= 2 or (lonely_since and time.monotonic() - lonely_since > self.lonely_s)
                 item = self.pending.pop() if ready and self.pending else None
                 lonely_since = (lonely_since or time.monotonic()) if len(self.pending) == 1 else None
             if item:
@@ -116,6 +117,8 @@ def run_loop(
     if not (tmp_path / "manifest.jsonl").exists():
         write_run(tmp_path, list(steps))
     manifest, train_log = Manifest(tmp_path / "manifest.jsonl"), tmp_path / "train_log.jsonl"
+    if slots == 1:
+        io.lonely_s = 0.0  # one slot: nothing can overtake an evaluation
     cfg = cfg or SchedulerConfig(policy="fixed", fixed_interval_steps=1, coalesce=False)
     planner = EvaluationPlanner(cfg, Ledger(tmp_path / "ledger.jsonl"))
     loop = FollowLoop(
