@@ -65,28 +65,29 @@ KINDS = [
 ]
 
 
-UNSEEN_KINDS = [
-    (
-        "Ray's daemons (GCS, raylets, dashboard, agents)",
-        ("gcs_server", "raylet", "dashboard", "ray/_private", "log_monitor", "monitor.py"),
-    ),
-    ("Ray's workers", ("ray::", "default_worker.py")),
+SAMPLED_KINDS = [
+    ("fork servers, and the agents they forked before those renamed themselves", ("fork_server",)),
+    ("pytest lanes", ("exec(eval(",)),
+    ("prefect server start", ("prefect server start",)),
+    ("Prefect flow runs", ("prefect.engine",)),
+    ("vLLM's engine processes", ("VLLM", "EngineCore")),
+    ("Ray: daemons, agents, workers", ("ray",)),
+    ("the lanes' Prefect test servers", ("prefect.server.api.server",)),
+    ("evaluation ranks", ("worker-rank", "worker-agent")),
+    ("train-and-evaluate commands", ("flows.train_and_evaluate",)),
+    ("the prefect CLI", ("bin/prefect ",)),
+    ("the examples' training loops", ("examples.",)),
+    ("MLflow servers", ("mlflow",)),
+    ("training ranks", ("train-rank", "train-agent")),
     ("Slurm's daemons and steps", ("slurmctld", "slurmd", "slurmstepd", "munged", "srun", "sbatch")),
-    ("vLLM's engine processes", ("VLLM", "EngineCore", "vllm", "multiprocessing.spawn", "spawn_main")),
-    ("W&B's service", ("wandb-core", "wandb")),
+    ("W&B's service", ("wandb-core",)),
     ("Chromium", ("chrom",)),
-    ("TensorBoard", ("tensorboard",)),
-    ("MLflow server", ("mlflow",)),
-    ("moto's S3", ("moto",)),
 ]
+"""What ``/proc`` shows, by the first kind whose marker is in a process's name and command line."""
 
 
 def kind_of(argv: str) -> str:
     return next((kind for kind, marker in KINDS if marker in argv), "other")
-
-
-def unseen_kind_of(command: str) -> str:
-    return next((kind for kind, markers in UNSEEN_KINDS if any(m in command for m in markers)), "other")
 
 
 class ProcSampler(threading.Thread):
@@ -131,11 +132,9 @@ def children_cpu_s() -> float:
 
 
 def sampled_by_kind(cpu: dict[int, tuple[str, float]]) -> dict:
-    """What ``/proc`` showed, by the kinds of both tables (a process the hook sees by its own)."""
     kinds, counts = collections.Counter(), collections.Counter()
     for command, seconds in cpu.values():
-        kind = kind_of(command.split(" ", 1)[-1])
-        kind = unseen_kind_of(command) if kind == "other" else kind
+        kind = next((k for k, markers in SAMPLED_KINDS if any(m in command for m in markers)), "other")
         kinds[kind] += seconds
         counts[kind] += 1
     return {k: {"cpu_s": round(v, 1), "processes": counts[k]} for k, v in kinds.most_common()}
