@@ -87,6 +87,30 @@ def test_a_drop_at_a_skipped_checkpoint_is_confirmed_at_once_by_looking_back():
     assert all(i == when for i, when in blind[:-1]) and replay.alerts_fired(curve(values), blind, rule)[0] == (17, 17)
 
 
+def test_rules_judged_by_one_engine_fire_where_each_fires_alone():
+    """Replay judges all of its rules with one engine (they read each pair of results' items
+    once): each still fires exactly where an engine of its own fires it, items or none."""
+    import random
+
+    from areal_eval.alerts import NOISE_AWARE_REGRESSION, AlertRule
+
+    rng = random.Random(0)
+    rules = [
+        AlertRule("default", "regression", **NOISE_AWARE_REGRESSION),
+        AlertRule("at-once", "regression", stderrs=2.0),
+        AlertRule("best", "regression", tolerance=0.01),
+        AlertRule("floor", "threshold", value=0.7, consecutive=2),
+    ]
+    for trial in range(6):
+        items = [[float(rng.random() < (0.8 if i < 13 else 0.65)) for _ in range(200)] for i in range(20)]
+        points = tuple(Point(i * 10, statistics.fmean(x), 0.028, items=tuple(x)) for i, x in enumerate(items))
+        hit = Curve("c", True, points) if trial % 2 else replay.without_items(Curve("c", True, points))
+        order = [(i, i) for i in range(20)] if trial < 2 else [(i, i + rng.randrange(3)) for i in range(20)]
+        together = replay.fired_by_rule(hit, order, rules)
+        assert together == {rule.name: replay.alerts_fired(hit, order, rule) for rule in rules}
+        assert together["default"] and together["best"]  # the drop from step 130 on fires
+
+
 def test_looking_back_finds_more_injected_drops_within_2_checkpoints_at_no_more_false_alerts():
     """Adaptive, the default rule, seeds 0-9, on the shipped generation curves (held out of the
     policy's choice): detection within 2 checkpoints rises, and no clean curve fires that did not
