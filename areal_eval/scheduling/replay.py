@@ -170,15 +170,19 @@ def lower_items(point: Point, order: list[int], sign: float) -> Point:
 def _moved_stderr(clean: Point, items: list[float]) -> float:
     """The stderr of ``clean`` once its items are ``items``; one of 0 (every item at the worst
     score) counts as ``DEFAULT_STDERR``, as a curve's own does."""
-    before, after = _spread(clean.items), _spread(tuple(items))
+    before, after = _clean_spread(clean.items), _spread(items)
     if before > 0:
         return clean.stderr * after / before or DEFAULT_STDERR
     return max(clean.stderr, after / len(items) ** 0.5)
 
 
-@functools.lru_cache(maxsize=1024)  # a clean point's items are lowered again for each seed
-def _spread(scores: tuple[float, ...]) -> float:
+def _spread(scores) -> float:
     return statistics.stdev(scores) if len(scores) > 1 else 0.0
+
+
+@functools.lru_cache(maxsize=256)  # a clean point's items are lowered again for each seed
+def _clean_spread(scores: tuple[float, ...]) -> float:
+    return _spread(scores)
 
 
 def score(curve: Curve, chosen: list[int]) -> dict:
