@@ -53,41 +53,30 @@ atexit.register(_areal_eval_cpu_audit)
 """
 
 KINDS = [
-    ("evaluation job (agent and forked ranks)", "evaluation.worker"),
-    ("training job (agent and forked ranks)", "areal_eval.train"),
-    ("Prefect flow run", "prefect/engine"),
-    ("Prefect worker", "prefect worker"),
-    ("prefect CLI or server", "bin/prefect"),
-    ("train-and-evaluate command", "flows/train_and_evaluate"),
-    ("examples' training loops", "examples/"),
-    ("pytest lanes", "pytest lane "),
-    ("fork servers (their imports, done once for the jobs they fork)", "launchers/fork_server"),
-]
-
-
-SAMPLED_KINDS = [
-    ("fork servers, and the agents they forked before those renamed themselves", ("fork_server",)),
-    ("pytest lanes", ("exec(eval(",)),
+    ("pytest lanes", ("pytest lane ", "exec(eval(")),
+    ("fork servers (their imports, done once for the jobs they fork)", ("fork_server",)),
+    ("evaluation job (agent and forked ranks)", ("evaluation.worker", "worker-rank", "worker-agent")),
+    ("training job (agent and forked ranks)", ("areal_eval.train ", "train-rank", "train-agent")),
+    ("Prefect flow run", ("prefect/engine", "prefect.engine")),
+    ("Prefect worker", ("prefect worker",)),
     ("prefect server start", ("prefect server start",)),
-    ("Prefect flow runs", ("prefect.engine",)),
+    ("the lanes' Prefect test servers", ("prefect.server.api.server",)),
+    ("prefect CLI", ("bin/prefect",)),
+    ("train-and-evaluate command", ("flows/train_and_evaluate", "flows.train_and_evaluate")),
+    ("examples' training loops", ("examples/", "examples.")),
     ("vLLM's engine processes", ("VLLM", "EngineCore")),
     ("Ray: daemons, agents, workers", ("ray",)),
-    ("the lanes' Prefect test servers", ("prefect.server.api.server",)),
-    ("evaluation ranks", ("worker-rank", "worker-agent")),
-    ("train-and-evaluate commands", ("flows.train_and_evaluate",)),
-    ("the prefect CLI", ("bin/prefect ",)),
-    ("the examples' training loops", ("examples.",)),
     ("MLflow servers", ("mlflow",)),
-    ("training ranks", ("train-rank", "train-agent")),
     ("Slurm's daemons and steps", ("slurmctld", "slurmd", "slurmstepd", "munged", "srun", "sbatch")),
     ("W&B's service", ("wandb-core",)),
     ("Chromium", ("chrom",)),
 ]
-"""What ``/proc`` shows, by the first kind whose marker is in a process's name and command line."""
+"""Kinds of process, by the first whose marker is in a process's command line: as the hook sees
+it (``sys.argv``, paths) or as ``/proc`` shows it (its name, then ``-m`` modules)."""
 
 
-def kind_of(argv: str) -> str:
-    return next((kind for kind, marker in KINDS if marker in argv), "other")
+def kind_of(command: str) -> str:
+    return next((kind for kind, markers in KINDS if any(m in command for m in markers)), "other")
 
 
 class ProcSampler(threading.Thread):
@@ -131,12 +120,12 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def sampled_by_kind(cpu: dict[int, tuple[str, float]]) -> dict:
+def by_kind(rows) -> dict:
+    """``(command, CPU-s)`` rows summed by :func:`kind_of`, with how many processes each."""
     kinds, counts = collections.Counter(), collections.Counter()
-    for command, seconds in cpu.values():
-        kind = next((k for k, markers in SAMPLED_KINDS if any(m in command for m in markers)), "other")
-        kinds[kind] += seconds
-        counts[kind] += 1
+    for command, seconds in rows:
+        kinds[kind_of(command)] += seconds
+        counts[kind_of(command)] += 1
     return {k: {"cpu_s": round(v, 1), "processes": counts[k]} for k, v in kinds.most_common()}
 
 
@@ -164,22 +153,20 @@ def main() -> None:
         module.unlink()
     wall, total = time.monotonic() - start, children_cpu_s()
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    kinds, counts, tests = collections.Counter(), collections.Counter(), collections.Counter()
+    tests = collections.Counter()
     for row in rows:
-        kinds[kind_of(row["argv"])] += row["cpu"]
-        counts[kind_of(row["argv"])] += 1
         if kind_of(row["argv"]) != "pytest lanes":
             tests[row["test"] or "(outside a test)"] += row["cpu"]
-    seen = sum(kinds.values())
+    seen = sum(row["cpu"] for row in rows)
     result = {
         "command": " ".join(command),
         "exit_code": code,
         "wall_s": round(wall, 1),
         "cpu_s": round(total, 1),
         "cores_busy": round(total / wall, 2),
-        "cpu_by_kind": {k: {"cpu_s": round(v, 1), "processes": counts[k]} for k, v in kinds.most_common()},
+        "cpu_by_kind": by_kind((row["argv"], row["cpu"]) for row in rows),
         "cpu_unseen_s": round(total - seen, 1),
-        "cpu_sampled_by_kind": sampled_by_kind(sampler.cpu),
+        "cpu_sampled_by_kind": by_kind(sampler.cpu.values()),
         "cpu_by_test": {t: round(v, 1) for t, v in tests.most_common(args.top)},
     }
     result["processes_log"] = str(log)
