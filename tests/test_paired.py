@@ -5,9 +5,16 @@ import random
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from areal_eval.paired import NoCommonItems, mcnemar_exact, paired_difference
+
+
+@pytest.fixture(scope="module")
+def stats():
+    """``scipy.stats``, imported by the tests that compare with it, not by every lane's collection."""
+    from scipy import stats
+
+    return stats
 
 
 def correlated(n: int, seed: int, lift: float = 0.0):
@@ -19,7 +26,7 @@ def correlated(n: int, seed: int, lift: float = 0.0):
     return a, b
 
 
-def test_the_paired_error_and_interval_are_the_sample_error_of_the_differences():
+def test_the_paired_error_and_interval_are_the_sample_error_of_the_differences(stats):
     a, b = correlated(57, 0, lift=0.1)
     got = paired_difference(a, b)
     d = np.array([b[i] - a[i] for i in range(57)])
@@ -33,7 +40,7 @@ def test_the_paired_error_and_interval_are_the_sample_error_of_the_differences()
     assert got.stderr < got.unpaired_stderr  # shared difficulty: pairing sees more
 
 
-def test_mcnemar_is_the_exact_binomial_test_of_the_discordant_items():
+def test_mcnemar_is_the_exact_binomial_test_of_the_discordant_items(stats):
     for up, down in [(0, 0), (1, 0), (9, 1), (30, 12), (7, 7), (400, 350)]:
         a = [0.0] * up + [1.0] * down + [1.0] * 5
         b = [1.0] * up + [0.0] * down + [1.0] * 5
@@ -117,7 +124,7 @@ def test_a_clustered_guarded_error_moves_one_more_cluster_by_the_largest_cluster
     assert got.guarded_stderr > got.stderr
 
 
-def test_mcnemar_z_is_the_normal_deviate_of_the_exact_p():
+def test_mcnemar_z_is_the_normal_deviate_of_the_exact_p(stats):
     a = {i: 1.0 for i in range(400)}
     for lost in (4, 24):
         b = {i: 0.0 if i < lost else 1.0 for i in range(400)}

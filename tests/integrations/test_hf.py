@@ -12,7 +12,14 @@ from areal_eval.checkpoints.manifest import CheckpointError, Manifest
 from areal_eval.integrations.hf import PublishCheckpoints, evaluation_files
 from areal_eval.runs.directory import RunDir, StopSignal
 from examples.common import tiny_reward_model
-from examples.hf_trainer import build_trainer as hf_trainer
+
+
+def hf_trainer(*args, **kwargs):
+    """``examples/hf_trainer.py``'s Trainer, its module imported when a test runs, not when the
+    file is collected: ``transformers.Trainer`` takes seconds to import, in every lane."""
+    from examples.hf_trainer import build_trainer
+
+    return build_trainer(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
