@@ -171,9 +171,9 @@ def causal_checkpoint(tmp_path_factory):
 def prefect_server(tmp_path_factory):
     """One Prefect test harness (a real temporary API server) for the whole session.
 
-    The harness puts a fresh database in a directory it makes, and its server migrates it: here
-    it gets a directory holding one migrated once (``with_migrated_database``), and answers in
-    about 4.5 CPU-seconds instead of 11."""
+    The harness puts a fresh database in a directory it makes, and its server migrates it, most
+    of its start (docs/performance.md, "The test suite"): here it gets a directory holding one
+    migrated once (``with_migrated_database``)."""
     from unittest import mock
 
     from prefect.testing.utilities import prefect_test_harness
