@@ -124,8 +124,9 @@ def by_kind(rows) -> dict:
     """``(command, CPU-s)`` rows summed by :func:`kind_of`, with how many processes each."""
     kinds, counts = collections.Counter(), collections.Counter()
     for command, seconds in rows:
-        kinds[kind_of(command)] += seconds
-        counts[kind_of(command)] += 1
+        kind = kind_of(command)
+        kinds[kind] += seconds
+        counts[kind] += 1
     return {k: {"cpu_s": round(v, 1), "processes": counts[k]} for k, v in kinds.most_common()}
 
 
