@@ -1,63 +1,31 @@
-"""Reading back what the sinks wrote: TensorBoard's event files, and W&B's offline run files.
-
-W&B ships no reader for its offline run files (``run-<id>.wandb``).
-
-The file is a 7-byte header (``:W&B``, a magic number, a version) and then a LevelDB-style log:
-32 KiB blocks of chunks, each ``crc32 (4) | length (2) | type (1) | data``, where type 1 is a
-whole record and 2, 3, 4 its first, middle and last parts; a block's tail too short for a chunk
-header is zero padding. Each record is a ``wandb_internal_pb2.Record``.
-"""
+"""Reading back what the sinks wrote: TensorBoard's event files, and W&B's offline run files
+(read by :mod:`areal_eval.sinks.wandb_files`)."""
 
 from __future__ import annotations
 
 import json
-import struct
-from collections.abc import Iterator
 from pathlib import Path
 
-BLOCK = 32 * 1024
-HEADER = 7
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+from areal_eval.sinks import wandb_files
+from areal_eval.sinks.wandb_files import history_rows, records
 
 
-def records(path: str | Path) -> Iterator:
-    """Every complete record of one ``.wandb`` file, in order (a torn tail is left out)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B", f"{path}: not a W&B run file"
-    pos, parts = HEADER, b""
-    while True:
-        left = BLOCK - pos % BLOCK
-        if left < HEADER:
-            pos += left
-            continue
-        if pos + HEADER > len(data):
-            return
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
-        chunk = data[pos + HEADER : pos + HEADER + length]
-        if len(chunk) < length or kind not in (FULL, FIRST, MIDDLE, LAST):
-            return
-        pos += HEADER + length
-        parts = chunk if kind in (FULL, FIRST) else parts + chunk
-        if kind in (FULL, LAST):
-            yield wandb_internal_pb2.Record.FromString(parts)
-
-
-def run_files(wandb_dir: str | Path, run_id: str, settle_s: float = 15.0) -> list[Path]:
+def run_files(wandb_dir: str | Path, run_id: str, settle_s: float = 60.0) -> list[Path]:
     """The run's files under a ``wandb`` directory: one per process that opened it, oldest first.
-    W&B's service may still be writing a file after ``finish()`` returned: each is given up to
-    ``settle_s`` to hold its ``exit`` record (a process killed with -9 never writes one)."""
+    W&B's service may still be writing a file after ``finish()`` returned: the newest is given up
+    to ``settle_s`` to hold its ``exit`` record (older ones are whole, or a process killed with
+    -9 left them, which never write one)."""
+    import os
     import time
 
-    runs = sorted(d for d in Path(wandb_dir).rglob(f"*-run-*-{run_id}") if d.is_dir())  # offline-run-<time>-<id>
-    runs += sorted(d for d in Path(wandb_dir).rglob(f"run-*-{run_id}") if d.is_dir() and d not in runs)
+    # The sink honours $WANDB_DIR (tests/conftest.py sets one for the session) over the run's own.
+    places = dict.fromkeys(Path(p).resolve() for p in (wandb_dir, os.environ.get("WANDB_DIR")) if p)
+    files = sorted({f for place in places for f in wandb_files.run_files(place, run_id)}, key=lambda f: f.parent.name)
     deadline = time.monotonic() + settle_s
-    for run in runs:
-        path = run / f"run-{run_id}.wandb"
-        while time.monotonic() < deadline and not (path.exists() and any(exited(r) for r in records(path))):
+    for path in files[-1:]:
+        while time.monotonic() < deadline and not any(exited(r) for r in records(path)):
             time.sleep(0.2)
-    return sorted(Path(wandb_dir).rglob(f"run-{run_id}.wandb"))
+    return files
 
 
 def exited(record) -> bool:
@@ -66,12 +34,7 @@ def exited(record) -> bool:
 
 def history(wandb_dir: str | Path, run_id: str) -> list[dict]:
     """Every history row the run was given, across its files: ``{key: value}`` (JSON-decoded)."""
-    rows = []
-    for path in run_files(wandb_dir, run_id):
-        for record in records(path):
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
+    return [row for path in run_files(wandb_dir, run_id) for row in history_rows(path)]
 
 
 def of_kind(wandb_dir: str | Path, run_id: str, kind: str) -> list:

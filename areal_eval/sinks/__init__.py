@@ -10,6 +10,7 @@ from the ledger) gives it what it missed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -39,6 +40,7 @@ class Sinks:
         writer starts from what the others wrote."""
         self.outbox = SinkOutbox(self.run_dir / "sinks")
         self._failed_at: dict[str, float] = {}
+        self._reconciled: set[str] = set()
 
     def record_evaluation(
         self, step: int, metrics: dict, *, prefix: str = "eval/", items: dict[str, str] | None = None, uri: str = ""
@@ -52,7 +54,7 @@ class Sinks:
             f"step {step}'s result",
             lambda sink: not self.outbox.has(sink.name, key),
             lambda sink: sink.evaluation(step, metrics, prefix=prefix, answers=answer_rows(items or {}), uri=uri),
-            lambda sink: self.outbox.ack(sink.name, key),
+            lambda sink: self.outbox.ack(sink.name, key, held=_held(sink)),
         )
 
     def record_training(self, rows: list[dict]) -> None:
@@ -65,7 +67,7 @@ class Sinks:
             f"training rows through step {last}",
             lambda sink: self.outbox.through(sink.name) < last,
             lambda sink: sink.training(rows_past(rows, self.outbox.through(sink.name))),
-            lambda sink: self.outbox.ack_through(sink.name, last),
+            lambda sink: self.outbox.ack_through(sink.name, last, held=_held(sink)),
         )
 
     def record_alert(self, rule: str, step: int, message: str) -> None:
@@ -74,7 +76,7 @@ class Sinks:
             f"alert {rule} at step {step}",
             lambda sink: not self.outbox.has(sink.name, key),
             lambda sink: sink.alert(rule, step, message),
-            lambda sink: self.outbox.ack(sink.name, key),
+            lambda sink: self.outbox.ack(sink.name, key, held=_held(sink)),
         )
 
     def record_end(self, status: str, *, plot: Path | None = None) -> None:
@@ -99,7 +101,9 @@ class Sinks:
                 if not wanted(sink) or self._resting(sink):
                     continue
                 try:
-                    sink.open()
+                    self._open(sink)
+                    if not wanted(sink):  # it had landed before a crash: now acknowledged
+                        continue
                     deliver(sink)
                     if ack is not None:
                         ack(sink)
@@ -112,20 +116,42 @@ class Sinks:
                 for sink in self.sinks:
                     self._close(sink)
 
+    def _open(self, sink) -> None:
+        """Open ``sink``; one that can say what earlier processes left in it (W&B's own files)
+        has that acknowledged first, so nothing that landed is sent twice."""
+        sink.open()
+        if hasattr(sink, "landed") and sink.name not in self._reconciled:
+            keys, through = sink.landed()
+            for key in sorted(keys):
+                if not self.outbox.has(sink.name, key):
+                    self.outbox.ack(sink.name, key)
+            if through > self.outbox.through(sink.name):
+                self.outbox.ack_through(sink.name, through)
+            self._reconciled.add(sink.name)
+
     def _resting(self, sink) -> bool:
         """A sink that failed is left alone for :data:`RETRY_AFTER_S` (a W&B that does not answer
         would hold up every record for its timeout); what it misses meanwhile is caught up later."""
         return time.monotonic() - self._failed_at.get(sink.name, -RETRY_AFTER_S) < RETRY_AFTER_S
 
     def _close(self, sink) -> None:
+        self._reconciled.discard(sink.name)
         try:
             sink.close()
+            self.outbox.commit(sink.name)  # closed: what it was given is durable
         except Exception as exc:  # noqa: BLE001
+            self.outbox.drop(sink.name)
             self.on_failure(sink.name, f"{sink.name} did not close: {brief(exc)}")
 
     def close(self) -> None:
-        for sink in self.sinks:
-            self._close(sink)
+        with self.outbox.turn():
+            for sink in self.sinks:
+                self._close(sink)
+
+
+def _held(sink) -> bool:
+    """Its acknowledgements wait for its close (see :mod:`.outbox`)."""
+    return getattr(sink, "durable_on_close", False)
 
 
 def rows_past(rows: list[dict], through: int) -> list[dict]:
@@ -167,8 +193,8 @@ def open_sinks(
         trainer = found.get("wandb") or {}
         wandb = dataclasses.replace(
             wandb,
-            project=wandb.project or trainer.get("project") or "areal-eval",
-            entity=wandb.entity or trainer.get("entity"),
+            project=wandb.project or trainer.get("project") or os.environ.get("WANDB_PROJECT") or "areal-eval",
+            entity=wandb.entity or trainer.get("entity") or os.environ.get("WANDB_ENTITY"),
             run_id=wandb.run_id or trainer.get("run_id"),
             group=wandb.group or trainer.get("group"),
         )

@@ -4,7 +4,8 @@ A result or training row is the sink's to deliver until the sink took it; the li
 appended right after (``<run>/sinks/outbox.jsonl``). Flow runs of one run take turns on it (a
 lock beside it) from the check to the acknowledgement, so two processes never deliver one point.
 A sink that failed is simply behind: its next call, in this process or the next, delivers what
-it has not acknowledged.
+it has not acknowledged. A sink whose points are durable only once it is closed (W&B) has its
+acknowledgements *held* in memory until then: a process killed first leaves them unwritten.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class SinkOutbox:
         self._lock = self.path.with_suffix(".lock")
         self._acked: set[tuple[str, str]] = set()
         self._through: dict[str, int] = {}
+        self._held: dict[str, list[dict]] = {}
         self._offset, self._line = 0, 1
 
     @contextlib.contextmanager
@@ -35,17 +37,36 @@ class SinkOutbox:
     def has(self, sink: str, key: str) -> bool:
         return (sink, key) in self._acked
 
-    def ack(self, sink: str, key: str) -> None:
-        jsonl.append(self.path, {"sink": sink, "key": key})
+    def ack(self, sink: str, key: str, *, held: bool = False) -> None:
+        self._write({"sink": sink, "key": key}, held)
         self._acked.add((sink, key))
 
     def through(self, sink: str) -> int:
         """The last training step ``sink`` took (-1: none)."""
         return self._through.get(sink, -1)
 
-    def ack_through(self, sink: str, step: int) -> None:
-        jsonl.append(self.path, {"sink": sink, "through": step})
+    def ack_through(self, sink: str, step: int, *, held: bool = False) -> None:
+        self._write({"sink": sink, "through": step}, held)
         self._through[sink] = max(step, self.through(sink))
+
+    def _write(self, row: dict, held: bool) -> None:
+        if held:
+            self._held.setdefault(row["sink"], []).append(row)
+        else:
+            jsonl.append(self.path, row)
+
+    def commit(self, sink: str) -> None:
+        """``sink`` made what it was given durable (it closed): its held acknowledgements are written."""
+        for row in self._held.pop(sink, []):
+            jsonl.append(self.path, row)
+
+    def drop(self, sink: str) -> None:
+        """``sink`` failed before its points were durable: what it held is to be delivered again."""
+        for row in self._held.pop(sink, []):
+            if "key" in row:
+                self._acked.discard((sink, row["key"]))
+        self._through.pop(sink, None)
+        self._offset, self._line = 0, 1  # read the file again: it says what was written
 
     def _read_new(self) -> None:
         chunk = jsonl.read_complete(self.path, self._offset, self._line)

@@ -7,6 +7,13 @@ W&B's shared mode would put both in one run, but it needs W&B's server to merge 
 offline mode and a self-hosted server without it lack. The evaluation metrics have an x-axis of
 their own (``eval/step``), so a result for step 400 that lands after training logged step 460 is
 plotted, not dropped.
+
+Exactly once through a crash: W&B persists what ``run.log()`` took later, in its service, so a
+point is acknowledged only once the run is finished (``durable_on_close``); a run opened again
+first reads what its earlier segments hold (:func:`landed`), and only the rest is sent again.
+Offline, that is exactly once. Online, the check reads the same local files: a point the killed
+service wrote there but had not uploaded reaches the server with ``wandb sync`` of that segment.
+The files live under ``$WANDB_DIR`` when it is set, else the run directory's ``sinks``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 
 from areal_eval import jsonl
 from areal_eval.sinks.config import WandbConfig
+from areal_eval.sinks.wandb_files import history_rows, run_files
 
 EVAL_STEP = "eval/step"
 TRAIN_STEP = "train/step"
@@ -25,22 +33,42 @@ TRAIN_STEP = "train/step"
 
 class WandbSink:
     name = "wandb"
+    durable_on_close = True
 
     def __init__(self, config: WandbConfig, *, run_dir: str | Path, run_name: str):
         self.config = config
         self.run_dir, self.run_name = Path(run_dir), run_name
+        self.dir = Path(os.environ.get("WANDB_DIR") or self.run_dir / "sinks")
         self._run = None
+        self._read: dict[Path, tuple[int, set[str], int]] = {}
+
+    def _run_id(self) -> str:
+        ids = self.run_dir / "sinks" / "wandb.json"
+        known = jsonl.read_json(ids, {}) or {}
+        if not known.get("id"):
+            known = {"id": f"{re.sub(r'[^A-Za-z0-9_-]', '-', self.run_name)[:48]}-eval-{secrets.token_hex(3)}"}
+            jsonl.write_json(ids, known)
+        return known["id"]
+
+    def landed(self) -> tuple[set[str], int]:
+        """What the run's segments hold, as the recording step names it: result keys
+        (``eval/<step>``, ``eval_probe/<step>``, ``alert/<rule>/<step>``) and the last training step."""
+        keys, through = set(), -1
+        for path in run_files(self.dir, self._run_id()):
+            size = path.stat().st_size
+            if self._read.get(path, (-1,))[0] != size:
+                self._read[path] = (size, *_keys_of(history_rows(path)))
+            keys |= self._read[path][1]
+            through = max(through, self._read[path][2])
+        return keys, through
 
     def open(self) -> None:
         import wandb
 
         if self._run is not None:
             return
-        ids = self.run_dir / "sinks" / "wandb.json"
-        known = jsonl.read_json(ids, {}) or {}
-        if not known.get("id"):
-            known = {"id": f"{re.sub(r'[^A-Za-z0-9_-]', '-', self.run_name)[:48]}-eval-{secrets.token_hex(3)}"}
-            jsonl.write_json(ids, known)
+        known = {"id": self._run_id()}
+        self.dir.mkdir(parents=True, exist_ok=True)
         group = self.config.group or self.config.run_id or self.run_name
         self._run = wandb.init(
             project=self.config.project,
@@ -49,7 +77,7 @@ class WandbSink:
             name=f"{self.run_name} (evaluation)",
             group=group,
             job_type="evaluation",
-            dir=str(self.run_dir / "sinks"),
+            dir=str(self.dir),
             resume="allow",
             # $WANDB_MODE read now: W&B reads it once per process, at its first run.
             mode=self.config.mode or os.environ.get("WANDB_MODE"),
@@ -97,3 +125,20 @@ class WandbSink:
         if self._run is not None:
             self._run.finish()
             self._run = None
+
+
+def _keys_of(rows) -> tuple[set[str], int]:
+    keys, through = set(), -1
+    for row in rows:
+        if EVAL_STEP in row:
+            step = int(row[EVAL_STEP])
+            for key in row:
+                if key.startswith("alerts/"):
+                    keys.add(f"alert/{key.removeprefix('alerts/')}/{step}")
+                elif key.startswith("eval_probe/"):
+                    keys.add(f"eval_probe/{step}")
+                elif key.startswith("eval/") and key != EVAL_STEP:
+                    keys.add(f"eval/{step}")
+        if TRAIN_STEP in row:
+            through = max(through, int(row[TRAIN_STEP]))
+    return keys, through
