@@ -16,3 +16,20 @@ class MarginOver(RewardModelEvaluator):
 
     def metrics(self, sums):
         return {"margin_over_0.1": sums["over"] / sums["n"], "n_pairs": sums["n"]}
+
+
+class SlowProbe(RewardModelEvaluator):
+    """The reward model's metrics, each batch slowed by ``$AREAL_TEST_SLOW_S`` seconds (a fault
+    then lands mid-evaluation), and ``env_marker``: ``$AREAL_TEST_MARKER`` as the ranks saw it
+    (-1 where it did not reach them)."""
+
+    def batch_sums(self, batch):
+        import os
+        import time
+
+        time.sleep(float(os.environ.get("AREAL_TEST_SLOW_S", "0")))
+        marker = float(os.environ.get("AREAL_TEST_MARKER", "-1"))
+        return {**super().batch_sums(batch), "marker": marker, "batches": 1.0}
+
+    def metrics(self, sums):
+        return {**super().metrics(sums), "env_marker": sums["marker"] / sums["batches"]}

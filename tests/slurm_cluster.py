@@ -94,28 +94,47 @@ InactiveLimit=0
 KillWait=5
 {nodes}
 PartitionName=eval Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes={",".join(NODES)} MaxTime=1 State=UP
 """
         )
         deadline = time.monotonic() + 10
         while not socket_path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        self._daemon(["slurmctld", "-D", "-i", "-f", str(r / "slurm.conf")], r / "slurmctld.out")
+        self._daemon(self._controller_command(), r / "slurmctld.out")
         for name in NODES:
             self._daemon(["slurmd", "-D", "-N", name, "-f", str(r / "slurm.conf")], r / f"slurmd-{name}.out")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            states = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
+            states = self.run("sinfo", "-h", "-N", "-p", "eval", "-o", "%N %t", check=False).stdout.split()
             if states.count("idle") == len(NODES):
                 return self
             time.sleep(0.3)
         raise RuntimeError(f"slurm nodes not idle after {timeout_s} s: {states}\n" + self.logs())
 
+    def _controller_command(self) -> list[str]:
+        return ["slurmctld", "-D", "-i", "-f", str(self.root / "slurm.conf")]
+
     def _daemon(self, command: list[str], out: Path) -> None:
         self.procs.append(
             subprocess.Popen(
-                command, env=self.env, stdout=out.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+                command, env=self.env, stdout=out.open("a"), stderr=subprocess.STDOUT, start_new_session=True
             )
         )
+
+    @property
+    def controller(self) -> subprocess.Popen:
+        return next(p for p in self.procs if p.args == self._controller_command())
+
+    def stop_controller(self) -> None:
+        """SIGTERM slurmctld and wait for it to exit (it saves its state; the jobs run on)."""
+        proc = self.controller
+        proc.terminate()
+        proc.wait(30)
+        self.procs.remove(proc)
+
+    def start_controller(self) -> None:
+        """Start slurmctld again on its saved state."""
+        self._daemon(self._controller_command(), self.root / "slurmctld.out")
 
     def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(command, env=self.env, capture_output=True, text=True, check=check, timeout=60)

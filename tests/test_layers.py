@@ -34,6 +34,7 @@ LAYERS = [
         "launchers.node_agent",
         "launchers.slot_pool",
         "launchers.slurm_node",
+        "launchers.slurm_queue",
         "launchers.ray_slots",
         "launchers.slurm_slots",
         "launchers.clusters",

@@ -27,7 +27,7 @@ from areal_eval.config.parsing import (
     check_ranges,
 )
 from areal_eval.disk import named_if_disk_full
-from areal_eval.evaluation.cluster_config import LAUNCHERS, RayConfig, SlurmConfig, check_launcher
+from areal_eval.evaluation.cluster_config import LAUNCHERS, PASS_ENV, RayConfig, SlurmConfig, check_launcher
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.interpreter import check_interpreter
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json, write_spec
@@ -167,6 +167,11 @@ class EvalConfig:
     """Settings of ``launcher: ray``."""
     slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
     """Settings of ``launcher: slurm``."""
+    pass_env: list[str] = dataclasses.field(default_factory=lambda: list(PASS_ENV))
+    """Patterns (``AWS_*``) of the flow's environment variables that reach the ranks on ``ray``
+    and ``slurm`` nodes (Slurm's sbatch passes the rest of the flow's environment as well)."""
+    env: dict = dataclasses.field(default_factory=dict)
+    """Variables set for the ranks on ``ray`` and ``slurm`` nodes, over the flow's."""
 
     PATTERNS: ClassVar[dict] = {"evaluator": lambda: evaluator_spec_pattern()}
     CHOICES: ClassVar[dict] = {"dtype": lambda: list(DTYPES), "launcher": lambda: list(LAUNCHERS)}
@@ -190,9 +195,11 @@ class EvalConfig:
         check_launcher(self.launcher, self.nodes, self.devices)
         if self.dtype not in DTYPES:
             raise FieldError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.python is not None and not os.access(self.python, os.X_OK):
-            raise FieldError("python", f"{self.python!r} is not an executable Python interpreter")
-        if self.python is not None:
+        # On a cluster the interpreter is the nodes' (a path the flow's machine may lack): each node
+        # checks it when its slot starts (launchers.node_agent.check_node).
+        if self.python is not None and self.launcher == "local":
+            if not os.access(self.python, os.X_OK):
+                raise FieldError("python", f"{self.python!r} is not an executable Python interpreter")
             check_interpreter(self.python, self.evaluator, self.generation)
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")

@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 from areal_eval import jsonl
+from areal_eval.config.parsing import FieldError
+from areal_eval.evaluation.interpreter import missing_modules
 from areal_eval.evaluation.items import items_dir
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
@@ -25,6 +28,24 @@ def free_port(host: str = "") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class NodeCheckFailed(RuntimeError):
+    """This node cannot run the ranks as configured (no ``eval.python``, no ``areal_eval`` in it)."""
+
+
+def check_node(python: str | None, modules: tuple[str, ...] = ("areal_eval",), node: str | None = None) -> None:
+    """Before a slot serves: the ranks' interpreter exists on this node and finds ``modules``
+    (the package, and what the evaluators import). Raises :class:`NodeCheckFailed` in one line
+    naming the node."""
+    interpreter = python or sys.executable
+    where = f"node {node or socket.gethostname()}"
+    try:
+        missing = missing_modules(interpreter, tuple(modules))
+    except FieldError as exc:
+        raise NodeCheckFailed(f"{where}: eval.python {exc.message}") from None
+    if missing:
+        raise NodeCheckFailed(f"{where}: eval.python {interpreter!r} cannot import {', '.join(missing)}")
 
 
 class NodeAgent:
@@ -54,6 +75,7 @@ class NodeAgent:
             WarmEvalWorkers(nproc, self.dir / "warm", nice, collective_timeout_s, python=python) if warm else None
         )
         self._read_up_to: dict[Path, int] = {}
+        self._job: TorchrunJob | None = None
 
     def where(self) -> dict:
         """What this node's ranks run on, for the log and for tests."""
@@ -116,7 +138,15 @@ class NodeAgent:
         return {"code": code, "error": error, "log": self._new_lines(log)}
 
     def _torchrun(self, args: list[str], layout: NodeLayout, log: Path) -> TorchrunJob:
-        return TorchrunJob(WORKER, args, self.nproc, log, nice=self.nice, nodes=layout, python=self.python)
+        self._job = TorchrunJob(WORKER, args, self.nproc, log, nice=self.nice, nodes=layout, python=self.python)
+        return self._job
+
+    def interrupt(self) -> str:
+        """Another node of the job was lost: end this node's multi-node job now rather than at
+        its collective timeout; returns the log lines it wrote so far (they stay on record)."""
+        if self._job is not None and self._job.proc.poll() is None:
+            self._job.kill()
+        return self._new_lines(self.dir / "job.log") + self._new_lines(self.dir / "follow.log")
 
     def _new_lines(self, log: Path) -> str:
         """What ``log`` gained since the last call (a warm job's log grows across evaluations)."""

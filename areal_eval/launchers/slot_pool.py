@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 WAIT_NOTED_S = 5.0
 """A lease that waited this long for its slot says so on the result."""
+START_TRIES = 3
+"""Once every slot has failed to start this many times in a row, a lease fails (transient, with
+the last reason) rather than wait on: the checkpoint is retried, then decided."""
 
 
 class SlotLost(WorkerError):
@@ -42,11 +45,20 @@ class ClusterSlot:
         """A node was lost: the slot is rebuilt before it serves again."""
         self.waited_s = 0.0
         """How long its current lease waited for it (the cluster had no nodes for a free slot)."""
+        self.wait_reason = ""
+        """Why the cluster last kept it waiting (Slurm's pending reason)."""
 
     def wait_note(self) -> list[str]:
         """The lease's wait, as a note on the evaluation's result (the log and the ledger keep
         it), where it was long enough to matter."""
-        return [f"waited {self.waited_s:.0f} s for a free evaluation slot"] if self.waited_s >= WAIT_NOTED_S else []
+        if self.waited_s < WAIT_NOTED_S:
+            return []
+        why = f": {self.wait_reason}" if self.wait_reason else ""
+        return [f"waited {self.waited_s:.0f} s for a free evaluation slot{why}"]
+
+    def expiring(self) -> bool:
+        """Its nodes would be taken back before another evaluation could end (a time limit)."""
+        return False
 
     def acquire(self, stop: threading.Event) -> bool:
         """Get the slot's nodes from the cluster (blocks while it has none free); False if ``stop``."""
@@ -98,6 +110,8 @@ class SlotPool:
         self._threads: list[threading.Thread] = []
         self.refused: ConfigError | None = None
         """Why the cluster refused a slot as configured (a permanent failure for every lease)."""
+        self._failed_starts: dict[int, str] = {}
+        self._failures: dict[int, int] = {}
 
     def start(self) -> None:
         for slot in self.slots:
@@ -107,10 +121,13 @@ class SlotPool:
         def acquire():
             try:
                 if slot.acquire(self._stop):
+                    self._failures.pop(slot.index, None)
                     self._free.put(slot)
             except ConfigError as exc:  # the cluster refuses the slot as asked: every lease fails, saying why
                 self.refused = exc
             except Exception as exc:  # said, then tried again: a cluster that comes back serves again
+                self._failures[slot.index] = self._failures.get(slot.index, 0) + 1
+                self._failed_starts[slot.index] = str(exc)
                 self.report(f"{slot.describe()}: not acquired ({exc}); trying again in {self.report_s:.0f} s")
                 if not self._stop.wait(self.report_s):
                     self._acquire_in_background(slot)
@@ -125,9 +142,15 @@ class SlotPool:
         while True:
             if self.refused is not None:
                 raise self.refused
+            if all(self._failures.get(s.index, 0) >= START_TRIES for s in self.slots):
+                why = self._failed_starts[self.slots[-1].index]
+                raise SlotLost(f"every evaluation slot failed to start {START_TRIES} times in a row; the last: {why}")
             try:
                 slot = self._free.get(timeout=min(self.report_s, 1.0))  # a refusal is seen within a second
-                break
+                if not slot.expiring():
+                    break
+                self.report(f"{slot.describe()}: renewed before its time limit")
+                self._rebuild(slot)
             except queue.Empty:
                 if time.monotonic() - reported < self.report_s:
                     continue
@@ -139,11 +162,14 @@ class SlotPool:
             yield slot
         finally:
             if slot.broken:
-                slot.release()
-                slot.broken = False
-                self._acquire_in_background(slot)
+                self._rebuild(slot)
             else:
                 self._free.put(slot)
+
+    def _rebuild(self, slot: ClusterSlot) -> None:
+        slot.release()
+        slot.broken = False
+        self._acquire_in_background(slot)
 
     def close(self) -> None:
         self._stop.set()

@@ -9,12 +9,13 @@ a resume of the run on that host cancels those a killed flow left behind.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import os
 import re
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,39 +26,37 @@ import psutil
 
 from areal_eval import jsonl
 from areal_eval.config.parsing import ConfigError
-from areal_eval.launchers.reaper import OWNER_ENV
+from areal_eval.evaluation.cluster_config import rank_env
+from areal_eval.evaluation.interpreter import required_modules
 from areal_eval.launchers.slot_pool import ClusterSlot, SlotLost, SlotPool, log
-from areal_eval.launchers.slurm_node import POLL_S, STOP, decode_reply, job_dir
+from areal_eval.launchers.slurm_node import HEARTBEAT, STOP, Backoff, decode_reply, job_dir
+from areal_eval.launchers.slurm_queue import JobState, SlurmQueue, is_transient, slurm
 
-ENDED = {
-    "BOOT_FAIL",
-    "CANCELLED",
-    "COMPLETED",
-    "DEADLINE",
-    "FAILED",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "TIMEOUT",
+REPLY_GRACE_S = 60.0
+"""How long past ``eval.job_timeout_s`` the flow waits for node 0's reply."""
+FOLLOWERS_S = 10.0
+"""How long after node 0's reply the flow waits for the other nodes' log lines."""
+ENDING_S = 60.0
+"""How long a completing job is watched for its final state (the cause) before it is given up."""
+HEARTBEAT_S = 10.0
+"""How often the flow touches each job's heartbeat (``eval.slurm.orphan_after_s`` reads it)."""
+NEVER_RUNS = {
+    "PartitionTimeLimit": "time_limit",
+    "PartitionNodeLimit": "nodes",
+    "BadConstraints": "sbatch_args",
+    "InvalidAccount": "account",
+    "InvalidQOS": "sbatch_args",
+    "AccountNotAllowed": "account",
+    "QOSNotAllowed": "sbatch_args",
 }
-
-
-def slurm(*command: str) -> subprocess.CompletedProcess:
-    # sbatch hands the job this environment: not the flow's reaper token, since a slot's job
-    # lives on the cluster, not under the flow (a resume cancels what a killed flow left).
-    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
-
-
-def job_state(job_id: str) -> str:
-    """``PENDING``, ``RUNNING``, ... or ``GONE`` once the controller has forgotten the job."""
-    shown = slurm("squeue", "-h", "-j", job_id, "-o", "%T")
-    return shown.stdout.strip() or "GONE"
+"""Pending reasons no wait can end (the job as asked exceeds what its partition allows), and the
+field to change: the job is cancelled and the slot refused in one line."""
 
 
 def check_cluster(cfg) -> None:
     """Refuse in one line what no job could get: no Slurm here, a partition that does not
-    exist, more GPUs per node than any node has."""
+    exist, more GPUs per node than any node has. A controller that does not answer refuses
+    nothing: the jobs wait for it."""
     if shutil.which("sbatch") is None:
         raise ConfigError(
             "eval.launcher: slurm needs sbatch, squeue and scancel on PATH (a Slurm login or compute node)"
@@ -65,12 +64,12 @@ def check_cluster(cfg) -> None:
     s = cfg.slurm
     if s.partition:
         shown = slurm("scontrol", "show", "partition", s.partition)
-        if shown.returncode:
+        if shown.returncode and not is_transient(shown.stderr):
             raise ConfigError(f"eval.slurm.partition: {s.partition!r}: {shown.stderr.strip() or 'no such partition'}")
     if s.gpus_per_node:
-        listing = slurm("sinfo", "-h", "-N", "-o", "%G", *(["-p", s.partition] if s.partition else [])).stdout
-        most = max((int(n) for n in re.findall(r"gpu(?::[^:,()\s]+)?:(\d+)", listing)), default=0)
-        if most < s.gpus_per_node:
+        listing = slurm("sinfo", "-h", "-N", "-o", "%G", *(["-p", s.partition] if s.partition else []))
+        most = max((int(n) for n in re.findall(r"gpu(?::[^:,()\s]+)?:(\d+)", listing.stdout)), default=0)
+        if not listing.returncode and most < s.gpus_per_node:
             raise ConfigError(
                 f"eval.slurm.gpus_per_node: {s.gpus_per_node} GPUs per node, but the largest node has {most}"
             )
@@ -101,61 +100,116 @@ def left_by_dead_flows(run_name: str) -> list[tuple[str, str]]:
 
 
 class SlurmSlot(ClusterSlot):
-    def __init__(self, index: int, cfg, slot_dir: Path, run_name: str, report):
+    def __init__(self, index: int, cfg, slot_dir: Path, run_name: str, report, queue: SlurmQueue):
         super().__init__(index, slot_dir / "slot.log")
-        self.cfg, self.dir, self.report = cfg, slot_dir, report
+        self.cfg, self.dir, self.report, self.queue = cfg, slot_dir, report, queue
         self.name = f"areal-eval:{run_name}:{OWNER}:slot-{index}"
         self.job: str | None = None
         self.nodes: list[dict] = []
+        self.served = 0
         self.state = "not submitted"
 
     def _script(self, once: bool) -> Path:
         e = self.cfg
         agent = [sys.executable, "-m", "areal_eval.launchers.slurm_node", str(self.dir), f"--nproc={e.nproc}"]
         agent += [f"--nice={e.nice}", f"--collective-timeout={e.collective_timeout_s}"]
+        agent += [f"--orphan-after={e.slurm.orphan_after_s}"]
+        agent += ["--needs=" + ",".join(required_modules(e.evaluator, e.generation))]
         agent += ([f"--python={e.python}"] if e.python else []) + (["--cold"] if not e.warm_workers else [])
         agent += ["--once"] if once else []
         script = self.dir / "slot.sh"
-        script.write_text(f"#!/bin/bash\nexec srun --kill-on-bad-exit=1 {shlex.join(agent)}\n")
+        # srun does not inherit --cpus-per-task from sbatch (Slurm 22.05): without it, where cgroups
+        # or affinity are enforced, every rank of a node shares one core.
+        srun = f"srun --kill-on-bad-exit=1 --cpus-per-task={e.slurm.cpus_per_node}"
+        script.write_text(f"#!/bin/bash\nexec {srun} {shlex.join(agent)}\n")
         return script
 
-    def submit(self, stop: threading.Event, once: bool = False) -> bool:
-        """Submit the slot's job and wait (as long as it is pending) until every node agent is up."""
+    def _options(self) -> list[str]:
         s, e = self.cfg.slurm, self.cfg
-        self.dir.mkdir(parents=True, exist_ok=True)
         options = [f"--job-name={self.name}", f"--comment=areal-eval slot {self.index} of {self.dir}"]
         options += [f"--nodes={e.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={s.cpus_per_node}"]
-        options += [f"--time={s.time_limit}", f"--output={self.dir}/job-%j.out"]
+        # A requeued job would start fresh agents on an inbox of jobs already done: the flow
+        # retries a lost evaluation on a new job instead.
+        options += [f"--time={s.time_limit}", f"--output={self.dir}/job-%j.out", "--no-requeue", "--export=ALL"]
+        options += [f"--mem={s.mem_per_node}"] if s.mem_per_node else []
         options += [f"--partition={s.partition}"] if s.partition else []
         options += [f"--account={s.account}"] if s.account else []
         options += [f"--gres=gpu:{s.gpus_per_node}"] if s.gpus_per_node else []
-        submitted = slurm("sbatch", "--parsable", *options, *s.sbatch_args, str(self._script(once)))
-        if submitted.returncode:
-            raise ConfigError(f"eval.slurm: sbatch refused the slot's job: {submitted.stderr.strip()}")
-        self.job = submitted.stdout.strip().split(";")[0]
-        if stop.is_set():  # the pool closed while sbatch ran
-            self.release()
-            return False
-        here = job_dir(self.dir, self.job)
+        return options + list(s.sbatch_args)
+
+    def submit(self, stop: threading.Event, once: bool = False) -> bool:
+        """Submit the slot's job and wait (as long as it is pending) until every node agent is up.
+        sbatch refusals that pass (the controller away, a QOS limit) are waited out."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        script, wait_s = self._script(once), 1.0
         while True:
-            state = job_state(self.job)
-            if state == "PENDING" and not self.state.endswith("PENDING"):
-                self.report(f"slurm slot {self.index}: job {self.job} is pending; its evaluation waits for nodes")
-            self.state = f"job {self.job} {state}"
-            if state in ENDED or state == "GONE":
+            submitted = slurm("sbatch", "--parsable", *self._options(), str(script), env=rank_env(self.cfg))
+            if not submitted.returncode:
+                break
+            why = " ".join(submitted.stderr.split()) or f"exit {submitted.returncode}"
+            if not is_transient(why):
+                raise ConfigError(f"eval.slurm: sbatch refused the slot's job: {why}")
+            self.state = f"sbatch waits: {why}"
+            self.report(f"slurm slot {self.index}: sbatch could not submit yet ({why}); trying again in {wait_s:.0f} s")
+            if stop.wait(wait_s):
+                return False
+            wait_s = min(60.0, wait_s * 2)
+        self.job, self.served = submitted.stdout.strip().split(";")[0], 0
+        self.queue.refresh()
+        try:
+            return self._wait_for_agents(stop)
+        except BaseException:
+            self.release()  # whatever was submitted is given back
+            raise
+
+    def _wait_for_agents(self, stop: threading.Event) -> bool:
+        here, backoff, said = job_dir(self.dir, self.job), Backoff(), None
+        while not stop.is_set():
+            job = self.queue.job(self.job)
+            if job.kind is JobState.PENDING:
+                self.wait_reason = job.reason
+                if job.reason in NEVER_RUNS:
+                    raise ConfigError(
+                        f"eval.slurm.{NEVER_RUNS[job.reason]}: job {self.job} can never start ({job.reason})"
+                    )
+                if job.reason != said:
+                    said = job.reason
+                    waits = f"job {self.job} is pending; its evaluation waits for nodes: {job.reason}"
+                    self.report(f"slurm slot {self.index}: {waits}")
+            if job.kind is not JobState.UNKNOWN:  # the controller away: the job is as it was
+                self.state = f"job {self.job} {job.state}" + (f" ({job.reason})" if job.reason else "")
+            if job.kind in (JobState.ENDED, JobState.GONE):
                 raise SlotLost(f"{self.describe()} before its node agents started; see {self.dir}/job-{self.job}.out")
             self.nodes = [jsonl.read_json(p) for p in sorted(here.glob("node-*.json"))]
-            if state == "RUNNING" and len(self.nodes) == e.nodes:
-                break
-            if stop.wait(0.2):
-                return False
-        self.state = f"job {self.job} running on " + ", ".join(
-            f"{n['host']}/{n['address']} (devices {n['devices']})" for n in self.nodes
-        )
-        return True
+            refused = [n["error"] for n in self.nodes if n and n.get("error")]
+            if refused:
+                raise ConfigError(f"eval.slurm: {refused[0]}")
+            if job.kind is JobState.RUNNING and len(self.nodes) == self.cfg.nodes:
+                self.state = f"job {self.job} running on " + ", ".join(
+                    f"{n['host']}/{n['address']} (devices {n['devices']})" for n in self.nodes
+                )
+                return True
+            backoff.wait()
+        return False
 
     def acquire(self, stop: threading.Event) -> bool:
         return self.submit(stop) if self.cfg.slurm.keep_jobs else True
+
+    def expiring(self) -> bool:
+        """A kept job whose time limit would cut its next evaluation: renewed before it serves."""
+        if self.job is None or not self.served:
+            return False
+        left = self.queue.job(self.job).left_s
+        return left is not None and left < self.cfg.job_timeout_s + REPLY_GRACE_S
+
+    def beat(self) -> None:
+        if self.job is not None:
+            with contextlib.suppress(OSError):
+                job_dir(self.dir, self.job).joinpath(HEARTBEAT).touch()
+
+    def _lost(self, why: str) -> SlotLost:
+        self.broken = True
+        return SlotLost(f"{self.describe()}: {why}; log {self.dir}/job-{self.job}.out")
 
     def call(self, spec: dict, data: bytes, timeout_s: float) -> dict:
         if not self.cfg.slurm.keep_jobs:
@@ -165,45 +219,62 @@ class SlurmSlot(ClusterSlot):
         (here / f"{name}.valid.jsonl").write_bytes(data)
         job = {"spec": spec, "data": str(here / f"{name}.valid.jsonl"), "timeout_s": timeout_s}
         jsonl.write_json(here / "inbox" / f"{name}.json", job)
-        reply_path, deadline = here / f"{name}.reply.json", time.monotonic() + timeout_s + 60
-        checked = 0.0
-        while not reply_path.exists():
-            if time.monotonic() - checked > 1:
-                checked = time.monotonic()
-                state = job_state(self.job)
-                if state != "RUNNING" and not reply_path.exists():
-                    self.broken = True
-                    raise SlotLost(
-                        f"{self.describe()}: its job {self.job} is {state}; log {self.dir}/job-{self.job}.out"
-                    )
-            if time.monotonic() > deadline:
-                self.broken = True
-                raise SlotLost(f"{self.describe()}: no reply from node 0 in {timeout_s + 60:.0f} s")
-            time.sleep(POLL_S)
-        reply = decode_reply(jsonl.read_json(reply_path))
-        for follower in sorted(here.glob(f"{name}.node-*.json")):
-            reply["log"] += jsonl.read_json(follower).get("log", "")
-        return reply
+        reply_path, deadline = here / f"{name}.reply.json", time.monotonic() + timeout_s + REPLY_GRACE_S
+        since: dict[JobState, float] = {}  # how long the controller has been away, or the job ending
+        backoff = Backoff()
+        try:
+            while not reply_path.exists():
+                state = self.queue.job(self.job)
+                for kind in set(since) - {state.kind}:
+                    del since[kind]
+                waited = time.monotonic() - since.setdefault(state.kind, time.monotonic())
+                if state.kind is JobState.UNKNOWN:  # the controller away: the job runs on meanwhile
+                    if waited > self.cfg.slurm.controller_grace_s:
+                        raise self._lost(f"the controller did not answer for {waited:.0f} s")
+                elif state.kind is JobState.ENDING and waited < ENDING_S:
+                    pass  # its final state (TIMEOUT, PREEMPTED, NODE_FAIL) names the cause
+                elif state.kind is not JobState.RUNNING and not reply_path.exists():
+                    raise self._lost(f"its job {self.job} is {state.state}")
+                if time.monotonic() > deadline:
+                    raise self._lost(f"no reply from node 0 in {timeout_s + REPLY_GRACE_S:.0f} s")
+                backoff.wait()
+            reply = decode_reply(jsonl.read_json(reply_path))
+            self.served += 1
+            followers = [here / f"{name}.node-{i}.json" for i in range(1, len(self.nodes))]
+            waited = time.monotonic() + FOLLOWERS_S
+            while not all(p.exists() for p in followers) and time.monotonic() < waited:
+                backoff.wait()
+            for follower in followers:
+                reply["log"] += (jsonl.read_json(follower) or {}).get("log", "") if follower.exists() else ""
+            return reply
+        finally:  # taken, or given up: nothing of it stays on the shared file system
+            for path in [here / "inbox" / f"{name}.json", *here.glob(f"{name}.*")]:
+                path.unlink(missing_ok=True)
 
     def release(self) -> None:
         if self.job is not None:
-            if job_state(self.job) == "RUNNING":  # a stop ends the agents cleanly (warm ranks too)
+            if self.queue.job(self.job).kind is JobState.RUNNING:  # a stop ends the agents cleanly (warm ranks too)
                 jsonl.write_json(job_dir(self.dir, self.job) / "inbox" / f"{STOP}.json", {"stop": True})
-                deadline = time.monotonic() + 30
-                while job_state(self.job) not in ENDED | {"GONE"} and time.monotonic() < deadline:
-                    time.sleep(0.2)
-            slurm("scancel", self.job)
-            deadline = time.monotonic() + 30  # gone, not just told to go
-            while job_state(self.job) not in ENDED | {"GONE"} and time.monotonic() < deadline:
-                time.sleep(0.2)
+                self._wait_gone(30)
+            # By name: a job whose sbatch answer was lost (a timeout) is cancelled too.
+            slurm("scancel", f"--name={self.name}", f"--user={getpass.getuser()}")
+            self._wait_gone(30)  # gone, not just told to go
+            shutil.rmtree(job_dir(self.dir, self.job), ignore_errors=True)
         self.job, self.nodes, self.state = None, [], "released"
+
+    def _wait_gone(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        self.queue.refresh()
+        while self.queue.job(self.job).kind in (JobState.PENDING, JobState.RUNNING) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def describe(self) -> str:
         return f"slurm slot {self.index} ({self.name}): {self.state}"
 
 
 class SlurmSlots(SlotPool):
-    """``eval.slots`` Slurm slots for one run; leftovers of a killed flow of the run are cancelled."""
+    """``eval.slots`` Slurm slots for one run; leftovers of a killed flow of the run are cancelled.
+    One squeue serves all of them, and a thread touches each job's heartbeat."""
 
     def __init__(self, cfg, work_dir: str | Path, *, run_name: str, **pool):
         check_cluster(cfg)
@@ -217,5 +288,16 @@ class SlurmSlots(SlotPool):
             while {job for job, _ in left} & {job for job, _ in run_jobs(run_name)} and time.monotonic() < deadline:
                 time.sleep(0.2)
             report(f"cancelled {len(left)} slot job(s) a killed flow of {run_name} left: {left}")
-        slots = [SlurmSlot(i, cfg, shared / f"slot-{i}", run_name, report) for i in range(cfg.slots)]
+        queue = SlurmQueue()
+        slots = [SlurmSlot(i, cfg, shared / f"slot-{i}", run_name, report, queue) for i in range(cfg.slots)]
         super().__init__(slots, **pool)
+        self._beating = threading.Thread(target=self._beat, name="slurm-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            for slot in self.slots:
+                slot.beat()
+
+    def start(self) -> None:
+        super().start()
+        self._beating.start()

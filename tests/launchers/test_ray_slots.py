@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -258,3 +260,76 @@ with RaySlots(cfg, {str(tmp_path)!r}, run_name="own") as slots, slots.lease() as
         return left
 
     wait_for(lambda: not ray_processes_left(), 60, "the run's own Ray processes to end")
+
+
+PROBE = "tests.custom_evaluator:SlowProbe"
+ROOT = str(Path(__file__).resolve().parents[2])
+"""The ranks import ``tests.custom_evaluator`` from here (``eval.env``: Ray starts them elsewhere)."""
+
+
+def test_agents_whose_python_cannot_run_the_ranks_are_refused_in_one_line_and_leave_nothing(ray_cluster, tmp_path):
+    cfg = ray_eval(python="/usr/bin/python3")  # the system's: no areal_eval, no torch
+    with RaySlots(cfg, tmp_path, run_name="no-python") as slots:
+        with pytest.raises(ConfigError, match=r"^eval.python: node \S+: eval.python '/usr/bin/python3' cannot import"):
+            with slots.lease():
+                pass
+        assert placement_groups_left("areal-eval-no-python") == []
+        assert slot_actors_alive("areal-eval-no-python") == []
+
+
+def test_more_nodes_per_slot_than_nodes_that_can_hold_a_bundle_is_refused_in_one_line(ray_cluster, tmp_path):
+    with pytest.raises(ConfigError, match=r"^eval.nodes: 3 nodes per slot, but only 2 Ray node\(s\) can hold a bundle"):
+        RaySlots(ray_eval(nodes=3), tmp_path, run_name="three")
+    autoscaled = ray_eval(nodes=3, ray=dataclasses.replace(ON_EVAL_NODES, autoscaling=True))
+    with RaySlots(autoscaled, tmp_path, run_name="three") as slots:  # it waits for nodes instead
+        assert "waiting for 3 x" in slots.slots[0].describe()
+
+
+def test_the_flows_environment_reaches_every_nodes_ranks(ray_cluster, final_checkpoint, tmp_path, monkeypatch):
+    run, event = final_checkpoint
+    monkeypatch.setenv("AREAL_TEST_MARKER", "7")
+    cfg = ray_eval(nodes=2, evaluator=PROBE, pass_env=["AREAL_TEST_*"], env={"PYTHONPATH": ROOT})
+    with RaySlots(cfg, tmp_path, run_name="env") as slots:
+        result, _ = evaluate_on(slots, event, run, tmp_path)
+    assert result.metrics["env_marker"] == 7  # the mean over both nodes' ranks
+
+
+def test_a_frozen_follower_node_fails_the_evaluation_once_ray_sees_it_dead_and_the_slot_is_placed_again(
+    ray_cluster, final_checkpoint, tmp_path
+):
+    """The follower's whole node frozen (SIGSTOP: a hung machine) mid-evaluation. Node 0's ranks
+    would wait in a collective for ``collective_timeout_s`` (here far longer than the test); the
+    slot sees the follower lost as soon as Ray marks its node dead, keeps node 0's log lines,
+    and is placed again on a live node."""
+    import psutil
+    import ray
+
+    run, event = final_checkpoint
+    cluster, _ = ray_cluster
+    env = {"PYTHONPATH": ROOT, "AREAL_TEST_SLOW_S": "2"}
+    cfg = ray_eval(nodes=2, evaluator=PROBE, env=env, collective_timeout_s=3600, job_timeout_s=3600)
+    with RaySlots(cfg, tmp_path, run_name="frozen") as slots:
+        try:
+            with slots.lease() as slot:
+                [node] = [n for n in cluster.list_all_nodes() if n.node_id == slot.nodes[1]["node_id"]]
+                raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+                frozen = [raylet, *raylet.children(recursive=True)]
+                assert slot.nodes[1]["pid"] in {p.pid for p in frozen}
+                timer = threading.Timer(8.0, lambda: [p.send_signal(signal.SIGSTOP) for p in frozen])
+                timer.start()
+                with pytest.raises(EvaluationFailed, match="a node agent was lost") as info:
+                    run_evaluation_job(event, run.valid_data, cfg, tmp_path / "lost", workers=slot)
+            assert not is_permanent(info.value)
+            assert (tmp_path / "ray-slot-0.log").read_text().strip()  # node 0's lines of the failed try
+            assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id)
+        finally:
+            for proc in frozen:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            cluster.remove_node(node, allow_graceful=False)
+            cluster.add_node(num_cpus=2, num_gpus=NODE_GPUS, resources={"eval_node": 1})  # for the next tests
+            cluster.wait_for_nodes()
+        result, slot = evaluate_on(slots, event, run, tmp_path / "again")
+        assert node.node_id not in {n["node_id"] for n in slot.nodes}
+    assert result.metrics["n_pairs"] == 101
+    assert placement_groups_left("areal-eval-frozen") == [] and slot_actors_alive("areal-eval-frozen") == []

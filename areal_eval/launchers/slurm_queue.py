@@ -1,0 +1,141 @@
+"""What the Slurm controller says of a run's jobs, and which of its refusals a retry can change.
+
+A controller that does not answer (restarted, failed over, overloaded) is not a lost job: squeue
+then exits non-zero and prints nothing, and the slots wait it out. Only an answer that no longer
+lists a job says it is gone. One ``squeue`` serves every slot of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import subprocess
+import threading
+import time
+
+from areal_eval.launchers.reaper import OWNER_ENV
+
+QUEUE_EVERY_S = 1.0
+"""How often the run's slots ask the controller for their jobs' states (one squeue for all)."""
+
+TRANSIENT = re.compile(
+    r"unable to contact slurm controller|socket timed out|timed out|connection refused|"
+    r"temporarily|try again|zero bytes were transmitted|communication connection failure|"
+    r"transport endpoint|qosmax|assocmax|maxsubmit|job submit limit|accounting/qos policy|"
+    r"slurmctld.*(down|not responding)",
+    re.IGNORECASE,
+)
+"""sbatch's refusals that pass: the controller away or busy, a QOS or association limit reached."""
+
+
+class JobState(enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    ENDING = "ENDING"
+    """Completing: its processes are being ended; its final state (``TIMEOUT``, ...) follows."""
+    ENDED = "ENDED"
+    """Completed, failed, cancelled, timed out, preempted, node failure: ``Job.state`` says which."""
+    GONE = "GONE"
+    """The controller answered and no longer knows the job."""
+    UNKNOWN = "UNKNOWN"
+    """The controller did not answer."""
+
+
+ENDED_STATES = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    state: str
+    """Slurm's own word (``RUNNING``, ``TIMEOUT``, ...), ``GONE`` or ``UNKNOWN``."""
+    reason: str = ""
+    """Why it pends (``Resources``, ``PartitionTimeLimit``, ...): squeue's ``%r``."""
+    left_s: float | None = None
+    """Seconds before its time limit (None: no limit, or not yet set)."""
+
+    @property
+    def kind(self) -> JobState:
+        if self.state in ("GONE", "UNKNOWN"):
+            return JobState[self.state]
+        if self.state in ENDED_STATES:
+            return JobState.ENDED
+        if self.state in ("COMPLETING", "SIGNALING", "STAGE_OUT"):
+            return JobState.ENDING
+        return JobState.PENDING if self.state in ("PENDING", "CONFIGURING", "REQUEUED") else JobState.RUNNING
+
+
+GONE, UNKNOWN = Job("GONE"), Job("UNKNOWN")
+
+
+def slurm(*command: str, timeout_s: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a Slurm command (``env``: variables added to this process's); one that hangs past
+    ``timeout_s`` reads as a controller that did not answer (exit 124)."""
+    # sbatch hands the job this environment: not the flow's reaper token, since a slot's job
+    # lives on the cluster, not under the flow (a resume cancels what a killed flow left).
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != OWNER_ENV}
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(command, 124, "", f"{command[0]}: Socket timed out ({timeout_s:.0f} s)")
+
+
+def is_transient(stderr: str) -> bool:
+    return bool(TRANSIENT.search(stderr))
+
+
+def seconds_left(text: str) -> float | None:
+    """squeue's ``%L`` (``[days-]hours:minutes:seconds``, ``minutes:seconds``) in seconds."""
+    found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if not found:
+        return None  # UNLIMITED, NOT_SET, INVALID
+    days, hours, minutes, seconds = (int(g or 0) for g in found.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def parse_queue(text: str) -> dict[str, Job]:
+    jobs = {}
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) == 4:
+            jobs[parts[0]] = Job(parts[1], "" if parts[2] == "None" else parts[2], seconds_left(parts[3]))
+    return jobs
+
+
+class SlurmQueue:
+    """This user's jobs as the controller last told them, asked at most every ``every_s``."""
+
+    def __init__(self, every_s: float = QUEUE_EVERY_S):
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._asked = -float("inf")
+        self._jobs: dict[str, Job] | None = None
+
+    def jobs(self) -> dict[str, Job] | None:
+        """None while the controller does not answer."""
+        with self._lock:
+            if time.monotonic() - self._asked >= self.every_s:
+                shown = slurm("squeue", "--me", "-h", "--states=all", "-o", "%i|%T|%r|%L")
+                self._jobs = None if shown.returncode else parse_queue(shown.stdout)
+                self._asked = time.monotonic()
+            return self._jobs
+
+    def job(self, job_id: str) -> Job:
+        jobs = self.jobs()
+        return UNKNOWN if jobs is None else jobs.get(job_id, GONE)
+
+    def refresh(self) -> None:
+        """The next question goes to the controller (a job was just submitted or cancelled)."""
+        with self._lock:
+            self._asked = -float("inf")

@@ -1,0 +1,190 @@
+"""``eval.launcher: slurm`` left unattended: faults injected on a real Slurm cluster (a controller
+and 2 nodes on 127.0.0.1) while an evaluation is in flight."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from areal_eval.config.parsing import ConfigError
+from areal_eval.evaluation.jobs import EvaluationFailed, run_evaluation_job
+from areal_eval.failures import is_permanent
+from areal_eval.launchers.slurm_node import job_dir
+from areal_eval.launchers.slurm_slots import SlurmSlots, run_jobs
+from tests.helpers import wait_for
+from tests.launchers.conftest import HERE, evaluate_on
+from tests.launchers.test_slurm_slots import ONE_GPU, slurm_eval
+
+pytestmark = pytest.mark.integration
+
+ROOT = HERE.parents[1]
+PROBE = "tests.custom_evaluator:SlowProbe"
+
+
+def slowed(seconds_per_batch: float, **changes):
+    """An evaluation of 7 batches, each ``seconds_per_batch`` long: faults land mid-evaluation."""
+    return slurm_eval(evaluator=PROBE, env={"AREAL_TEST_SLOW_S": str(seconds_per_batch)}, **changes)
+
+
+def in_flight(slot) -> bool:
+    return any(job_dir(slot.dir, slot.job).glob("inbox/*.json"))
+
+
+@pytest.mark.parametrize("outage", ["stopped", "down"])
+def test_a_controller_away_90_s_mid_evaluation_keeps_the_job_and_every_evaluation_lands_once(
+    slurm_cluster, final_checkpoint, tmp_path, outage
+):
+    """``stopped``: slurmctld frozen (SIGSTOP, a hung controller); ``down``: SIGTERM, started again
+    90 s later (a restart, a failover). Meanwhile an evaluation runs on the kept job, another
+    waits for it, and a third needs a new job (sbatch cannot reach the controller)."""
+    run, event = final_checkpoint
+    said: list[str] = []
+    per_job = slowed(0.2, slurm=dataclasses.replace(ONE_GPU, keep_jobs=False))
+    results: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def evaluate(slots, name):
+        try:
+            results[name] = evaluate_on(slots, event, run, tmp_path / name)[0]
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    with (
+        SlurmSlots(slowed(1.0), tmp_path / "kept", run_name=f"away-{outage}", report=said.append) as kept,
+        SlurmSlots(per_job, tmp_path / "new", run_name=f"away-new-{outage}", report=said.append) as new,
+    ):
+        with kept.lease() as slot:
+            job = slot.job
+        threads = [threading.Thread(target=evaluate, args=(kept, "during"))]
+        threads[0].start()
+        wait_for(lambda: slot.job and in_flight(slot), 120, "the evaluation in flight")
+        if outage == "stopped":
+            slurm_cluster.controller.send_signal(signal.SIGSTOP)
+        else:
+            slurm_cluster.stop_controller()
+        try:
+            threads += [
+                threading.Thread(target=evaluate, args=(kept, "during, queued")),
+                threading.Thread(target=evaluate, args=(new, "on a new job")),
+            ]
+            for thread in threads[1:]:
+                thread.start()
+            time.sleep(90)  # the outage itself
+        finally:
+            if outage == "stopped":
+                slurm_cluster.controller.send_signal(signal.SIGCONT)
+            else:
+                slurm_cluster.start_controller()
+        for thread in threads:
+            thread.join(600)
+        evaluate(kept, "after")
+        with kept.lease() as slot:
+            assert slot.job == job  # the healthy job was never cancelled
+    assert errors == []
+    assert sorted(results) == ["after", "during", "during, queued", "on a new job"]
+    assert len({r.metrics["accuracy"] for r in results.values()}) == 1
+    assert any("sbatch could not submit yet" in line for line in said), said
+    assert run_jobs(f"away-{outage}") == [] and run_jobs(f"away-new-{outage}") == []
+
+
+def test_a_time_limit_mid_evaluation_names_timeout_and_the_agents_clean_up(slurm_cluster, final_checkpoint, tmp_path):
+    """Slurm ends a job at its time limit (SIGTERM, then SIGKILL): the lost evaluation says
+    TIMEOUT, not that the job is gone, and the agents remove their node-local files."""
+    run, event = final_checkpoint
+    cfg = slowed(20.0, job_timeout_s=600, slurm=dataclasses.replace(ONE_GPU, time_limit="1:00"))
+    local = tmp_path / "node-local"
+    os.environ["TMPDIR"] = str(local)  # the jobs' (sbatch hands them this environment)
+    try:
+        with SlurmSlots(cfg, tmp_path, run_name="limit") as slots:
+            with slots.lease() as slot:
+                job = slot.job
+                assert list(local.glob(f"areal-eval-slurm/{job}-*/node-0"))
+                with pytest.raises(EvaluationFailed, match=rf"its job {job} is TIMEOUT") as info:
+                    run_evaluation_job(event, run.valid_data, cfg, tmp_path / "cut", workers=slot)
+            assert not is_permanent(info.value)
+            assert list(local.glob(f"areal-eval-slurm/{job}-*/node-0")) == []
+    finally:
+        del os.environ["TMPDIR"]
+
+
+def test_a_kept_job_near_its_time_limit_is_renewed_before_it_serves_again(slurm_cluster, final_checkpoint, tmp_path):
+    run, event = final_checkpoint
+    said: list[str] = []
+    cfg = slurm_eval(job_timeout_s=60, slurm=dataclasses.replace(ONE_GPU, time_limit="2:00"))
+    with SlurmSlots(cfg, tmp_path, run_name="renew", report=said.append) as slots:
+        first, slot = evaluate_on(slots, event, run, tmp_path / "first")
+        job = slot.job  # under 2 minutes left: another evaluation (up to 60 s, and 60 s more for its reply) may not fit
+        again, slot = evaluate_on(slots, event, run, tmp_path / "again")
+        assert slot.job != job
+    assert again.metrics == first.metrics
+    assert any("renewed before its time limit" in line for line in said), said
+    assert run_jobs("renew") == []
+
+
+def test_a_job_its_partition_can_never_start_is_refused_in_one_line_and_cancelled(slurm_cluster, tmp_path):
+    cfg = slurm_eval(slurm=dataclasses.replace(ONE_GPU, partition="short", time_limit="10:00"))
+    with SlurmSlots(cfg, tmp_path, run_name="never") as slots:
+        with pytest.raises(
+            ConfigError, match=r"^eval.slurm.time_limit: job \d+ can never start \(PartitionTimeLimit\)$"
+        ):
+            with slots.lease():
+                pass
+        assert run_jobs("never") == []
+
+
+def test_a_node_whose_python_cannot_run_the_ranks_is_refused_in_one_line_naming_it(slurm_cluster, tmp_path):
+    cfg = slurm_eval(python="/usr/bin/python3")  # the system's: no areal_eval, no torch
+    with SlurmSlots(cfg, tmp_path, run_name="no-python") as slots:
+        with pytest.raises(
+            ConfigError, match=r"^eval.slurm: node n\d: eval.python '/usr/bin/python3' cannot import .*torch"
+        ):
+            with slots.lease():
+                pass
+    assert run_jobs("no-python") == []
+
+
+def test_the_flows_environment_reaches_the_ranks(slurm_cluster, final_checkpoint, tmp_path, monkeypatch):
+    run, event = final_checkpoint
+    monkeypatch.setenv("AREAL_TEST_MARKER", "7")
+    cfg = slurm_eval(evaluator=PROBE, nodes=2, pass_env=["AREAL_TEST_*"])
+    with SlurmSlots(cfg, tmp_path, run_name="env") as slots:
+        result, _ = evaluate_on(slots, event, run, tmp_path)
+    assert result.metrics["env_marker"] == 7
+
+
+def test_a_flow_gone_on_another_host_is_noticed_by_its_jobs_agents_which_end(slurm_cluster, tmp_path):
+    """The flow is killed (``kill -9``) and never resumed here: its job's agents see no heartbeat
+    for ``orphan_after_s`` and end the job, well before its time limit."""
+    flow = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from areal_eval.launchers.slurm_slots import SlurmSlots\n"
+            "from tests.launchers.test_slurm_faults import ONE_GPU, slurm_eval\n"
+            "import dataclasses\n"
+            "cfg = slurm_eval(slurm=dataclasses.replace(ONE_GPU, orphan_after_s=30))\n"
+            "with SlurmSlots(cfg, sys.argv[1], run_name='orphan') as slots, slots.lease() as slot:\n"
+            "    print(slot.job, flush=True)\n"
+            "    time.sleep(600)\n",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        job = flow.stdout.readline().strip()
+        assert job and [j for j, _ in run_jobs("orphan")] == [job]
+    finally:
+        flow.kill()
+        flow.wait(10)
+    wait_for(lambda: run_jobs("orphan") == [], 120, "the orphaned job's agents to end it")
+    assert "it is gone; ending" in (tmp_path / "slurm-slots" / "slot-0" / f"job-{job}.out").read_text()
