@@ -10,7 +10,10 @@ has only ``lo``): a Ray cluster (a head and 2 nodes) and a Slurm controller with
 - ``warm_s``: the median of the next evaluations on the same slot;
 - ``to_mlflow_s``: the median from the request to the metrics logged in MLflow (SQLite);
 - ``idle_rss_mb``: what the slot's processes hold while it waits for the next evaluation
-  (node agent and ranks; the cluster's own daemons are not counted).
+  (node agent and ranks; the cluster's own daemons are not counted);
+- ``idle_cpu_s_per_min`` and ``idle_fs_ops_per_min`` (where ``strace`` is installed): what
+  those processes spend while they wait, per node: CPU, and file-system calls (listing a
+  directory, opening or stat-ing a file), counted by ``strace -c`` over ``IDLE_S``.
 
 Ratios are against the local launcher, measured in the same run. Prints one JSON line.
 """
@@ -32,24 +35,77 @@ def loopback_only() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]
 
 
-def tree_rss_mb(pids: list[int]) -> float:
+IDLE_S = 20.0
+"""How long a slot is watched while it waits for its next evaluation."""
+FS_CALLS = "openat,newfstatat,statx,stat,lstat,access,getdents64,utimensat"
+
+
+def family(pids: list[int]) -> list:
     import psutil
 
-    seen, total = set(), 0
+    procs = {}
     for pid in pids:
         try:
             root = psutil.Process(pid)
-            family = [root, *root.children(recursive=True)]
+            for proc in [root, *root.children(recursive=True)]:
+                procs[proc.pid] = proc
         except psutil.Error:
             continue
-        for proc in family:
-            if proc.pid not in seen:
-                seen.add(proc.pid)
-                try:
-                    total += proc.memory_info().rss
-                except psutil.Error:
-                    pass
+    return list(procs.values())
+
+
+def cpu_s(procs) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except Exception:
+            pass
+    return total
+
+
+def tree_rss_mb(pids: list[int]) -> float:
+    total = 0
+    for proc in family(pids):
+        try:
+            total += proc.memory_info().rss
+        except Exception:
+            pass
     return total / 2**20
+
+
+def idle_load(pids: list[int], nodes: int) -> dict:
+    """CPU-s and file-system calls a minute, per node, of a slot's processes while idle."""
+    import shutil
+    import subprocess
+
+    procs = family(pids)
+    tracing = []
+    if shutil.which("strace"):
+        for proc in procs:
+            tracing.append(
+                subprocess.Popen(
+                    ["strace", "-c", "-f", "-e", f"trace={FS_CALLS}", "-p", str(proc.pid)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+    before = cpu_s(procs)
+    time.sleep(IDLE_S)
+    used = cpu_s(procs) - before
+    calls = 0
+    for trace in tracing:
+        trace.terminate()
+        summary = trace.communicate(timeout=30)[1]
+        total = [line.split() for line in summary.splitlines() if line.strip().endswith("total")]
+        calls += int(total[-1][2]) if total and len(total[-1]) >= 4 else 0
+    per_min = 60.0 / IDLE_S / nodes
+    out = {"idle_cpu_s_per_min": round(used * per_min, 3)}
+    if tracing:
+        out["idle_fs_ops_per_min"] = round(calls * per_min, 1)
+    return out
 
 
 OFFSETS = {"local": 1000, "ray": 2000, "slurm": 3000}
@@ -70,14 +126,16 @@ def measure(name, pool, event, data, cfg, work: Path, evaluations: int, tracker,
             warm.append(time.perf_counter() - t)
             tracker.log_evaluation(mlflow_run, OFFSETS[name] + len(to_mlflow), result.metrics)
             to_mlflow.append(time.perf_counter() - t)
-        time.sleep(1.0)  # idle: between two checkpoints
+        time.sleep(5.0)  # idle: between two checkpoints (the agents back off to their slowest wake-up)
         idle = tree_rss_mb(slot_pids(slot))
+        load = idle_load(slot_pids(slot), cfg.nodes)
     assert result.metrics == first.metrics, name
     return {
         "cold_s": cold,
         "warm_s": median(warm),
         "to_mlflow_s": median(to_mlflow),
         "idle_rss_mb": idle,
+        **load,
         "accuracy": first.metrics["accuracy"],
     }
 

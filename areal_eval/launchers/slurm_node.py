@@ -16,9 +16,9 @@ import base64
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     env = os.environ
     job_id, rank, nnodes = env["SLURM_JOB_ID"], int(env["SLURM_NODEID"]), int(env["SLURM_NNODES"])
     local = node_dir(Path(env.get("TMPDIR") or tempfile.gettempdir()), args.slot_dir, job_id, rank)
-    # scancel, preemption and the time limit send SIGTERM: leave through the finally below.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         check_node(args.python, tuple(args.needs.split(",")), env.get("SLURMD_NODENAME"))
     except NodeCheckFailed as exc:  # said to the flow, which refuses the slot in this one line
@@ -190,9 +189,22 @@ def main(argv: list[str] | None = None) -> int:
             once=args.once,
             orphan_after_s=args.orphan_after,
         )
+    except Terminated:
+        # scancel, preemption, the time limit: Slurm's KillWait may be seconds, so the node-local
+        # files go first, before the ranks are stopped.
+        shutil.rmtree(local, ignore_errors=True)
+        return 143
     finally:
         agent.close()
     return 0
+
+
+class Terminated(SystemExit):
+    """SIGTERM: the job is ending."""
+
+
+def _terminated(*_) -> None:
+    raise Terminated(143)
 
 
 if __name__ == "__main__":

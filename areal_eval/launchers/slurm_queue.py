@@ -64,6 +64,8 @@ class Job:
     """Why it pends (``Resources``, ``PartitionTimeLimit``, ...): squeue's ``%r``."""
     left_s: float | None = None
     """Seconds before its time limit (None: no limit, or not yet set)."""
+    limit_s: float | None = None
+    """Its time limit in seconds (None: none)."""
 
     @property
     def kind(self) -> JobState:
@@ -96,7 +98,7 @@ def is_transient(stderr: str) -> bool:
 
 
 def seconds_left(text: str) -> float | None:
-    """squeue's ``%L`` (``[days-]hours:minutes:seconds``, ``minutes:seconds``) in seconds."""
+    """squeue's ``%L`` and ``%l`` (``[days-]hours:minutes:seconds``, ``minutes:seconds``) in seconds."""
     found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
     if not found:
         return None  # UNLIMITED, NOT_SET, INVALID
@@ -108,8 +110,9 @@ def parse_queue(text: str) -> dict[str, Job]:
     jobs = {}
     for line in text.splitlines():
         parts = line.split("|")
-        if len(parts) == 4:
-            jobs[parts[0]] = Job(parts[1], "" if parts[2] == "None" else parts[2], seconds_left(parts[3]))
+        if len(parts) == 5:
+            reason = "" if parts[2] == "None" else parts[2]
+            jobs[parts[0]] = Job(parts[1], reason, seconds_left(parts[3]), seconds_left(parts[4]))
     return jobs
 
 
@@ -126,7 +129,7 @@ class SlurmQueue:
         """None while the controller does not answer."""
         with self._lock:
             if time.monotonic() - self._asked >= self.every_s:
-                shown = slurm("squeue", "--me", "-h", "--states=all", "-o", "%i|%T|%r|%L")
+                shown = slurm("squeue", "--me", "-h", "--states=all", "-o", "%i|%T|%r|%L|%l")
                 self._jobs = None if shown.returncode else parse_queue(shown.stdout)
                 self._asked = time.monotonic()
             return self._jobs

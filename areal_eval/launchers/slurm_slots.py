@@ -155,12 +155,23 @@ class SlurmSlot(ClusterSlot):
                 return False
             wait_s = min(60.0, wait_s * 2)
         self.job, self.served = submitted.stdout.strip().split(";")[0], 0
+        self._cancel_strays()
         self.queue.refresh()
         try:
             return self._wait_for_agents(stop)
         except BaseException:
             self.release()  # whatever was submitted is given back
             raise
+
+    def _cancel_strays(self) -> None:
+        """An sbatch that timed out may still have reached the controller (queued while it did
+        not answer): such jobs of the slot's name, not the one it got, are cancelled."""
+        shown = slurm("squeue", "--me", "-h", f"--name={self.name}", "-o", "%i")
+        strays = [job for job in shown.stdout.split() if job != self.job] if not shown.returncode else []
+        if strays:
+            slurm("scancel", *strays)
+            twice = f"cancelled job(s) {', '.join(strays)}, submitted twice while the controller did not answer"
+            self.report(f"slurm slot {self.index}: {twice}")
 
     def _wait_for_agents(self, stop: threading.Event) -> bool:
         here, backoff, said = job_dir(self.dir, self.job), Backoff(), None
@@ -196,11 +207,12 @@ class SlurmSlot(ClusterSlot):
         return self.submit(stop) if self.cfg.slurm.keep_jobs else True
 
     def expiring(self) -> bool:
-        """A kept job whose time limit would cut its next evaluation: renewed before it serves."""
+        """A kept job whose time limit could cut its next evaluation: renewed before it serves.
+        (A limit shorter than one evaluation's bound renews nothing: a new job would be no better.)"""
         if self.job is None or not self.served:
             return False
-        left = self.queue.job(self.job).left_s
-        return left is not None and left < self.cfg.job_timeout_s + REPLY_GRACE_S
+        job, margin = self.queue.job(self.job), self.cfg.job_timeout_s + REPLY_GRACE_S
+        return None not in (job.left_s, job.limit_s) and job.left_s < margin < job.limit_s
 
     def beat(self) -> None:
         if self.job is not None:
