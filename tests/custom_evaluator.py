@@ -21,13 +21,14 @@ class MarginOver(RewardModelEvaluator):
 class SlowProbe(RewardModelEvaluator):
     """The reward model's metrics, each batch slowed by ``$AREAL_TEST_SLOW_S`` seconds (a fault
     then lands mid-evaluation), and ``env_marker``: ``$AREAL_TEST_MARKER`` as the ranks saw it
-    (-1 where it did not reach them)."""
+    (-1 where it did not reach them). Each batch is said in the rank's log."""
 
     def batch_sums(self, batch):
         import os
         import time
 
         time.sleep(float(os.environ.get("AREAL_TEST_SLOW_S", "0")))
+        print("probe: a batch", flush=True)  # the rank's log shows its progress
         marker = float(os.environ.get("AREAL_TEST_MARKER", "-1"))
         return {**super().batch_sums(batch), "marker": marker, "batches": 1.0}
 

@@ -7,6 +7,7 @@ file system; only the checkpoint must be reachable (``s3://``, or a path every n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -144,9 +145,17 @@ class NodeAgent:
     def interrupt(self) -> str:
         """Another node of the job was lost: end this node's multi-node job now rather than at
         its collective timeout; returns the log lines it wrote so far (they stay on record)."""
-        if self._job is not None and self._job.proc.poll() is None:
-            self._job.kill()
-        return self._new_lines(self.dir / "job.log") + self._new_lines(self.dir / "follow.log")
+        logs = {log: self._read_up_to.get(log, 0) for log in (self.dir / "job.log", self.dir / "follow.log")}
+        job = self._job
+        if job is not None and job.poll() is None:
+            job.kill()
+            job.output.join(timeout=5)  # its last lines reach the log
+        said = []
+        for log, start in logs.items():  # read from where it stood: the evaluation's own call may read on
+            with contextlib.suppress(FileNotFoundError), log.open("rb") as fh:
+                fh.seek(start)
+                said.append(fh.read().decode(errors="replace"))
+        return "".join(said)
 
     def _new_lines(self, log: Path) -> str:
         """What ``log`` gained since the last call (a warm job's log grows across evaluations)."""

@@ -170,7 +170,7 @@ class RaySlot(ClusterSlot):
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-        nnodes = len(self.agents)
+        nnodes, reply = len(self.agents), None
         try:
             rendezvous = ray.get(self.agents[0].rendezvous.remote(), timeout=60) if nnodes > 1 else None
             followers = [a.follow.remote(nnodes, rendezvous, timeout_s=timeout_s) for a in self.agents[1:]]
@@ -188,29 +188,37 @@ class RaySlot(ClusterSlot):
                         followers[followers.index(ref)] = answer
             done, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=FOLLOWERS_S) if waiting else ([], [])
             for ref in done:
-                followers[followers.index(ref)] = ray.get(ref)
+                try:
+                    followers[followers.index(ref)] = ray.get(ref)
+                except RayError:
+                    if reply["code"]:  # the lost node is why node 0 failed
+                        raise
+                    waiting.append(ref)  # lost after node 0's result: the result stands
             for follower in followers:
                 reply["log"] += follower["log"] if isinstance(follower, dict) else ""
-            if waiting:  # node 0's result stands; the slow node is rebuilt before the next one
+            if waiting:  # node 0's result stands; the slow or lost node is rebuilt before the next one
                 self.broken = True
-                reply["log"] += f"{len(waiting)} node(s) did not end within {FOLLOWERS_S:.0f} s of node 0's result\n"
+                reply["log"] += (
+                    f"{len(waiting)} node(s) did not end cleanly within {FOLLOWERS_S:.0f} s of node 0's result\n"
+                )
         except RayTaskError as exc:  # the agent raised: its node is alive, and a rebuild would change nothing
             if isinstance(exc, RayActorError):
-                raise self._lost(exc) from None
+                raise self._lost(exc, reply) from None
             raise WorkerError(f"{self.describe()}: a node agent failed: {_first_line(exc.cause or exc)}") from None
         except (RayError, GetTimeoutError) as exc:
-            raise self._lost(exc) from None
+            raise self._lost(exc, reply) from None
         return reply
 
-    def _lost(self, exc: BaseException) -> SlotLost:
-        """A node was lost: the others' jobs are ended now, and node 0's log lines kept."""
+    def _lost(self, exc: BaseException, reply: dict | None) -> SlotLost:
+        """A node was lost: the others' jobs are ended now, and node 0's log lines of this try
+        kept (from its reply, where it had ended already)."""
         import ray
 
         self.broken = True
         try:
-            salvaged = ray.get(self.agents[0].interrupt.remote(), timeout=30)
-        except Exception:  # node 0 itself was lost
-            salvaged = ""
+            salvaged = reply["log"] if reply else ray.get(self.agents[0].interrupt.remote(), timeout=30)
+        except Exception as lost:  # node 0 itself was lost
+            salvaged = f"node 0's log lines of this try are lost with it: {_first_line(lost)}\n"
         if salvaged:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("a") as fh:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import itertools
 import os
 import re
 import shlex
@@ -75,6 +76,8 @@ def check_cluster(cfg) -> None:
             )
 
 
+POOLS = itertools.count()
+"""Pools of one process (two flows of a run in one process) name their slots apart: ``slot-0.1``."""
 OWNER = f"{socket.gethostname()}.{os.getpid()}"
 """Whose slots a job holds: the flow's host and process (``areal-eval:<run>:<host>.<pid>:slot-<i>``)."""
 
@@ -100,10 +103,10 @@ def left_by_dead_flows(run_name: str) -> list[tuple[str, str]]:
 
 
 class SlurmSlot(ClusterSlot):
-    def __init__(self, index: int, cfg, slot_dir: Path, run_name: str, report, queue: SlurmQueue):
+    def __init__(self, index: int, cfg, slot_dir: Path, run_name: str, report, queue: SlurmQueue, pool: str = ""):
         super().__init__(index, slot_dir / "slot.log")
         self.cfg, self.dir, self.report, self.queue = cfg, slot_dir, report, queue
-        self.name = f"areal-eval:{run_name}:{OWNER}:slot-{index}"
+        self.name = f"areal-eval:{run_name}:{OWNER}:slot-{index}{pool}"
         self.job: str | None = None
         self.nodes: list[dict] = []
         self.served = 0
@@ -262,6 +265,10 @@ class SlurmSlot(ClusterSlot):
         finally:  # taken, or given up: nothing of it stays on the shared file system
             for path in [here / "inbox" / f"{name}.json", *here.glob(f"{name}.*")]:
                 path.unlink(missing_ok=True)
+            if not self.cfg.slurm.keep_jobs:  # its job served this one evaluation
+                ran_on = self.nodes
+                self.release()
+                self.nodes = ran_on  # where it ran stays readable
 
     def release(self) -> None:
         if self.job is not None:
@@ -300,8 +307,11 @@ class SlurmSlots(SlotPool):
             while {job for job, _ in left} & {job for job, _ in run_jobs(run_name)} and time.monotonic() < deadline:
                 time.sleep(0.2)
             report(f"cancelled {len(left)} slot job(s) a killed flow of {run_name} left: {left}")
-        queue = SlurmQueue()
-        slots = [SlurmSlot(i, cfg, shared / f"slot-{i}", run_name, report, queue) for i in range(cfg.slots)]
+        queue, pool = SlurmQueue(), next(POOLS)
+        slots = [
+            SlurmSlot(i, cfg, shared / f"slot-{i}", run_name, report, queue, f".{pool}" if pool else "")
+            for i in range(cfg.slots)
+        ]
         super().__init__(slots, **pool)
         self._beating = threading.Thread(target=self._beat, name="slurm-heartbeat", daemon=True)
 

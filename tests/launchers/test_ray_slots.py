@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -282,7 +283,7 @@ def test_more_nodes_per_slot_than_nodes_that_can_hold_a_bundle_is_refused_in_one
         RaySlots(ray_eval(nodes=3), tmp_path, run_name="three")
     autoscaled = ray_eval(nodes=3, ray=dataclasses.replace(ON_EVAL_NODES, autoscaling=True))
     with RaySlots(autoscaled, tmp_path, run_name="three") as slots:  # it waits for nodes instead
-        assert "waiting for 3 x" in slots.slots[0].describe()
+        wait_for(lambda: "waiting for 3 x" in slots.slots[0].describe(), 60, "the slot to wait for 3 nodes")
 
 
 def test_the_flows_environment_reaches_every_nodes_ranks(ray_cluster, final_checkpoint, tmp_path, monkeypatch):
@@ -315,12 +316,18 @@ def test_a_frozen_follower_node_fails_the_evaluation_once_ray_sees_it_dead_and_t
                 raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
                 frozen = [raylet, *raylet.children(recursive=True)]
                 assert slot.nodes[1]["pid"] in {p.pid for p in frozen}
-                timer = threading.Timer(8.0, lambda: [p.send_signal(signal.SIGSTOP) for p in frozen])
-                timer.start()
+                node0_log = Path(tempfile.gettempdir()) / "areal-eval-ray" / slot.name / "node-0" / "job.log"
+
+                def freeze_mid_evaluation():  # once node 0's ranks have said a batch
+                    wait_for(lambda: node0_log.exists() and "probe: a batch" in node0_log.read_text(), 120, "a batch")
+                    for proc in frozen:
+                        proc.send_signal(signal.SIGSTOP)
+
+                threading.Thread(target=freeze_mid_evaluation, daemon=True).start()
                 with pytest.raises(EvaluationFailed, match="a node agent was lost") as info:
                     run_evaluation_job(event, run.valid_data, cfg, tmp_path / "lost", workers=slot)
             assert not is_permanent(info.value)
-            assert (tmp_path / "ray-slot-0.log").read_text().strip()  # node 0's lines of the failed try
+            assert "probe: a batch" in (tmp_path / "ray-slot-0.log").read_text()  # node 0's lines of the failed try
             assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id)
         finally:
             for proc in frozen:

@@ -123,7 +123,8 @@ def test_a_kept_job_near_its_time_limit_is_renewed_before_it_serves_again(slurm_
     with SlurmSlots(cfg, tmp_path, run_name="renew", report=said.append) as slots:
         first, slot = evaluate_on(slots, event, run, tmp_path / "first")
         job, results = slot.job, []
-        while slot.job == job and len(results) < 40:
+        while slot.job == job and len(results) < 200:  # the job would reach its limit at 120
+            time.sleep(1.0)  # a checkpoint a second
             results.append(evaluate_on(slots, event, run, tmp_path / f"again-{len(results)}")[0])
         assert slot.job != job
     assert all(r.metrics == first.metrics for r in results)
@@ -191,3 +192,33 @@ def test_a_flow_gone_on_another_host_is_noticed_by_its_jobs_agents_which_end(slu
         flow.wait(10)
     wait_for(lambda: run_jobs("orphan") == [], 120, "the orphaned job's agents to end it")
     assert "it is gone; ending" in (tmp_path / "slurm-slots" / "slot-0" / f"job-{job}.out").read_text()
+
+
+def test_a_follower_lost_mid_evaluation_fails_it_at_once_and_the_retry_lands_on_a_new_job(
+    slurm_cluster, final_checkpoint, tmp_path
+):
+    """The follower's agent killed in the middle of a 2-node evaluation: srun ends the job, so
+    the evaluation fails on the job's state, long before node 0's collective timeout (an hour)."""
+    run, event = final_checkpoint
+    cfg = slowed(2.0, nodes=2, collective_timeout_s=3600, job_timeout_s=3600)
+    with SlurmSlots(cfg, tmp_path, run_name="follower") as slots:
+        with slots.lease() as slot:
+            job, follower = slot.job, slot.nodes[1]["pid"]
+            timer = threading.Timer(8.0, os.kill, (follower, signal.SIGKILL))
+            timer.start()
+            with pytest.raises(EvaluationFailed, match=rf"its job {job} is (FAILED|CANCELLED)") as info:
+                run_evaluation_job(event, run.valid_data, cfg, tmp_path / "lost", workers=slot)
+        assert not is_permanent(info.value)
+        result, slot = evaluate_on(slots, event, run, tmp_path / "again")
+        assert slot.job != job and result.metrics["n_pairs"] == 101
+    assert run_jobs("follower") == []
+
+
+def test_a_requeue_of_a_slots_job_is_refused_and_nothing_runs_twice(slurm_cluster, final_checkpoint, tmp_path):
+    run, event = final_checkpoint
+    with SlurmSlots(slurm_eval(), tmp_path, run_name="requeue") as slots:
+        first, slot = evaluate_on(slots, event, run, tmp_path / "first")
+        requeued = slurm_cluster.run("scontrol", "requeue", slot.job, check=False)
+        assert requeued.returncode != 0  # submitted --no-requeue
+        again, other = evaluate_on(slots, event, run, tmp_path / "again")
+        assert other.job == slot.job and again.metrics == first.metrics
