@@ -307,9 +307,9 @@ class SlurmSlots(SlotPool):
             while {job for job, _ in left} & {job for job, _ in run_jobs(run_name)} and time.monotonic() < deadline:
                 time.sleep(0.2)
             report(f"cancelled {len(left)} slot job(s) a killed flow of {run_name} left: {left}")
-        queue, pool = SlurmQueue(), next(POOLS)
+        queue, nth = SlurmQueue(), next(POOLS)
         slots = [
-            SlurmSlot(i, cfg, shared / f"slot-{i}", run_name, report, queue, f".{pool}" if pool else "")
+            SlurmSlot(i, cfg, shared / f"slot-{i}", run_name, report, queue, f".{nth}" if nth else "")
             for i in range(cfg.slots)
         ]
         super().__init__(slots, **pool)

@@ -318,8 +318,9 @@ def test_a_frozen_follower_node_fails_the_evaluation_once_ray_sees_it_dead_and_t
                 assert slot.nodes[1]["pid"] in {p.pid for p in frozen}
                 node0_log = Path(tempfile.gettempdir()) / "areal-eval-ray" / slot.name / "node-0" / "job.log"
 
-                def freeze_mid_evaluation():  # once node 0's ranks have said a batch
+                def freeze_mid_evaluation():  # once node 0's ranks have said a batch: the node's ranks too
                     wait_for(lambda: node0_log.exists() and "probe: a batch" in node0_log.read_text(), 120, "a batch")
+                    frozen[1:] = raylet.children(recursive=True)
                     for proc in frozen:
                         proc.send_signal(signal.SIGSTOP)
 
