@@ -144,7 +144,7 @@ class SlurmSlot(ClusterSlot):
         """Submit the slot's job and wait (as long as it is pending) until every node agent is up.
         sbatch refusals that pass (the controller away, a QOS limit) are waited out."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        script, wait_s = self._script(once), 1.0
+        script, wait_s, self.wait_reason = self._script(once), 1.0, ""
         while True:
             submitted = slurm("sbatch", "--parsable", *self._options(), str(script), env=rank_env(self.cfg))
             if not submitted.returncode:

@@ -132,26 +132,28 @@ def test_a_kept_job_near_its_time_limit_is_renewed_before_it_serves_again(slurm_
     assert run_jobs("renew") == []
 
 
-def test_a_job_its_partition_can_never_start_is_refused_in_one_line_and_cancelled(slurm_cluster, tmp_path):
-    cfg = slurm_eval(slurm=dataclasses.replace(ONE_GPU, partition="short", time_limit="10:00"))
-    with SlurmSlots(cfg, tmp_path, run_name="never") as slots:
-        with pytest.raises(
-            ConfigError, match=r"^eval.slurm.time_limit: job \d+ can never start \(PartitionTimeLimit\)$"
-        ):
+@pytest.mark.parametrize(
+    ("changes", "refusal"),
+    [
+        (  # the partition's MaxTime is a minute
+            {"slurm": dataclasses.replace(ONE_GPU, partition="short", time_limit="10:00")},
+            r"^eval.slurm.time_limit: job \d+ can never start \(PartitionTimeLimit\)$",
+        ),
+        (  # the system's: no areal_eval, no torch
+            {"python": "/usr/bin/python3"},
+            r"^eval.slurm: node n\d: eval.python '/usr/bin/python3' cannot import .*torch",
+        ),
+    ],
+    ids=["partition-time-limit", "node-python"],
+)
+def test_a_slot_no_job_could_serve_is_refused_in_one_line_and_its_job_cancelled(
+    slurm_cluster, tmp_path, changes, refusal
+):
+    with SlurmSlots(slurm_eval(**changes), tmp_path, run_name="refused") as slots:
+        with pytest.raises(ConfigError, match=refusal):
             with slots.lease():
                 pass
-        assert run_jobs("never") == []
-
-
-def test_a_node_whose_python_cannot_run_the_ranks_is_refused_in_one_line_naming_it(slurm_cluster, tmp_path):
-    cfg = slurm_eval(python="/usr/bin/python3")  # the system's: no areal_eval, no torch
-    with SlurmSlots(cfg, tmp_path, run_name="no-python") as slots:
-        with pytest.raises(
-            ConfigError, match=r"^eval.slurm: node n\d: eval.python '/usr/bin/python3' cannot import .*torch"
-        ):
-            with slots.lease():
-                pass
-    assert run_jobs("no-python") == []
+        assert run_jobs("refused") == []
 
 
 def test_the_flows_environment_reaches_the_ranks(slurm_cluster, final_checkpoint, tmp_path, monkeypatch):
