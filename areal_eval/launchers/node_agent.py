@@ -170,6 +170,8 @@ class NodeAgent:
 
     def close(self) -> None:
         """Stop the warm ranks and remove the node-local files (jobs, logs, downloaded checkpoints)."""
-        if self.workers is not None:
-            self.workers.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            if self.workers is not None:
+                self.workers.close()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -204,6 +204,7 @@ class Terminated(SystemExit):
 
 
 def _terminated(*_) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # srun signals again: the clean-up is not cut short
     raise Terminated(143)
 
 

@@ -95,12 +95,11 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
     )
     try:
 
-        def mid_run():  # W&B holds points it has not written yet: the kill may lose them
+        def mid_run():
             steps = [e.global_step for e in Manifest(run.manifest).events()]
-            evaluated = run.ledger.exists() and sum(e.status == "evaluated" for e in Ledger(run.ledger).entries())
-            return 12 <= max(steps, default=0) < 60 and evaluated >= 2
+            return 12 <= max(steps, default=0) < 60
 
-        wait_for(mid_run, 300, f"training past step 12, 2 evaluations recorded (flow log {log.name})")
+        wait_for(mid_run, 300, f"training past step 12 (flow log {log.name})")
         family = psutil.Process(flow.pid).children(recursive=True)
         assert any("areal_eval.train" in " ".join(p.cmdline()) for p in family)
         wandb_opened = (run.root / "sinks" / "wandb.json").exists()  # then the rerun resumes its W&B run
