@@ -284,7 +284,8 @@ class SlurmSlot(ClusterSlot):
     def _wait_gone(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         self.queue.refresh()
-        while self.queue.job(self.job).kind in (JobState.PENDING, JobState.RUNNING) and time.monotonic() < deadline:
+        alive = (JobState.PENDING, JobState.RUNNING, JobState.ENDING)
+        while self.queue.job(self.job).kind in alive and time.monotonic() < deadline:
             time.sleep(0.2)
 
     def describe(self) -> str:

@@ -153,7 +153,7 @@ def test_a_slot_no_job_could_serve_is_refused_in_one_line_and_its_job_cancelled(
         with pytest.raises(ConfigError, match=refusal):
             with slots.lease():
                 pass
-        assert run_jobs("refused") == []
+    assert run_jobs("refused") == []
 
 
 def test_the_flows_environment_reaches_the_ranks(slurm_cluster, final_checkpoint, tmp_path, monkeypatch):
