@@ -11,9 +11,11 @@ has only ``lo``): a Ray cluster (a head and 2 nodes) and a Slurm controller with
 - ``to_mlflow_s``: the median from the request to the metrics logged in MLflow (SQLite);
 - ``idle_rss_mb``: what the slot's processes hold while it waits for the next evaluation
   (node agent and ranks; the cluster's own daemons are not counted);
-- ``idle_cpu_s_per_min`` and ``idle_fs_ops_per_min`` (where ``strace`` is installed): what
-  those processes spend while they wait, per node: CPU, and file-system calls (listing a
-  directory, opening or stat-ing a file), counted by ``strace -c`` over ``IDLE_S``.
+- ``idle_cpu_s_per_min``: the CPU those processes spend while they wait, per node;
+- ``idle_fs_ops_per_min`` (where ``strace`` is installed): the file-system calls (listing a
+  directory, opening or stat-ing a file) of the node agent itself while it waits, per node,
+  counted by ``strace -c`` over ``IDLE_S``: on Slurm, its load on the shared directory (the
+  ranks' own inbox is node-local). Locally, the torchrun agent's.
 
 Ratios are against the local launcher, measured in the same run. Prints one JSON line.
 """
@@ -83,10 +85,10 @@ def idle_load(pids: list[int], nodes: int) -> dict:
     procs = family(pids)
     tracing = []
     if shutil.which("strace"):
-        for proc in procs:
+        for pid in pids:  # the agents themselves (their threads): what they do on the shared directory
             tracing.append(
                 subprocess.Popen(
-                    ["strace", "-c", "-f", "-e", f"trace={FS_CALLS}", "-p", str(proc.pid)],
+                    ["strace", "-c", "-f", "-e", f"trace={FS_CALLS}", "-p", str(pid)],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,
                     text=True,
@@ -100,7 +102,7 @@ def idle_load(pids: list[int], nodes: int) -> dict:
         trace.terminate()
         summary = trace.communicate(timeout=30)[1]
         total = [line.split() for line in summary.splitlines() if line.strip().endswith("total")]
-        calls += int(total[-1][2]) if total and len(total[-1]) >= 4 else 0
+        calls += int(total[-1][3]) if total and len(total[-1]) >= 5 else 0  # % time, seconds, usecs/call, calls
     per_min = 60.0 / IDLE_S / nodes
     out = {"idle_cpu_s_per_min": round(used * per_min, 3)}
     if tracing:
