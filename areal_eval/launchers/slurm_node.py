@@ -28,8 +28,8 @@ from areal_eval.launchers.node_agent import NodeAgent, NodeCheckFailed, check_no
 
 STOP = "stop"
 HEARTBEAT = "heartbeat"
-FIRST_POLL_S, IDLE_POLL_S = 0.01, 1.0
-"""Agents and the flow look for a job or its reply on the shared file system at once while
+FIRST_POLL_S, IDLE_POLL_S = 0.1, 1.0
+"""Agents and the flow look for a job or its reply on the shared file system every 0.1 s while
 busy, backing off to once a second while idle (metadata load a shared file system can bear)."""
 
 
