@@ -89,6 +89,14 @@ def run_jobs(run_name: str) -> list[tuple[str, str]]:
     return [tuple(line.split(" ", 1)) for line in shown if " " in line and line.split(" ", 1)[1].startswith(prefix)]
 
 
+def alive(pid: int) -> bool:
+    """A process that runs (a killed flow whose parent has not reaped it yet is a zombie: dead)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def left_by_dead_flows(run_name: str) -> list[tuple[str, str]]:
     """The run's jobs whose flow, on this host, is gone (``kill -9``): a live flow of the run (the
     sweep beside the service, two trigger flow runs at once) keeps its own."""
@@ -97,7 +105,7 @@ def left_by_dead_flows(run_name: str) -> list[tuple[str, str]]:
     for job, name in run_jobs(run_name):
         owner = name.split(":")[2] if name.count(":") >= 3 else ""
         owner_host, _, pid = owner.rpartition(".")
-        if owner_host == host and pid.isdigit() and not psutil.pid_exists(int(pid)):
+        if owner_host == host and pid.isdigit() and not alive(int(pid)):
             left.append((job, name))
     return left
 
@@ -192,12 +200,12 @@ class SlurmSlot(ClusterSlot):
                     self.report(f"slurm slot {self.index}: {waits}")
             if job.kind is not JobState.UNKNOWN:  # the controller away: the job is as it was
                 self.state = f"job {self.job} {job.state}" + (f" ({job.reason})" if job.reason else "")
-            if job.kind in (JobState.ENDED, JobState.GONE):
-                raise SlotLost(f"{self.describe()} before its node agents started; see {self.dir}/job-{self.job}.out")
             self.nodes = [jsonl.read_json(p) for p in sorted(here.glob("node-*.json"))]
             refused = [n["error"] for n in self.nodes if n and n.get("error")]
-            if refused:
+            if refused:  # before the job's end: a node that refused ends it
                 raise ConfigError(f"eval.slurm: {refused[0]}")
+            if job.kind in (JobState.ENDED, JobState.GONE):
+                raise SlotLost(f"{self.describe()} before its node agents started; see {self.dir}/job-{self.job}.out")
             if job.kind is JobState.RUNNING and len(self.nodes) == self.cfg.nodes:
                 self.state = f"job {self.job} running on " + ", ".join(
                     f"{n['host']}/{n['address']} (devices {n['devices']})" for n in self.nodes
@@ -301,13 +309,8 @@ class SlurmSlots(SlotPool):
         self.cfg = cfg
         shared = Path(cfg.slurm.shared_dir or work_dir) / "slurm-slots"
         report = pool.setdefault("report", log.info)
-        left = left_by_dead_flows(run_name)
-        if left:
-            slurm("scancel", *[job for job, _ in left])
-            deadline = time.monotonic() + 60  # gone, not just told to go: their nodes are free for this run
-            while {job for job, _ in left} & {job for job, _ in run_jobs(run_name)} and time.monotonic() < deadline:
-                time.sleep(0.2)
-            report(f"cancelled {len(left)} slot job(s) a killed flow of {run_name} left: {left}")
+        self.run_name, self._report, self.shared = run_name, report, shared
+        self._cancel_left(wait_s=60)  # gone, not just told to go: their nodes are free for this run
         queue, nth = SlurmQueue(), next(POOLS)
         slots = [
             SlurmSlot(i, cfg, shared / f"slot-{i}", run_name, report, queue, f".{nth}" if nth else "")
@@ -316,10 +319,26 @@ class SlurmSlots(SlotPool):
         super().__init__(slots, **pool)
         self._beating = threading.Thread(target=self._beat, name="slurm-heartbeat", daemon=True)
 
+    def _cancel_left(self, wait_s: float) -> None:
+        left = left_by_dead_flows(self.run_name)
+        if left:
+            cancelled = {job for job, _ in left}
+            slurm("scancel", *cancelled)
+            deadline = time.monotonic() + wait_s
+            while cancelled & {job for job, _ in run_jobs(self.run_name)} and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for job in cancelled:  # and what they left on the shared file system
+                for directory in self.shared.glob(f"slot-*/job-{job}"):
+                    shutil.rmtree(directory, ignore_errors=True)
+            self._report(f"cancelled {len(left)} slot job(s) a killed flow of {self.run_name} left: {left}")
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             for slot in self.slots:
                 slot.beat()
+            # A killed flow's process that outlived the check at the start (its reaper ends it
+            # later): its jobs are cancelled once it is gone, not at their heartbeat's timeout.
+            self._cancel_left(wait_s=0)
 
     def start(self) -> None:
         super().start()
