@@ -27,7 +27,7 @@ from areal_eval.failures import is_known_failure, one_line
 from areal_eval.lifecycle.outcome import Attempt, Outcome, follow_outcome
 from areal_eval.lifecycle.shared_run import Claim, SharedRun
 from areal_eval.logged_models import log_checkpoints_table
-from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
+from areal_eval.pipeline.config import PipelineConfig, deployment_config_path, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config
 from areal_eval.runs.directory import RunDir, live_owner
@@ -75,6 +75,7 @@ def evaluate_checkpoint(
     checkpoint_uri: str | None = None,
     data_path: str | None = None,
     params: PipelineParams | None = None,
+    config_path: str | None = None,
     reason: str | None = None,
     gpu_slot: str | None = None,
     dispatched: bool = False,
@@ -90,7 +91,12 @@ def evaluate_checkpoint(
         checkpoint_uri: expected checkpoint location; must match the manifest entry.
         data_path: validation data. Default: what the publisher registered with the checkpoint
             (``publish_checkpoint(valid_data=...)``), else ``data/valid.jsonl`` beside the manifest.
-        params: pipeline config sections (eval, scheduler, alerts, tracking, ...).
+        params: pipeline config sections (eval, scheduler, alerts, tracking, ...), over every
+            other source of settings.
+        config_path: a JSON or YAML pipeline config file on the worker (the deployment's, from
+            ``AREAL_EVAL_CONFIG`` at deploy time): the settings of runs that recorded none of
+            their own; a run's recorded settings (how it is judged, where its results go) and
+            ``params`` go over it.
         reason: evaluate even if the scheduler skipped it, for this reason (e.g. ``manual``); the
             scheduler's own reason is kept next to it. None: the scheduler decides.
         gpu_slot: a Prefect global concurrency limit held while evaluating (e.g. ``gpu:0``).
@@ -107,6 +113,7 @@ def evaluate_checkpoint(
             checkpoint_uri=checkpoint_uri,
             data_path=data_path,
             params=params,
+            config_path=config_path,
             reason=reason,
             gpu_slot=gpu_slot,
             dispatched=dispatched,
@@ -130,6 +137,7 @@ def decide_and_evaluate(
     checkpoint_uri: str | None,
     data_path: str | None,
     params: PipelineParams | None,
+    config_path: str | None,
     reason: str | None,
     gpu_slot: str | None,
     dispatched: bool,
@@ -137,14 +145,17 @@ def decide_and_evaluate(
 ) -> dict:
     """The flow's body (:func:`evaluate_checkpoint` documents the parameters)."""
     logger = get_run_logger()
-    cfg = load_pipeline_config(params=set_fields(params))
+    config_path, note = deployment_config_path(config_path)
+    if note:
+        logger.info(note)
+    cfg = load_pipeline_config(config_path, set_fields(params))
     local_manifest = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
     run = RunDir(local_manifest.resolve().parent)
-    # The run's own evaluators, schedule and rules, unless these parameters set them.
-    cfg = run_evaluation_config(run, set_fields(params))
+    # The run's own evaluators, schedule, rules and sinks, unless these parameters set them.
+    cfg = run_evaluation_config(run, set_fields(params), config_path=config_path)
     published = Manifest(local_manifest)
+    event = published.find(global_step)  # a missing manifest or step is named before anything else
     if dispatched:
-        event = published.find(global_step)
         result = evaluate_one(cfg, event, validation_data(data_path, event, run), run, gpu_slot=gpu_slot, probe=probe)
         mlflow_run_id = start_tracking_run(cfg, event.run_id, str(run.root))
         log_evaluation(cfg, mlflow_run_id, result, reason or "dispatched")
@@ -153,7 +164,6 @@ def decide_and_evaluate(
     if owner:  # e.g. the trigger, for a trainer's event while train-and-evaluate follows its run
         logger.info(f"checkpoint step {global_step}: left to its owner: {owner}")
         return {"global_step": global_step, "evaluated": False, "reason": owner}
-    event = published.find(global_step)  # a missing manifest or step is named before anything is recorded
     if checkpoint_uri and not same_location(checkpoint_uri, event.uri):
         raise CheckpointError(
             f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}"

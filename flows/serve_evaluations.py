@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +33,7 @@ from prefect.settings import PREFECT_API_URL
 from websockets.exceptions import WebSocketException
 
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, payload_problem
-from areal_eval.config.parsing import ConfigError, to_dict
+from areal_eval.config.parsing import ConfigError, parse_overrides
 from areal_eval.launchers.reaper import watch_over_children
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
@@ -48,14 +49,26 @@ PUBLISHED = EventFilter(
 """Checkpoints announced by trainers outside the flow (the flow evaluates its own)."""
 
 
-def evaluate_published(cfg: PipelineConfig, payload: dict, gpu_slot: str | None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Given:
+    """The settings the service was started with, passed on to every evaluation as the trigger's
+    deployment passes its own: a run's recorded settings go over the file, the overrides over both."""
+
+    config_path: str | None = None
+    """``--config``."""
+    overrides: dict = dataclasses.field(default_factory=dict)
+    """``--set``, as config sections."""
+
+
+def evaluate_published(given: Given, payload: dict, gpu_slot: str | None) -> None:
     """One checkpoint, as the deployment trigger would start it; a failure is the flow run's."""
     state = evaluate_checkpoint(
         global_step=int(payload["global_step"]),
         manifest=payload["manifest"],
         run_id=payload.get("run_id"),
         checkpoint_uri=payload.get("uri"),
-        params=to_dict(cfg),
+        params=given.overrides,
+        config_path=given.config_path,
         gpu_slot=gpu_slot,
         return_state=True,
     )
@@ -66,12 +79,16 @@ def evaluate_published(cfg: PipelineConfig, payload: dict, gpu_slot: str | None)
 
 
 @flow(name="catch-up-evaluations", log_prints=True)
-def catch_up(manifests: list[str], params: PipelineParams | None = None) -> dict:
+def catch_up(manifests: list[str], params: PipelineParams | None = None, config_path: str | None = None) -> dict:
     """After a lost connection: what the events missed in the runs this service has seen
     (checkpoints published while the server was down, claims of flow runs that died), through
     the sweep's own per-run step, on this process's warm workers."""
-    cfg = load_pipeline_config(params=set_fields(params))
-    done = [name for manifest in manifests for name, _ in sweep_run(manifest, cfg, params, reevaluate_skipped=False)]
+    cfg = load_pipeline_config(config_path, set_fields(params))
+    done = [
+        name
+        for manifest in manifests
+        for name, _ in sweep_run(manifest, cfg, params, reevaluate_skipped=False, config_path=config_path)
+    ]
     return {"evaluated": done}
 
 
@@ -80,7 +97,12 @@ CONNECTION_FAULTS = (OSError, WebSocketException)
 
 
 async def serve(
-    cfg: PipelineConfig, gpu_slot: str | None, ready: asyncio.Event | None = None, max_backoff_s: float = 30.0
+    cfg: PipelineConfig,
+    gpu_slot: str | None,
+    ready: asyncio.Event | None = None,
+    max_backoff_s: float = 30.0,
+    *,
+    given: Given = Given(),
 ) -> None:
     """Evaluate each published checkpoint until cancelled. A lost connection to the server is
     retried with backoff, forever; once back, events sent meanwhile are replayed by the server
@@ -106,7 +128,7 @@ async def serve(
                     if gpu_slot and (warning := await loop.run_in_executor(None, leases_kept_in_memory)):
                         print(f"serve-evaluations: warning: {warning}", flush=True)
                     if connected_before and manifests:
-                        loop.run_in_executor(pool, catch_up_quietly, list(manifests), to_dict(cfg))
+                        loop.run_in_executor(pool, catch_up_quietly, list(manifests), given)
                     connected_before, backoff = True, 1.0
                     if ready is not None:
                         ready.set()
@@ -118,7 +140,7 @@ async def serve(
                             print(f"serve-evaluations: event {event.id} skipped: {problem}", flush=True)
                             continue
                         manifests.setdefault(event.payload["manifest"])
-                        loop.run_in_executor(pool, evaluate_published, cfg, dict(event.payload), gpu_slot)
+                        loop.run_in_executor(pool, evaluate_published, given, dict(event.payload), gpu_slot)
                 why = "the server closed the event stream"
             except CONNECTION_FAULTS as exc:
                 why = repr(exc)
@@ -130,9 +152,9 @@ async def serve(
             backoff = min(max_backoff_s, 2 * backoff)
 
 
-def catch_up_quietly(manifests: list[str], params: dict) -> None:
+def catch_up_quietly(manifests: list[str], given: Given) -> None:
     """:func:`catch_up` in the pool; a failure is the catch-up flow run's, not the service's."""
-    state = catch_up(manifests, params, return_state=True)
+    state = catch_up(manifests, given.overrides, given.config_path, return_state=True)
     print(f"serve-evaluations: caught up on {len(manifests)} run(s): {state.name}", flush=True)
 
 
@@ -149,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_pipeline_config(args.config, None, args.overrides)
+        given = Given(args.config and str(Path(args.config).resolve()), parse_overrides(args.overrides))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     watch_over_children()  # the warm workers end with this process, however it ends
     try:
-        asyncio.run(serve(cfg, args.gpu_slot or None))
+        asyncio.run(serve(cfg, args.gpu_slot or None, given=given))
     except KeyboardInterrupt:
         pass
     return 0

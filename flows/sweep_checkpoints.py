@@ -17,7 +17,7 @@ from prefect.runtime import flow_run
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.checkpoints.store import S3Config, S3Store, is_s3, localize_manifest
 from areal_eval.lifecycle.shared_run import SharedRun
-from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
+from areal_eval.pipeline.config import PipelineConfig, deployment_config_path, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields
 from areal_eval.pipeline.setup import run_evaluation_config
 from areal_eval.runs.directory import RunDir, owned_by_live_process
@@ -54,9 +54,15 @@ def end_if_abandoned(tracker, mlflow_run_id: str, run: RunDir) -> bool:
 
 
 def sweep_run(
-    manifest: str, cfg: PipelineConfig, params: PipelineParams | None, reevaluate_skipped: bool
+    manifest: str,
+    cfg: PipelineConfig,
+    params: PipelineParams | None,
+    reevaluate_skipped: bool,
+    *,
+    config_path: str | None = None,
 ) -> list[tuple[str, bool]]:
-    """Evaluate what no flow run handles in the run of ``manifest``: ``(run@step, completed)`` each."""
+    """Evaluate what no flow run handles in the run of ``manifest``: ``(run@step, completed)`` each
+    (``config_path`` and ``params`` as :func:`~flows.evaluate_checkpoint.evaluate_checkpoint` takes them)."""
     logger, tracker = get_run_logger(), tracker_for(cfg)
     local = localize_manifest(manifest, cfg.storage.s3, cfg.work_dir)
     events = Manifest(local).events()
@@ -69,7 +75,7 @@ def sweep_run(
     if owned_by_live_process(run):
         logger.info("run %s: its train-and-evaluate flow is live and evaluates it", events[0].run_id)
         return []
-    judged = run_evaluation_config(run, set_fields(params))  # the run's scheduler and rules, as evaluate-checkpoint's
+    judged = run_evaluation_config(run, set_fields(params), config_path=config_path)  # as evaluate-checkpoint's
     shared = SharedRun(run, Manifest(local), judged.scheduler, judged.alerts, events[0].run_id)
     steps = shared.unhandled(flow_run_alive) + (shared.skipped() if reevaluate_skipped else [])
     steps = sorted(set(steps) - (tracker.deleted_steps(mlflow_run) if mlflow_run else set()))
@@ -82,7 +88,13 @@ def sweep_run(
     done = []
     for step, reason in work:
         state = evaluate_checkpoint(
-            step, manifest, run_id=events[0].run_id, params=params, reason=reason, return_state=True
+            step,
+            manifest,
+            run_id=events[0].run_id,
+            params=params,
+            config_path=config_path,
+            reason=reason,
+            return_state=True,
         )
         done.append((f"{events[0].run_id}@{step}", state.is_completed()))
     return done
@@ -93,7 +105,9 @@ def sweep_run_name() -> str:
 
 
 @flow(name="sweep-checkpoints", flow_run_name=sweep_run_name, log_prints=True)
-def sweep_checkpoints(store: str, params: PipelineParams | None = None, reevaluate_skipped: bool = False) -> dict:
+def sweep_checkpoints(
+    store: str, params: PipelineParams | None = None, config_path: str | None = None, reevaluate_skipped: bool = False
+) -> dict:
     """Evaluate what no flow run is evaluating, in every run under ``store``.
 
     That is: checkpoints with no decision yet (their events were lost; they are decided now, by
@@ -105,17 +119,22 @@ def sweep_checkpoints(store: str, params: PipelineParams | None = None, reevalua
         store: a run directory or a directory of run directories (each with manifest.jsonl), or
             the ``s3://bucket/prefix`` of ``storage.checkpoint_uri`` (training mirrors manifests there).
         params: pipeline config sections, passed on to evaluate-checkpoint.
+        config_path: a pipeline config file on the worker (the deployment's, from
+            ``AREAL_EVAL_CONFIG`` at deploy time), passed on to evaluate-checkpoint.
         reevaluate_skipped: also evaluate the checkpoints the scheduler skipped or superseded.
     """
     logger = get_run_logger()
-    cfg = load_pipeline_config(params=set_fields(params))
+    config_path, note = deployment_config_path(config_path)
+    if note:
+        logger.info(note)
+    cfg = load_pipeline_config(config_path, set_fields(params))
     evaluated, failed = [], []
     # One group of ranks, started at the first evaluation, serves every evaluation of the sweep:
     # catching up on many checkpoints pays worker start-up once, as the evaluation service does.
     sweep_dir = Path(cfg.work_dir) / "sweep-checkpoints" / str(flow_run.id or "local")  # sweeps may overlap
     with serve_warm_workers(cfg, sweep_dir) if cfg.eval.warm_workers else contextlib.nullcontext():
         for manifest in find_manifests(store, cfg.storage.s3):
-            for name, completed in sweep_run(manifest, cfg, params, reevaluate_skipped):
+            for name, completed in sweep_run(manifest, cfg, params, reevaluate_skipped, config_path=config_path):
                 (evaluated if completed else failed).append(name)
     logger.info("sweep: evaluated %d, failed %d", len(evaluated), len(failed))
     return {"evaluated": evaluated, "failed": failed}

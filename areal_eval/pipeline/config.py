@@ -169,3 +169,18 @@ def load_pipeline_config(
     if run_name is not None:
         data.setdefault("run_name", run_name)
     return from_dict(PipelineConfig, data)
+
+
+UNSET_DEPLOY_VARIABLE = re.compile(r"^\{\{\s*\$(\w+)\s*\}\}$")
+"""What ``prefect deploy`` leaves of ``"{{ $VAR }}"`` when ``VAR`` is not set."""
+
+
+def deployment_config_path(value: str | None) -> tuple[str | None, str | None]:
+    """A deployment's ``config_path`` parameter: ``(path, note)``. The path is None when the
+    parameter is empty, or is ``infra/prefect.yaml``'s ``{{ $AREAL_EVAL_CONFIG }}`` left as is
+    because the variable was not set at deploy time; the note then says so."""
+    if not value:
+        return None, None
+    if unset := UNSET_DEPLOY_VARIABLE.match(value):
+        return None, f"config_path: ${unset[1]} was not set when the deployment was made: the defaults apply"
+    return value, None

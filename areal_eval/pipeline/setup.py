@@ -9,7 +9,7 @@ from pathlib import Path
 
 from areal_eval import jsonl
 from areal_eval.checkpoints.manifest import Manifest
-from areal_eval.config.parsing import merge
+from areal_eval.config.parsing import merge, read_file
 from areal_eval.evaluation.evaluators import check_evaluation_data
 from areal_eval.evaluation.job_spec import write_spec
 from areal_eval.models.objectives import objective
@@ -95,16 +95,24 @@ def _record_config(cfg: PipelineConfig, run: RunDir) -> None:
     jsonl.write_atomic(run.config_file, json.dumps(recorded_config(dataclasses.asdict(cfg)), indent=1))
 
 
-JUDGING = {"eval": ("evaluator", "generation", "lm_loss", "lm_eval"), "model": ("max_length",), "alerts": ("rules",)}
-"""What a run is judged by, beside its whole ``scheduler`` section: its evaluators and their
-settings, the token limit, the alert rules (they name the evaluators' metrics)."""
+JUDGING = {
+    "eval": ("evaluator", "generation", "lm_loss", "lm_eval"),
+    "model": ("max_length",),
+    "alerts": ("rules",),
+    "tracking": ("experiment", "registered_model", "sinks", "wandb", "tensorboard"),
+}
+"""What a run is judged by and where its results go, beside its whole ``scheduler`` section: its
+evaluators and their settings, the token limit, the alert rules (they name the evaluators'
+metrics), its experiment and sinks. Not how or where it is evaluated (ranks, launcher, devices),
+nor the tracking server's address: those belong to the path that evaluates it."""
 
 
 def recorded_evaluation_settings(run: RunDir) -> dict:
-    """The settings ``run`` was started with that decide how it is judged, as config sections
-    ({} when the run recorded none, e.g. one published by a trainer alone). Every path that
-    evaluates the run (the trigger, ``prefect deployment run``, the sweep) starts from them, so
-    a run is judged the same whichever path evaluates it; parameters given there override."""
+    """The settings ``run`` was started with that decide how it is judged and where its results
+    go, as config sections ({} when the run recorded none, e.g. one published by a trainer
+    alone). Every path that evaluates the run (the trigger, ``prefect deployment run``, the
+    service, the sweep) starts from them, so a run is judged and recorded the same whichever
+    path evaluates it; parameters given there override."""
     recorded = jsonl.read_json(run.config_file, None)
     if not isinstance(recorded, dict):
         return {}
@@ -114,10 +122,13 @@ def recorded_evaluation_settings(run: RunDir) -> dict:
     return {section: values for section, values in judging.items() if values}
 
 
-def run_evaluation_config(run: RunDir, params: dict | None) -> PipelineConfig:
-    """The config ``run`` is evaluated with: what it was started with (:func:`recorded_evaluation_settings`),
-    then ``params`` (the fields a flow's caller set) over it."""
-    return load_pipeline_config(params=merge(recorded_evaluation_settings(run), params or {}))
+def run_evaluation_config(run: RunDir, params: dict | None, *, config_path: str | None = None) -> PipelineConfig:
+    """The config ``run`` is evaluated with, each source over the one before: the defaults, the
+    path's config file (``config_path``: a deployment's, the service's ``--config``), what the run
+    was started with (:func:`recorded_evaluation_settings`), then ``params`` (the fields a flow's
+    caller set)."""
+    base = read_file(config_path) if config_path else {}
+    return load_pipeline_config(params=merge(merge(base, recorded_evaluation_settings(run)), params or {}))
 
 
 def total_train_steps(run: RunDir, cfg: PipelineConfig) -> int | None:

@@ -72,3 +72,22 @@ def test_the_flow_run_whose_result_is_a_suspected_regression_looks_back_at_the_s
     assert sink_points.scalars(run.root / "tensorboard" / "areal-eval")["eval/accuracy"] == [0, 4, 8, 12]
     rows = sink_points.history(run.root / "sinks", sink_points.wandb_run_id(run.root))
     assert [r["eval/step"] for r in rows if "eval/accuracy" in r] == [0, 4, 12, 8]
+
+
+def test_a_step_not_in_the_manifest_fails_in_one_line_even_when_a_live_flow_owns_the_run(
+    prefect_server, trained_run, tmp_path
+):
+    from areal_eval.runs.directory import RunLock
+    from flows.evaluate_checkpoint import evaluate_checkpoint
+    from tests.helpers import copy_trained_run
+
+    _, original = trained_run
+    run = copy_trained_run(original, tmp_path / "owned")
+    params = {"work_dir": str(tmp_path), "tracking": {"tracking_uri": sqlite_mlflow_uri(tmp_path)}}
+    with RunLock(run):  # a live train-and-evaluate follows the run
+        missing = evaluate_checkpoint(110, str(run.manifest), params=params, return_state=True)
+        left = evaluate_checkpoint(4, str(run.manifest), params=params, return_state=True)
+    assert missing.is_failed()
+    assert missing.message == f"owned@110 failed: {run.manifest}: no checkpoint at step 110 in the manifest"
+    assert left.is_completed() and left.result()["evaluated"] is False and "it evaluates its own" in left.result()["reason"]
+    assert not run.ledger.exists()  # nothing recorded for either

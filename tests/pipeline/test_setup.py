@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_eval.pipeline.config import load_pipeline_config
+from areal_eval.pipeline.config import deployment_config_path, load_pipeline_config
 from areal_eval.pipeline.setup import check_inputs, prepare_run, recorded_evaluation_settings, run_evaluation_config
 from areal_eval.runs.directory import RunDir
 
@@ -30,7 +30,8 @@ def test_every_path_judges_a_run_by_what_it_was_started_with_unless_told_otherwi
     params = {**SMALL_SFT, "work_dir": str(tmp_path), "run_name": "sft"}
     run = prepare_run(load_pipeline_config(SFT_MATH, params))
     judging = recorded_evaluation_settings(run)
-    assert set(judging) == {"eval", "model", "scheduler", "alerts"}
+    assert set(judging) == {"eval", "model", "scheduler", "alerts", "tracking"}
+    assert "tracking_uri" not in judging["tracking"]  # the server's address is the path's
     assert set(judging["eval"]) == {"evaluator", "generation", "lm_loss", "lm_eval"}  # not nproc, not deployment
     cfg = run_evaluation_config(run, {"eval": {"nproc": 1}})
     assert cfg.eval.evaluator == "generation,lm_loss" and cfg.eval.nproc == 1
@@ -73,3 +74,29 @@ def test_validation_data_is_checked_as_each_evaluator_reads_it_and_kept_whole(tm
     pairs.write_text('{"chosen": "a", "rejected": "b"}\n')
     with pytest.raises(DataError, match=rf"{pairs}:1: no 'answer'"):
         check_inputs(load_pipeline_config(params={**generation, "data": {"valid_path": str(pairs)}}))
+
+
+def test_a_paths_config_file_is_under_a_runs_recorded_settings_and_its_params_over_both(tmp_path):
+    file = tmp_path / "server.yaml"
+    file.write_text("eval:\n  nproc: 1\ntracking:\n  sinks: [mlflow, tensorboard]\nscheduler:\n  metric: loss\n")
+    alone = RunDir(tmp_path / "published-by-a-trainer")  # recorded nothing: the file decides
+    cfg = run_evaluation_config(alone, None, config_path=str(file))
+    assert cfg.eval.nproc == 1 and cfg.tracking.sinks == ["mlflow", "tensorboard"] and cfg.scheduler.metric == "loss"
+    params = {**SMALL_SFT, "work_dir": str(tmp_path), "run_name": "sft", "tracking": {"sinks": ["mlflow", "wandb"]}}
+    started = prepare_run(load_pipeline_config(SFT_MATH, params))
+    cfg = run_evaluation_config(started, {"eval": {"nproc": 3}}, config_path=str(file))
+    assert cfg.tracking.sinks == ["mlflow", "wandb"]  # where its results went when it started
+    assert cfg.scheduler.metric == "generation/accuracy" and cfg.eval.evaluator == "generation,lm_loss"
+    assert cfg.eval.nproc == 3  # params over everything; the file's ranks when they say nothing
+    assert run_evaluation_config(started, None, config_path=str(file)).eval.nproc == 1
+    from areal_eval.config.parsing import ConfigError
+
+    with pytest.raises(ConfigError, match="no-such.yaml: no such config file"):
+        run_evaluation_config(alone, None, config_path=str(tmp_path / "no-such.yaml"))
+
+
+def test_a_deployments_config_path_left_unrendered_by_prefect_deploy_means_none_and_says_why():
+    assert deployment_config_path(None) == (None, None) and deployment_config_path("") == (None, None)
+    assert deployment_config_path("/etc/areal.yaml") == ("/etc/areal.yaml", None)
+    path, note = deployment_config_path("{{ $AREAL_EVAL_CONFIG }}")
+    assert path is None and note.startswith("config_path: $AREAL_EVAL_CONFIG was not set when the deployment was made")
