@@ -32,6 +32,7 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.settings import PREFECT_API_URL
 from websockets.exceptions import WebSocketException
 
+from areal_eval.checkpoints.lost_events import ServedRuns
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, payload_problem
 from areal_eval.config.parsing import ConfigError, parse_overrides
 from areal_eval.launchers.reaper import watch_over_children
@@ -114,6 +115,7 @@ async def serve(
     with (
         serve_warm_workers(cfg, Path(cfg.work_dir) / "serve-evaluations") as workers,
         ThreadPoolExecutor(cfg.eval.slots, thread_name_prefix="evaluate") as pool,
+        ServedRuns() as served,  # what a trainer whose event is lost is told will catch it up
     ):
         workers.start()  # up before the first checkpoint arrives
         while True:
@@ -140,6 +142,7 @@ async def serve(
                             print(f"serve-evaluations: event {event.id} skipped: {problem}", flush=True)
                             continue
                         manifests.setdefault(event.payload["manifest"])
+                        served.add(event.payload["manifest"])
                         loop.run_in_executor(pool, evaluate_published, given, dict(event.payload), gpu_slot)
                 why = "the server closed the event stream"
             except CONNECTION_FAULTS as exc:

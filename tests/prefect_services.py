@@ -9,9 +9,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -218,3 +220,39 @@ def republish(original: Path, run_dir: Path, run_id: str, steps: list[int]) -> P
             )
         )
     return run_dir / "manifest.jsonl"
+
+
+class DelayingProxy:
+    """A TCP proxy on loopback that holds every reply from ``upstream`` for ``delay_s``: the server
+    gets each request at once, its client hears back only after its own timeout."""
+
+    def __init__(self, upstream_port: int, delay_s: float):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port, self.delay_s = upstream_port, delay_s
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(client, upstream, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.delay_s), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+        try:
+            while data := source.recv(65536):
+                time.sleep(delay_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                s.close()
+
+    def close(self) -> None:
+        self.listener.close()

@@ -15,7 +15,8 @@ The manifest is the source of truth, the event only a fast path: events go out f
 of their own, in publish order, so an event API that is down, slow or hung never holds up the
 trainer, and a failed one is a warning, never an error raised into the trainer. At exit the
 process waits at most one event timeout for events not yet sent. The evaluation service's
-catch-up and the cron sweep evaluate every checkpoint of the manifest whose event was lost.
+catch-up and the cron sweep evaluate every checkpoint of the manifest whose event was lost; the
+warning names which one will (:mod:`areal_eval.checkpoints.lost_events`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from areal_eval.checkpoints.lost_events import Sweep, find_sweeps, who_evaluates
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, announcement, describe_files
 from areal_eval.checkpoints.store import S3Config, StorageConfig, is_s3, open_store
 
 CHECKPOINT_SAVED = "areal.checkpoint.saved"
 EVENT_TIMEOUT_S = 5.0
 """How long a publish waits for the event API before it warns and lets training go on."""
+SWEEPS_FRESH_S = 300.0
+"""How long what a server said of its sweeps is taken as still true."""
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +113,11 @@ class EventSender:
         """The longest event timeout asked for: how long the process waits at exit."""
         self._owner: int | None = None
         """The process whose thread sends."""
+        self._last = ("", "")
+        """The server and manifest of the last event sent."""
+        self._sweeps: dict[str, tuple[float, list[Sweep]]] = {}
+        self._asking: set[str] = set()
+        """What each server said of its sweeps, and when: named when it stops answering."""
 
     def send(self, api_url: str, event: CheckpointEvent, manifest: str | Path, timeout_s: float) -> None:
         with self._changed:
@@ -117,6 +126,7 @@ class EventSender:
                 threading.Thread(target=self._run, name="checkpoint-events", daemon=True).start()
                 atexit.register(self._at_exit, os.getpid())
             self._waiting.append((api_url, event, manifest, timeout_s))
+            self._last = (api_url, str(manifest))
             self._unsent += 1
             self._longest = max(self._longest, timeout_s)
             self._changed.notify_all()
@@ -128,17 +138,36 @@ class EventSender:
                 api_url, event, manifest, timeout_s = self._waiting.popleft()
             try:
                 post_event(api_url, event, manifest, timeout_s)
+                self._learn_sweeps(api_url)
             except Exception as exc:  # noqa: BLE001 - a side fault: training goes on, the manifest has the checkpoint
                 logger.warning(
-                    "checkpoint step %d is in the manifest, but its event did not reach %s (%r): the evaluation "
-                    "service's catch-up or sweep-checkpoints evaluates it from the manifest",
+                    "checkpoint step %d is in the manifest, but its event did not reach %s (%r): %s",
                     event.global_step,
                     api_url,
                     exc,
+                    who_evaluates(str(manifest), self._sweeps.get(api_url, (0, None))[1]),
                 )
             with self._changed:
                 self._unsent -= 1
                 self._changed.notify_all()
+
+    def _learn_sweeps(self, api_url: str) -> None:
+        """Ask the server that answered for its sweeps, at most every few minutes, from a thread
+        of its own: a slow answer never holds up the next event."""
+        learned_at = self._sweeps.get(api_url, (-SWEEPS_FRESH_S, None))[0]
+        if time.monotonic() - learned_at < SWEEPS_FRESH_S or api_url in self._asking:
+            return
+        self._asking.add(api_url)
+
+        def ask() -> None:
+            try:
+                self._sweeps[api_url] = (time.monotonic(), find_sweeps(api_url))
+            except Exception as exc:  # noqa: BLE001 - only the warning's words depend on it
+                logger.debug("the sweeps of %s are unknown: %r", api_url, exc)
+            finally:
+                self._asking.discard(api_url)
+
+        threading.Thread(target=ask, name="checkpoint-events-sweeps", daemon=True).start()
 
     def flush(self, timeout_s: float = EVENT_TIMEOUT_S) -> int:
         """Wait until every event sent so far is posted or has failed, at most ``timeout_s``;
@@ -151,10 +180,11 @@ class EventSender:
 
     def _at_exit(self, pid: int) -> None:
         if pid == os.getpid() and (left := self.flush(self._longest)):
+            api_url, manifest = self._last
             logger.warning(
-                "%d checkpoint event(s) not sent before exit: the evaluation service's catch-up or "
-                "sweep-checkpoints evaluates their checkpoints from the manifest",
+                "%d checkpoint event(s) not sent before exit: %s",
                 left,
+                who_evaluates(manifest, self._sweeps.get(api_url, (0, None))[1]),
             )
 
 

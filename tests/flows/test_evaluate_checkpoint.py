@@ -89,5 +89,9 @@ def test_a_step_not_in_the_manifest_fails_in_one_line_even_when_a_live_flow_owns
         left = evaluate_checkpoint(4, str(run.manifest), params=params, return_state=True)
     assert missing.is_failed()
     assert missing.message == f"owned@110 failed: {run.manifest}: no checkpoint at step 110 in the manifest"
-    assert left.is_completed() and left.result()["evaluated"] is False and "it evaluates its own" in left.result()["reason"]
+    assert (
+        left.is_completed()
+        and left.result()["evaluated"] is False
+        and "it evaluates its own" in left.result()["reason"]
+    )
     assert not run.ledger.exists()  # nothing recorded for either

@@ -5,11 +5,13 @@ end once; bad input fails in one line."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tests.helpers import assert_best_is_registered, checkpoints_table, copy_tra
 from tests.prefect_services import (
     PREFECT,
     REPO,
+    DelayingProxy,
     api,
     cli_or_fail,
     eval_steps,
@@ -260,3 +263,64 @@ def test_a_hugging_face_trainer_publishes_and_the_trigger_evaluates_its_checkpoi
     assert eval_steps(server, "hf-served") == [e.step for e in ledger.entries() if e.status == "evaluated"]
     tracker = Tracker(TrackingConfig(tracking_uri=server["MLFLOW_TRACKING_URI"], experiment="areal-eval"))
     assert tracker.client.get_run(tracker.find_run("hf-served")).info.status == "FINISHED"  # 16 was final
+
+
+def test_a_trainer_whose_event_is_lost_is_told_which_sweep_evaluates_its_checkpoint_and_when(
+    server, trained_run, tmp_path, caplog
+):
+    from areal_eval.checkpoints import publisher
+    from areal_eval.checkpoints.lost_events import find_sweeps
+    from areal_eval.checkpoints.publisher import flush_events, publish_checkpoint
+
+    _, original = trained_run
+    store = Path(server["AREAL_EVAL_STORE"])
+    [sweep] = find_sweeps(server["PREFECT_API_URL"])
+    assert sweep.name == "sweep-checkpoints/every-30-minutes" and sweep.schedules == ("cron */30 * * * *",)
+    assert Path(sweep.store) == store
+    # Its next run, as the server's scheduler would put it in (the tests' server runs no scheduler).
+    [deployment] = api(server, "/deployments/filter", {"deployments": {"name": {"any_": ["every-30-minutes"]}}})
+    at = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+    scheduled = api(
+        server,
+        f"/deployments/{deployment['id']}/create_flow_run",
+        {"state": {"type": "SCHEDULED", "state_details": {"scheduled_time": at.isoformat()}}},
+    )
+    port = int(server["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0])
+    proxy = DelayingProxy(port, delay_s=0.0)
+    api_url = f"http://127.0.0.1:{proxy.port}/api"
+    trained = {e.global_step: e for e in Manifest(original.manifest).events()}
+    run_dir = store / "lost-event"
+
+    def publish(step: int) -> None:
+        publish_checkpoint(
+            trained[step].uri,
+            run_dir / "manifest.jsonl",
+            "lost-event",
+            step,
+            valid_data=original.valid_data,
+            api_url=api_url,
+            event_timeout_s=1.0,
+        )
+
+    try:
+        publish(0)  # its event arrives; the publisher learns the server's sweeps meanwhile
+        deadline = time.monotonic() + 60
+        while api_url not in publisher._events._sweeps:  # (a thread of its own asks)
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        proxy.delay_s = 3.0  # the server now answers after the publisher gave up
+        publish(4)
+        assert flush_events(30) == 0
+    finally:
+        proxy.close()
+        urllib.request.urlopen(
+            urllib.request.Request(server["PREFECT_API_URL"] + f"/flow_runs/{scheduled['id']}", method="DELETE"),
+            timeout=10,
+        )
+    [warned] = [r.getMessage() for r in caplog.records if "its event did not reach" in r.getMessage()]
+    local = at.astimezone()
+    assert warned.startswith("checkpoint step 4 is in the manifest, but its event did not reach"), warned
+    assert warned.endswith(
+        f"sweep-checkpoints/every-30-minutes evaluates it from the manifest at its next run, {local:%H:%M %Z}"
+    )
+    wait_for_runs(server, lambda r: r["parameters"].get("run_id") == "lost-event", 2)  # (4's arrived late)

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
@@ -21,7 +19,17 @@ from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, publish_checkpoin
 from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import Tracker, TrackingConfig
 from tests.helpers import checkpoints_table, free_port
-from tests.prefect_services import REPO, api, api_get, cli, server_env, start_server, stop, wait_for_runs
+from tests.prefect_services import (
+    REPO,
+    DelayingProxy,
+    api,
+    api_get,
+    cli,
+    server_env,
+    start_server,
+    stop,
+    wait_for_runs,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -32,42 +40,6 @@ from tasks.orchestration import holding_slot
 with holding_slot("gpu:0", wait_s=120):
     print("held gpu:0", flush=True)
 """
-
-
-class DelayingProxy:
-    """A TCP proxy on loopback that holds every reply from ``upstream`` for ``delay_s``: the server
-    gets each request at once, its client hears back only after its own timeout."""
-
-    def __init__(self, upstream_port: int, delay_s: float):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.upstream_port, self.delay_s = upstream_port, delay_s
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._pump, args=(client, upstream, 0.0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, self.delay_s), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
-        try:
-            while data := source.recv(65536):
-                time.sleep(delay_s)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                s.close()
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_lost(trained_run, tmp_path, caplog):
@@ -196,6 +168,9 @@ def test_the_service_outlives_a_server_restart_and_no_publication_or_metric_is_l
         r.getMessage() for r in caplog.records if "is in the manifest, but its event did not reach" in r.getMessage()
     ]
     assert [w.split()[2] for w in warned] == ["100", "400"], warned
+    # Each names what evaluates the checkpoint: the service, which serves this run.
+    assert all(w.endswith("evaluates it from the manifest once it reconnects") for w in warned), warned
+    assert f"the evaluation service serving this run (pid {service.pid} on " in warned[0], warned
     ledger = Ledger(run_dir / "ledger.jsonl")
     assert [e.step for e in ledger.entries()] == steps
     assert all(e.status in ("evaluated", "skipped") for e in ledger.entries()), [e.reason for e in ledger.entries()]
