@@ -44,10 +44,10 @@ from tasks.mlflow_logging import (
 from tasks.orchestration import flow_run_alive, holding_slot, tag_flow_run
 from tasks.reports import (
     announce_outcome,
+    announce_summary,
     curve_or_none,
     log_known_failures_without_traceback,
     summarize,
-    summary_line,
     update_evaluation_table,
 )
 
@@ -251,7 +251,7 @@ def report(ctx: Evaluating, claim: Claim, summary: dict, failures: list[Exceptio
     if failures:  # on record; the flow says it in one line
         raise failures[0]
     if "run" in summary:
-        announce_outcome(event.run_id, summary_line(summary["run"], cfg.scheduler.metric))
+        announce_summary(summary["run"], cfg.scheduler.metric)
     return summary
 
 

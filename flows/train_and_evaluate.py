@@ -52,10 +52,10 @@ from tasks.mlflow_logging import finish_tracking, start_tracking
 from tasks.orchestration import crash_orphaned_runs, tag_flow_run
 from tasks.reports import (
     announce_outcome,
+    announce_summary,
     curve_or_none,
     log_known_failures_without_traceback,
     summarize,
-    summary_line,
 )
 from tasks.training import prepare_run_dir, start_training, wait_for_training
 
@@ -160,7 +160,7 @@ def train_and_evaluate(
             except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the run ends failed, as below
                 failure = exc
             else:
-                announce_outcome(run.run_id, summary_line(summary, cfg.scheduler.metric))
+                announce_summary(summary, cfg.scheduler.metric)
                 return summary
         announce_outcome(run.run_id, f"{run.run_id} stopped: {stop_cause(failure)}", failed=True)
         if mlflow_run_id is not None:  # None: MLflow could not be reached to start with

@@ -12,6 +12,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 from prefect.events.worker import EventsWorker
+from prefect.settings import PREFECT_UI_URL
 
 from areal_eval.curve_plot import plot_curve
 from areal_eval.failures import is_known_failure, one_line
@@ -94,11 +95,12 @@ def summarize(
     return summary
 
 
-def announce_outcome(run_id: str, line: str, failed: bool = False) -> None:
-    """The flow run's last word, in its log and as an event (``areal.run.finished`` or
-    ``areal.run.failed``, the line as the resource's name): ``prefect deployment run --watch``
-    prints the flow run's events, so it ends on this line."""
-    get_run_logger().log(logging.ERROR if failed else logging.INFO, line)
+def announce_outcome(run_id: str, line: str, failed: bool = False, *, log: bool = True) -> None:
+    """The flow run's last word, in its log (unless ``log`` is false) and as an event
+    (``areal.run.finished`` or ``areal.run.failed``, the line as the resource's name):
+    ``prefect deployment run --watch`` prints it before Prefect's own last lines."""
+    if log:
+        get_run_logger().log(logging.ERROR if failed else logging.INFO, line)
     emit_event(
         "areal.run.failed" if failed else "areal.run.finished",
         resource={"prefect.resource.id": f"areal.run.{run_id}", "prefect.resource.name": line[:2000]},
@@ -113,6 +115,32 @@ def send_queued(timeout_s: float) -> None:
     sender = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
     sender.start()
     sender.join(timeout_s)
+
+
+def announce_summary(summary: dict, metric: str) -> None:
+    """A finished run's last word: the whole summary (counts, the curve, the MLflow link) and the
+    link to its summary artifact in the log, then its short line as the run's event, which
+    ``--watch`` prints on one line where the terminal is wide enough."""
+    logger = get_run_logger()
+    logger.info(summary_line(summary, metric))
+    if link := summary_link(summary["run_name"]):
+        logger.info(f"summary: {link}")
+    announce_outcome(summary["run_name"], short_line(summary, metric), log=False)
+
+
+def short_line(summary: dict, metric: str) -> str:
+    """The run's outcome in a few words: what was evaluated and its metric at the last one."""
+    line = f"{summary['run_name']}: {summary['evaluated']} of {summary['checkpoints']} evaluated"
+    if summary["curve"]:
+        step, value = summary["curve"][-1]
+        line += f"; {metric} {value} at step {step}"
+    return line
+
+
+def summary_link(run_id: str) -> str | None:
+    """The run's summary artifact in the Prefect UI (None where there is no UI to open)."""
+    ui = PREFECT_UI_URL.value()
+    return f"{ui.rstrip('/')}/artifacts/key/{artifact_key('summary', run_id)}" if ui else None
 
 
 def summary_line(summary: dict, metric: str) -> str:
@@ -132,9 +160,21 @@ class WithoutTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None and is_known_failure(exc):
-            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {one_line(exc)}", ()
+            said = record.getMessage()
+            tail = said.split(repr(exc), 1)[1] if repr(exc) in said else ""  # e.g. " - Retry 1/2 will start ..."
+            for prefect_words, ours in UNEXPECTED:  # not unexpected: its cause is named
+                if said.startswith(prefect_words):
+                    said = ours
+            record.msg, record.args = f"{said}: {type(exc).__name__}: {one_line(exc)}{tail}", ()
             record.exc_info, record.exc_text = None, None
         return True
+
+
+UNEXPECTED = (
+    ("Engine execution exited with unexpected exception", "Flow run failed"),
+    ("Task run failed with exception", "Task run failed"),
+)
+"""Prefect's words for a run that raised, and ours for a known failure's."""
 
 
 def log_known_failures_without_traceback() -> None:

@@ -6,9 +6,18 @@ from __future__ import annotations
 import logging
 
 from areal_eval.config.parsing import ConfigError
+from areal_eval.evaluation.jobs import CorruptCheckpoint
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger, LedgerEntry
-from tasks.reports import WithoutTraceback, artifact_key, summarize, summary_line, update_evaluation_table
+from tasks.reports import (
+    WithoutTraceback,
+    artifact_key,
+    short_line,
+    summarize,
+    summary_line,
+    summary_link,
+    update_evaluation_table,
+)
 from tests.conftest import tiny_config
 
 
@@ -26,16 +35,35 @@ def test_the_summary_line_holds_the_counts_the_curve_and_the_link():
     )
     without_mlflow = summary_line(summary | {"mlflow_url": None}, "accuracy")  # tracking.sinks without it
     assert without_mlflow.endswith("accuracy by step: 0:0.5, 8:0.75") and "MLflow" not in without_mlflow
+    # What --watch prints: a few words, the rest behind the summary artifact's link.
+    assert short_line(summary | {"run_name": "server-demo"}, "accuracy") == (
+        "server-demo: 2 of 4 evaluated; accuracy 0.75 at step 8"
+    )
+    assert short_line(summary | {"evaluated": 0, "curve": []}, "accuracy") == "r: 0 of 4 evaluated"
 
 
-def record_of(exc: BaseException) -> logging.LogRecord:
-    return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "run failed", (), (type(exc), exc, None))
+def test_the_summary_link_opens_the_runs_artifact_in_the_prefect_ui():
+    from prefect.settings import PREFECT_UI_URL, temporary_settings
+
+    with temporary_settings({PREFECT_UI_URL: "http://127.0.0.1:4200"}):
+        assert summary_link("Server_Demo") == "http://127.0.0.1:4200/artifacts/key/summary-server-demo"
+
+
+def record_of(exc: BaseException, said: str = "run failed") -> logging.LogRecord:
+    return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, said, (), (type(exc), exc, None))
 
 
 def test_a_known_failure_is_logged_in_one_line_and_a_bug_keeps_its_traceback():
     known = record_of(ConfigError("eval.nproc: must be at least 1\nmore detail"))
     assert WithoutTraceback().filter(known)
     assert known.exc_info is None and known.getMessage() == "run failed: ConfigError: eval.nproc: must be at least 1"
+    # Prefect's own words for a run that raised are not "unexpected" for a failure whose cause is named.
+    corrupt = CorruptCheckpoint("step 8: model.safetensors is 3 bytes, the manifest says 700")
+    engine = record_of(corrupt, "Engine execution exited with unexpected exception")
+    task = record_of(corrupt, f"Task run failed with exception: {corrupt!r} - Retries are exhausted")
+    assert WithoutTraceback().filter(engine) and WithoutTraceback().filter(task)
+    assert engine.getMessage() == f"Flow run failed: CorruptCheckpoint: {corrupt}"
+    assert task.getMessage() == f"Task run failed: CorruptCheckpoint: {corrupt} - Retries are exhausted"
     bug = record_of(KeyError("nobody expected this"))
     assert WithoutTraceback().filter(bug)
     assert bug.exc_info is not None and bug.getMessage() == "run failed"
