@@ -33,6 +33,7 @@ from areal_eval.launchers.devices import Devices, check_setting
 from areal_eval.launchers.local import TorchrunJob
 from areal_eval.launchers.process_control import die_with_parent
 from areal_eval.models.objectives import ModelConfig, objective
+from areal_eval.runs.directives import Inbox, scale_learning_rate
 from areal_eval.runs.directory import RunDir, StopSignal
 
 
@@ -294,7 +295,9 @@ def train(spec: TrainJobSpec) -> None:
         sched.load_state_dict(state["schedule"])
         ctl.load_state_dict(state["trigger"])
         global_step, start_epoch, start_epoch_step = state["global_step"], state["next_epoch"], state["next_epoch_step"]
-    elif ctl.before_train() and writer:
+    # What evaluation asks of training; an answer made after the step training starts from is void.
+    inbox = Inbox(run.root, resumed_at=global_step)
+    if not resume and ctl.before_train() and writer:
         writer.save(epoch=0, epoch_step=0, global_step=0, train_metrics={}, resume_state=resume_state(0, 0, 0))
     started, stop_reason = time.monotonic(), None
     epoch = epoch_step = 0
@@ -313,17 +316,19 @@ def train(spec: TrainJobSpec) -> None:
             opt.step()
             sched.step()
             global_step += 1
-            # One small all-reduce per step: mean loss for the log, and any rank's stop request.
-            local_stop = 1.0 if rank == 0 and stop.requested() else 0.0
-            stats = distributed.all_reduce_sum(torch.tensor([loss.item(), local_stop], dtype=torch.float64, device=dev))
+            # One small all-reduce per step: mean loss for the log, a stop request, a directive waiting.
+            local = [loss.item(), 1.0 if rank == 0 and stop.requested() else 0.0, float(rank == 0 and inbox.waiting())]
+            stats = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=dev))
+            for directive in inbox.agree(stats[2].item() > 0):  # applied before this step's save
+                stop_reason = apply_directive(directive, opt, sched, inbox=inbox, step=global_step) or stop_reason
             metrics = {"loss": stats[0].item() / world, "lr": sched.get_last_lr()[0], "epoch": epoch}
             if log and global_step % cfg.log_every == 0:
                 elapsed = time.monotonic() - started
                 log.write(
                     {"step": global_step, **metrics, "samples_per_s": global_step * cfg.batch_size * world / elapsed}
                 )
-            if stats[1].item() > 0:
-                stop_reason = stop.requested() or "stop requested"
+            if stats[1].item() > 0 or stop_reason:
+                stop_reason = stop_reason or stop.requested() or "stop requested"
                 break
             is_last = global_step >= total
             due = ctl.check(epochs=int(epoch_step == epoch_steps - 1), steps=1)
@@ -355,6 +360,24 @@ def train(spec: TrainJobSpec) -> None:
         log.close()
     del ddp  # before the group goes: see distributed.shutdown
     distributed.shutdown()
+
+
+def apply_directive(directive, optimizer, schedule, *, inbox: Inbox, step: int) -> str | None:
+    """Apply what evaluation asked (:mod:`areal_eval.runs.directives`) and answer it; returns the
+    stop reason for a ``stop``."""
+    refused, stop = None, None
+    if directive.action == "stop":
+        stop = f"{directive.id}: {directive.reason}"
+    elif directive.action == "lr_scale":
+        refused = scale_learning_rate(directive, optimizer, schedule)
+    else:
+        refused = f"{directive.action} is not supported by this trainer"
+    from areal_eval import distributed
+
+    answer = inbox.answer(directive, step, refused)
+    if distributed.rank() == 0:
+        print(f"directive {answer.line()}", flush=True)
+    return stop
 
 
 class TrainLog:

@@ -168,7 +168,7 @@ def decide_and_evaluate(
         raise CheckpointError(
             f"checkpoint_uri {checkpoint_uri} is not the manifest's {event.uri} for step {global_step}"
         )
-    shared = SharedRun(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id)
+    shared = SharedRun(run, published, cfg.scheduler, cfg.alerts, run_id or event.run_id, feedback=cfg.feedback)
     ctx, claim = claim_checkpoint(cfg, shared, global_step, reason=reason, data_path=data_path, gpu_slot=gpu_slot)
     summary, failures = evaluate_claimed(ctx, claim)
     return report(ctx, claim, summary, failures)

@@ -216,6 +216,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
             loop_cfg,
             training,
             run_id=run.run_id,
+            feedback=cfg.feedback_judge(run_item_scores(run.evals)),
         ).run()
         io.set_progress(1.0)
     return ledger

@@ -11,7 +11,8 @@ from prefect import get_run_logger
 from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.evaluation.jobs import EvalResult
-from areal_eval.lifecycle.outcome import decision_line
+from areal_eval.feedback import Directive
+from areal_eval.lifecycle.outcome import decision_line, directive_line
 from areal_eval.lifecycle.shared_run import SharedRun
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
@@ -51,3 +52,6 @@ class FlowRunOutcomes:
 
     def send(self, alert: Alert) -> None:
         send_alert(alert, self.cfg, self.mlflow_run_id, self.run)
+
+    def say_directive(self, directive: Directive) -> None:
+        get_run_logger().info(directive_line(directive))

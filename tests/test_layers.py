@@ -24,7 +24,7 @@ LAYERS = [
         "distributed",
     },  # processes: devices, ranks, clean-up
     {"launchers.local", "launchers.forked_ranks", "launchers.fork_server"},  # torchrun jobs on this machine
-    {"alerts", "scheduling"},  # pure decisions: which checkpoint to evaluate, which result to alert on
+    {"alerts", "scheduling", "feedback"},  # pure decisions: which checkpoint to evaluate, alert on, ask of training
     {"runs"},  # a run's directory and ledger
     {"checkpoints"},
     {"integrations"},  # trainers' side: publishing from HF, AReaL-style loops

@@ -191,3 +191,43 @@ def test_a_full_disk_under_the_training_log_names_the_file_and_the_step(tmp_path
                 log.write({"step": 7, "loss": 0.5, "text": "y" * 4096})
         with contextlib.suppress(OSError):  # the unwritten buffer fails again
             log.close()
+
+
+def test_a_directive_answered_then_lost_with_a_kill_is_applied_once_in_the_training_that_goes_on(tmp_path):
+    # A lower learning rate asked before training starts: applied at step 1, answered, then the job
+    # is killed with -9 before the checkpoint after it, and run again from the one before. The
+    # answer went with the state it changed: the directive is applied again, once, so the final
+    # weights agree with a run that applied it once and was never stopped.
+    import time
+
+    import torch
+
+    from areal_eval.checkpoints.saving import read_resume_state
+    from areal_eval.feedback import Directive
+    from areal_eval.runs.directives import Directives
+
+    sections = {"train": {"max_steps": 24, "epochs": 3, "save": {"freq_steps": 12}}}
+    lower = Directive("lr_scale@0", "lr_scale", (0,), "flat", {}, "act", {"factor": 0.5})
+    straight = prepare_run(tiny_config(tmp_path / "straight", **sections))
+    Directives(straight.root).issue([lower])
+    run_training(straight)
+    killed = prepare_run(tiny_config(tmp_path / "killed", **sections))
+    box = Directives(killed.root)
+    box.issue([lower])
+    job = TorchrunJob("areal_eval.train", ["--config", str(killed.train_config)], 2, killed.logs / "train.log")
+    deadline = time.monotonic() + 300
+    while not box.answers() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    job.kill(grace_s=0)
+    [answered] = box.answers()
+    assert answered.applied and answered.step == 1
+    saved = [e.global_step for e in Manifest(killed.manifest).events()]
+    run_training(prepare_run(tiny_config(tmp_path / "killed", **sections)))
+    answers = [(a.id, a.step) for a in box.answers()]
+    # Killed before step 12's checkpoint (the usual case): answered again at step 1 of the rerun.
+    assert answers == ([("lr_scale@0", 1), ("lr_scale@0", 1)] if max(saved) < 12 else [("lr_scale@0", 1)])
+    a = load_model(straight.checkpoints / "global_step_00000024").state_dict()
+    b = load_model(killed.checkpoints / "global_step_00000024").state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    once = read_resume_state(straight.resume_states, 12)  # the step-12 checkpoint's schedule
+    assert once["schedule"]["base_lrs"] == [tiny_config(tmp_path).train.lr * 0.5]

@@ -27,6 +27,7 @@ from areal_eval import distributed, jsonl
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import check_has_weights, publish_checkpoint
 from areal_eval.checkpoints.store import S3Config
+from areal_eval.runs.directives import Inbox, scale_learning_rate
 from areal_eval.runs.directory import RunDir, StopSignal
 
 RUN_DIR_ENV = "AREAL_EVAL_RUN_DIR"
@@ -103,6 +104,8 @@ class PublishCheckpoints(TrainerCallback):
         self.store, self.s3, self.valid_data = store, s3, valid_data
         self.api_url = api_url or os.environ.get("PREFECT_API_URL")
         self.stop = StopSignal(self.run.stop_file) if self.run else None
+        self.inbox: Inbox | None = None
+        """What evaluation asks of training (set when training begins)."""
         self.published: list[int] = []
         """Global steps published so far (by the main process)."""
         self._publisher: ThreadPoolExecutor | None = None
@@ -117,6 +120,8 @@ class PublishCheckpoints(TrainerCallback):
         if state.is_world_process_zero:
             self._agree_on_run_id()
             jsonl.write_json(self.run.trainer_trackers, trainer_trackers(args))
+        # An answer made after the step training starts from is void: its change went with that state.
+        self.inbox = Inbox(self.run.root, resumed_at=state.global_step)
         return control
 
     def _agree_on_run_id(self) -> None:
@@ -186,6 +191,15 @@ class PublishCheckpoints(TrainerCallback):
         # Every rank must stop at the same step: the first to see the request stops them all.
         if distributed.all_reduce_max_scalar(1.0 if self.stop.requested() else 0.0):
             control.should_training_stop = True
+        for directive in self.inbox.take() if self.inbox else []:  # the same on every rank
+            refused = None
+            if directive.action == "stop":
+                control.should_training_stop = True
+            elif directive.action == "lr_scale":
+                refused = scale_learning_rate(directive, kwargs["optimizer"], kwargs.get("lr_scheduler"))
+            else:
+                refused = f"{directive.action} is not supported by PublishCheckpoints"
+            self.inbox.answer(directive, state.global_step, refused)
         if control.should_training_stop or state.global_step >= state.max_steps:
             control.should_save = True  # the last weights are published, marked final
         return control

@@ -27,10 +27,11 @@ from areal_eval.alerts import Alert, AlertEngine
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.checkpoints.retention import RetentionConfig, checkpoints_to_delete
 from areal_eval.evaluation.jobs import EvalResult
+from areal_eval.feedback import Directive, FeedbackJudge
 from areal_eval.lifecycle.decision_thread import DecisionThread
 from areal_eval.lifecycle.delivery import Deliverer, Notifier
 from areal_eval.lifecycle.followers import JsonlFollower, ManifestFollower
-from areal_eval.lifecycle.outcome import Attempt, decision_line, follow_outcome, record_outcome
+from areal_eval.lifecycle.outcome import Attempt, decision_line, directive_line, follow_outcome, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import Decision
@@ -152,11 +153,13 @@ class FollowLoop:
         training: TrainingJob | None = None,
         on_iteration: Callable[[float], None] | None = None,
         run_id: str | None = None,
+        feedback: FeedbackJudge | None = None,
     ):
         cfg = cfg or LoopConfig()
         if cfg.slots < 1:
             raise ValueError("slots must be >= 1")
         self.planner, self.manifest, self.alerts, self.io, self.cfg = planner, manifest, alerts, io, cfg
+        self.feedback = feedback
         self.follower = ManifestFollower(manifest, run_id)
         """Entries of another run (``run_id`` given) and torn lines are skipped and warned about."""
         self.train_log = JsonlFollower(train_log)
@@ -271,6 +274,7 @@ class FollowLoop:
             max_attempts=self.cfg.max_attempts,
             logged_by_evaluator=self.cfg.results_logged_by_evaluator,
             deleted=self.deleted,
+            feedback=self.feedback,
         )
         follow_outcome(attempt, outcome, _InFlow(self), reason=done.reason)
 
@@ -338,3 +342,6 @@ class _InFlow:
 
     def send(self, alert: Alert) -> None:
         self.loop.notifier.add(alert)
+
+    def say_directive(self, directive: Directive) -> None:
+        self.loop.io.info(directive_line(directive))

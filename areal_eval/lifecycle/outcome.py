@@ -20,7 +20,9 @@ from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.disk import is_disk_full
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.failures import is_bad_checkpoint, is_permanent
+from areal_eval.feedback import Directive, FeedbackJudge
 from areal_eval.lifecycle.planner import EvaluationPlanner
+from areal_eval.runs.directives import Directives
 from areal_eval.scheduling.policy import Decision
 
 
@@ -53,6 +55,9 @@ class Outcome:
     looked_back: list[CheckpointEvent] = dataclasses.field(default_factory=list)
     """A skipped checkpoint this result made worth a look (``scheduler.look_back``), scheduled
     for the caller's ``owner`` and queued: the caller evaluates it next."""
+    directives: list[Directive] = dataclasses.field(default_factory=list)
+    """What the feedback rules asked of training with this result (issued in the run directory,
+    where the trainer reads them): the caller says them."""
 
 
 def record_outcome(
@@ -64,6 +69,7 @@ def record_outcome(
     logged_by_evaluator: bool = False,
     deleted: Collection[int] = (),
     owner: str | None = None,
+    feedback: FeedbackJudge | None = None,
 ) -> Outcome:
     """Record ``attempt`` and judge it.
 
@@ -74,7 +80,8 @@ def record_outcome(
     ``logged_by_evaluator``: the evaluation logged its own metrics (a dispatched deployment run,
     ``evaluate-checkpoint``), so there is nothing left to deliver. A result that looks back
     (:meth:`EvaluationPlanner.evaluated`) schedules that checkpoint for ``owner``, unless
-    retention ``deleted`` it.
+    retention ``deleted`` it. The ``feedback`` rules then judge the run's results in step order,
+    and what they call for that was not issued before is issued now, beside the ledger.
     """
     event, step = attempt.event, attempt.event.global_step
     if attempt.error is not None:
@@ -112,7 +119,20 @@ def record_outcome(
         owner=owner,
     )
     fired = alerts.check(step, result.metrics, final=event.final)
-    return Outcome(fired, deliver=not logged_by_evaluator, looked_back=looked_back)
+    return Outcome(
+        fired,
+        deliver=not logged_by_evaluator,
+        looked_back=looked_back,
+        directives=issue_directives(planner, feedback),
+    )
+
+
+def issue_directives(planner: EvaluationPlanner, feedback: FeedbackJudge | None) -> list[Directive]:
+    """What the feedback rules call for on the run's evaluated results, issued once each."""
+    if feedback is None or not feedback.active:
+        return []
+    results = [(e.step, e.metrics) for e in planner.ledger.entries() if e.status == "evaluated"]
+    return Directives(planner.ledger.path.parent).issue(feedback.directives(results))
 
 
 class AfterOutcome(Protocol):
@@ -134,6 +154,14 @@ class AfterOutcome(Protocol):
 
     def send(self, alert: Alert) -> None: ...
 
+    def say_directive(self, directive: Directive) -> None:
+        """A directive issued (or recorded in shadow mode): in the path's log."""
+
+
+def directive_line(directive: Directive) -> str:
+    """A directive as every path logs it: ``feedback: lr_scale@40 (shadow): accuracy flat ...``."""
+    return f"feedback: {directive.line()}"
+
 
 def decision_line(event: CheckpointEvent, decision: Decision) -> str:
     """A decision as every path logs it: ``checkpoint step 40: skip (reason)``."""
@@ -145,7 +173,7 @@ def follow_outcome(attempt: Attempt, outcome: Outcome, after: AfterOutcome, *, r
     """What follows an outcome (:func:`record_outcome`), the same on every path and in this order:
     the looked-back checkpoints queued, the failed attempts recorded, a retry or the result's notes
     said, a probe's verdict said, the result delivered (``reason``: its decision, unless a probe's
-    verdict says otherwise), the alerts sent."""
+    verdict says otherwise), the alerts sent, the directives said."""
     step = attempt.event.global_step
     for event in outcome.looked_back:
         after.look_back_at(event)
@@ -162,3 +190,5 @@ def follow_outcome(attempt: Attempt, outcome: Outcome, after: AfterOutcome, *, r
         after.deliver(attempt.event, attempt.result, outcome.decision.reason if outcome.decision else reason)
     for alert in outcome.alerts:
         after.send(alert)
+    for directive in outcome.directives:
+        after.say_directive(directive)

@@ -27,6 +27,7 @@ from areal_eval.alerts import AlertEngine, AlertsConfig
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
 from areal_eval.evaluation.items import run_item_scores
 from areal_eval.failures import retry_backoff_s
+from areal_eval.feedback import FeedbackConfig, FeedbackJudge
 from areal_eval.lifecycle.outcome import Attempt, Outcome, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.runs.directory import RunDir, file_lock
@@ -57,8 +58,12 @@ class SharedRun:
         scheduler: SchedulerConfig,
         alerts: AlertsConfig,
         run_id: str | None = None,
+        *,
+        feedback: FeedbackConfig | None = None,
     ):
         self.run, self.manifest, self.scheduler, self.alerts, self.run_id = run, manifest, scheduler, alerts, run_id
+        self.feedback = feedback
+        """The feedback rules (None: none), on the scheduler's metric unless they name their own."""
         self._decided: list[CheckpointEvent] = []
 
     @contextlib.contextmanager
@@ -163,10 +168,21 @@ class SharedRun:
                 logged_by_evaluator=logged_by_evaluator,
                 deleted=deleted,
                 owner=owner,
+                feedback=self._judge(),
             )
             if engine.notified != state.get("notified", {}):
                 self._save_state({**state, "notified": engine.notified})
         return outcome
+
+    def _judge(self) -> FeedbackJudge | None:
+        if self.feedback is None:
+            return None
+        return FeedbackJudge(
+            self.feedback,
+            metric=self.scheduler.metric,
+            higher_is_better=self.scheduler.higher_is_better,
+            items=run_item_scores(self.run.evals),
+        )
 
     def delivered(self, step: int) -> None:
         """What ``step``'s entry holds (a held probe) is in the tracker."""

@@ -29,6 +29,7 @@ from areal_eval.data.preference_data import SyntheticPreferences
 from areal_eval.evaluation.evaluators import make_evaluator, produced_metrics
 from areal_eval.evaluation.job_spec import EvaluatorSettings
 from areal_eval.evaluation.jobs import EvalConfig
+from areal_eval.feedback import FeedbackConfig, FeedbackJudge
 from areal_eval.launchers.devices import check_disjoint
 from areal_eval.models.objectives import ModelConfig
 from areal_eval.scheduling.policy import SchedulerConfig
@@ -82,6 +83,8 @@ class PipelineConfig:
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
     alerts: AlertsConfig = dataclasses.field(default_factory=lambda: AlertsConfig(rules=_default_rules()))
+    feedback: FeedbackConfig = dataclasses.field(default_factory=FeedbackConfig)
+    """What evaluation asks of training (docs/feedback.md): each action in shadow mode by default."""
 
     RANGES: ClassVar[Ranges] = {"poll_interval_s": POSITIVE}
     PATTERNS: ClassVar[dict] = {"run_name": lambda: RUN_NAME_PATTERN}
@@ -125,6 +128,7 @@ class PipelineConfig:
             for i, r in enumerate(self.alerts.rules)
             if r.kind in ("threshold", "regression")
         ]
+        watched.append(("feedback.metric", self.feedback.metric))
         for field, metric in watched:
             if metric is not None and metric not in produced:
                 raise FieldError(
@@ -143,6 +147,12 @@ class PipelineConfig:
             generation=e.generation,
             lm_loss=e.lm_loss,
             lm_eval=e.lm_eval,
+        )
+
+    def feedback_judge(self, items=None) -> FeedbackJudge:
+        """The feedback rules, on the scheduler's metric and direction unless they name their own."""
+        return FeedbackJudge(
+            self.feedback, metric=self.scheduler.metric, higher_is_better=self.scheduler.higher_is_better, items=items
         )
 
     @property

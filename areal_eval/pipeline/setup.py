@@ -101,10 +101,10 @@ JUDGING = {
     "alerts": ("rules",),
     "tracking": ("experiment", "registered_model", "sinks", "wandb", "tensorboard"),
 }
-"""What a run is judged by and where its results go, beside its whole ``scheduler`` section: its
-evaluators and their settings, the token limit, the alert rules (they name the evaluators'
-metrics), its experiment and sinks. Not how or where it is evaluated (ranks, launcher, devices),
-nor the tracking server's address: those belong to the path that evaluates it."""
+"""What a run is judged by and where its results go, beside its whole ``scheduler`` and
+``feedback`` sections: its evaluators and their settings, the token limit, the alert rules (they
+name the evaluators' metrics), its experiment and sinks. Not how or where it is evaluated (ranks,
+launcher, devices), nor the tracking server's address: those belong to the path that evaluates it."""
 
 
 def recorded_evaluation_settings(run: RunDir) -> dict:
@@ -116,7 +116,7 @@ def recorded_evaluation_settings(run: RunDir) -> dict:
     recorded = jsonl.read_json(run.config_file, None)
     if not isinstance(recorded, dict):
         return {}
-    judging = {"scheduler": recorded.get("scheduler", {})}
+    judging = {"scheduler": recorded.get("scheduler", {}), "feedback": recorded.get("feedback", {})}
     for section, fields in JUDGING.items():
         judging[section] = {f: recorded[section][f] for f in fields if f in recorded.get(section, {})}
     return {section: values for section, values in judging.items() if values}

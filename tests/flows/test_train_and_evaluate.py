@@ -180,6 +180,32 @@ def test_alert_can_stop_training(prefect_server, tmp_path):
     assert summary["evaluated"] >= 2
 
 
+def test_a_feedback_target_reached_stops_training_and_the_trainer_answers(prefect_server, tmp_path):
+    """The in-flow path end to end: the rules judge a result, the directive is issued in the run
+    directory, the demo's trainer takes it at a step boundary on both ranks and answers; a
+    plateau rule left in shadow mode records what it would have done and changes nothing."""
+    from areal_eval.runs.directives import Directives
+    from flows.train_and_evaluate import train_and_evaluate
+
+    cfg = tiny_config(
+        tmp_path,
+        feedback={"stop": "act", "target": 0.0, "min_step": 1, "patience": 1, "max_lr_scales": 10},
+        train={"max_steps": 100000, "epochs": 100000, "save": {"freq_steps": 10, "eval_before_train": False}},
+    )
+    train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))))
+    run = RunDir(cfg.run_root)
+    box = Directives(run.root)
+    [stop] = [d for d in box.all() if d.action == "stop"]
+    assert stop.mode == "act" and stop.evidence["rule"] == "target" and stop.reason.startswith("accuracy ")
+    [answer] = [a for a in box.answers() if a.id == stop.id]
+    final = Manifest(run.manifest).events()[-1]
+    assert answer.applied and final.final and final.global_step == answer.step < 100000
+    assert final.train_metrics["stopped"].startswith(f"{stop.id}: accuracy ")
+    # The lr_scale rule stayed in shadow mode: recorded, never answered, the rate untouched.
+    assert all(d.mode == "shadow" for d in box.all() if d.action == "lr_scale")
+    assert {a.id for a in box.answers()} == {stop.id}
+
+
 def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_run, tmp_path, monkeypatch):
     from prefect import flow
 

@@ -80,6 +80,37 @@ def test_a_stop_request_ends_training_at_the_next_step_with_a_final_checkpoint(t
     assert events[0].run_id == "run"  # the run directory's name by default
 
 
+def test_directives_lower_the_learning_rate_then_stop_training_and_are_answered(tmp_path):
+    from transformers import TrainerCallback
+
+    from areal_eval.feedback import Directive
+    from areal_eval.runs.directives import Directives
+
+    run = RunDir(tmp_path / "run")
+    box = Directives(run.root)
+    rates = {}
+
+    class AsEvaluationWould(TrainerCallback):  # issued mid-run, as the pipeline's feedback rules do
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            rates[state.global_step] = optimizer.param_groups[0]["lr"]
+            if state.global_step == 3:
+                box.issue([Directive("lr_scale@3", "lr_scale", (3,), "flat", {}, "act", {"factor": 0.25})])
+            if state.global_step == 6:
+                box.issue([Directive("stop@6", "stop", (6,), "target reached", {}, "act")])
+                box.issue([Directive("rollback@6", "rollback", (6,), "collapsed", {}, "act", {"to_step": 0})])
+
+    callback = PublishCheckpoints(run.root, api_url=None)
+    trainer, _ = hf_trainer(tmp_path, [AsEvaluationWould(), callback], max_steps=40)
+    trainer.train()
+    assert trainer.state.global_step == 6  # asked at the end of 6, before the callback looked
+    answers = {a.id: a for a in box.answers()}
+    assert answers["lr_scale@3"].applied and answers["lr_scale@3"].step == 3
+    assert rates[5] == pytest.approx(rates[3] * 0.25, rel=0.1)  # (the schedule moves it a little too)
+    assert answers["stop@6"].applied and answers["stop@6"].step == 6
+    assert not answers["rollback@6"].applied and "not supported" in answers["rollback@6"].reason
+    assert [(e.global_step, e.final) for e in Manifest(run.manifest).events()] == [(6, True)]
+
+
 def test_a_checkpoint_without_weights_is_refused_naming_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({}))
     (tmp_path / "optimizer.pt").write_bytes(b"x")

@@ -6,9 +6,11 @@ import pytest
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 from areal_eval.checkpoints.manifest import CheckpointEvent, Manifest
 from areal_eval.evaluation.jobs import CorruptCheckpoint, EvalResult, EvaluationDataError
+from areal_eval.feedback import FeedbackConfig, FeedbackJudge
 from areal_eval.lifecycle.outcome import Attempt, follow_outcome, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.lifecycle.shared_run import SharedRun
+from areal_eval.runs.directives import Directives
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import SchedulerConfig
@@ -180,6 +182,9 @@ class Said:
     def send(self, alert):
         self.calls.append(("alert", alert.rule))
 
+    def say_directive(self, directive):
+        self.calls.append(("directive", directive.id))
+
 
 def followed(planner, attempt, engine, **options) -> list:
     said = Said()
@@ -212,3 +217,43 @@ def test_what_follows_an_outcome_is_the_same_sequence_on_every_path(tmp_path):
     probe = Attempt(ev(10), result=result(10, probe={"accuracy": 0.5, "accuracy_stderr": 0.01}), probe=True)
     [decision, deliver] = followed(probing, probe, AlertEngine(RULES))
     assert decision == ("decision", 10, False) and deliver[:2] == ("deliver", 10) and deliver[2] != "its decision"
+
+
+def test_the_in_flow_loop_and_the_shared_record_issue_the_same_directives_once(tmp_path):
+    """The feedback rules judge the results in step order on both paths: the same directives,
+    issued once each in the run directory, said once by the path that issued them."""
+    feedback = FeedbackConfig(lr_scale="act", target=0.85, patience=1, cooldown=0)
+    attempts = [  # arriving out of step order, as from two slots
+        Attempt(ev(10), result=result(10, 0.6)),
+        Attempt(ev(0), result=result(0, 0.8)),
+        Attempt(ev(30), result=result(30, 0.9)),
+    ]
+    in_flow = tmp_path / "in-flow"
+    planner, engine = EvaluationPlanner(EVERY, Ledger(in_flow / "ledger.jsonl")), AlertEngine(RULES)
+    judge = FeedbackJudge(feedback, metric="accuracy")
+    for attempt in attempts:
+        planner.offer(attempt.event)
+    said = []
+    for attempt in attempts:
+        said += [c for c in followed(planner, attempt, engine, feedback=judge) if c[0] == "directive"]
+    assert said == [("directive", "lr_scale@10"), ("directive", "stop@30")]
+
+    shared = RunDir(tmp_path / "shared")
+    manifest = Manifest(shared.root / "manifest.jsonl")
+    shared_run = SharedRun(shared, manifest, EVERY, RULES, "r", feedback=feedback)
+    for attempt in sorted(attempts, key=lambda a: a.event.global_step):
+        manifest.append(attempt.event)
+    issued = []
+    for attempt in attempts:
+        shared_run.claim(attempt.event.global_step, "a")
+        issued += [d.id for d in shared_run.record_outcome(attempt, logged_by_evaluator=False).directives]
+    assert issued == ["lr_scale@10", "stop@30"]
+
+    def kept(root):
+        return [(d.id, d.mode, d.steps, d.args) for d in Directives(root).all()]
+
+    assert (
+        kept(in_flow)
+        == kept(shared.root)
+        == [("lr_scale@10", "act", (0, 10), {"factor": 0.5}), ("stop@30", "shadow", (30,), {})]
+    )

@@ -30,7 +30,7 @@ def test_every_path_judges_a_run_by_what_it_was_started_with_unless_told_otherwi
     params = {**SMALL_SFT, "work_dir": str(tmp_path), "run_name": "sft"}
     run = prepare_run(load_pipeline_config(SFT_MATH, params))
     judging = recorded_evaluation_settings(run)
-    assert set(judging) == {"eval", "model", "scheduler", "alerts", "tracking"}
+    assert set(judging) == {"eval", "model", "scheduler", "alerts", "tracking", "feedback"}
     assert "tracking_uri" not in judging["tracking"]  # the server's address is the path's
     assert set(judging["eval"]) == {"evaluator", "generation", "lm_loss", "lm_eval"}  # not nproc, not deployment
     cfg = run_evaluation_config(run, {"eval": {"nproc": 1}})

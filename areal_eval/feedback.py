@@ -1,0 +1,225 @@
+"""Feedback rules: what the evaluation results ask of training, decided the same on every path.
+
+Pure logic, as the alert rules: :class:`FeedbackJudge` reads the evaluated results in step order
+(whatever order they arrived in) and returns the directives they call for, each with its
+evidence; :mod:`areal_eval.runs.directives` keeps them and carries them to the trainer. The
+same results give the same directives, with the same ids, on every path.
+
+- ``stop`` on a target: the metric lies past ``target`` by ``target_stderrs`` of its standard error.
+- on a plateau: ``patience`` evaluations in a row, after the best, none of them better than the
+  best by more than ``min_delta``, and the newest not above the result ``patience`` evaluations
+  before it by more than ``min_delta`` on a paired test (``improve_stderrs``) where both kept
+  their items. A plateau scales the learning rate (``lr_scale``, ``factor``) up to
+  ``max_lr_scales`` times, ``cooldown`` evaluations apart; a plateau after that stops training.
+
+Each action is ``off``, ``shadow`` (recorded with what it would have done, never applied; the
+default) or ``act``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, Literal
+
+from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
+from areal_eval.paired import ItemScores, NoCommonItems, paired_difference
+
+Mode = Literal["off", "shadow", "act"]
+
+
+@dataclasses.dataclass
+class FeedbackConfig:
+    stop: Mode = "shadow"
+    """A stop on a target reached, or on a plateau once the learning rate was scaled
+    ``max_lr_scales`` times: ``off``, ``shadow`` (only recorded) or ``act`` (training stops)."""
+    lr_scale: Mode = "shadow"
+    """A lower learning rate on a plateau: ``off``, ``shadow`` or ``act``."""
+    metric: str | None = None
+    """The metric the rules watch. None: the scheduler's (``scheduler.metric``)."""
+    higher_is_better: bool | None = None
+    """Its direction. None: the scheduler's."""
+    target: float | None = None
+    """Stop once the metric lies past this value (None: no target)."""
+    target_stderrs: float = 2.0
+    """How many of the result's standard errors past ``target`` confirm it."""
+    patience: int | None = 3
+    """A plateau: this many evaluations in a row after the best without a better one. None: no
+    plateau rule."""
+    min_delta: float = 0.0
+    """What counts as better: more than this above the best (in the metric's direction)."""
+    improve_stderrs: float = 1.0
+    """A plateau also needs the newest result not above the one ``patience`` evaluations before
+    it by ``min_delta`` plus this many paired standard errors (where both kept their items; else
+    their two errors combined): a curve still climbing through noise is not a plateau."""
+    factor: float = 0.5
+    """What ``lr_scale`` multiplies the learning rate by."""
+    max_lr_scales: int = 2
+    """Plateaus answered by a lower learning rate; the next one stops training."""
+    cooldown: int = 2
+    """Evaluations after an action before a plateau is counted again."""
+    min_step: int = 0
+    """Results before this step (an untrained baseline) are not looked at."""
+
+    RANGES: ClassVar[Ranges] = {
+        "target_stderrs": NON_NEGATIVE,
+        "patience": AT_LEAST_1,
+        "min_delta": NON_NEGATIVE,
+        "improve_stderrs": NON_NEGATIVE,
+        "factor": POSITIVE,
+        "max_lr_scales": NON_NEGATIVE,
+        "cooldown": NON_NEGATIVE,
+        "min_step": NON_NEGATIVE,
+    }
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES)
+        if self.factor >= 1:
+            raise FieldError("factor", f"lowers the learning rate: below 1, got {self.factor}")
+        for name in ("stop", "lr_scale"):
+            if getattr(self, name) not in ("off", "shadow", "act"):
+                raise FieldError(name, f"off, shadow or act, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Directive:
+    """What evaluation asks of training, and why."""
+
+    id: str
+    """``<action>@<step>``: the same on every path for the same results, issued once."""
+    action: str
+    """``stop``, ``lr_scale`` (``args["factor"]``) or ``rollback`` (``args["to_step"]``)."""
+    steps: tuple[int, ...]
+    """The evaluated steps it rests on, the newest last."""
+    reason: str
+    """Why, in one line."""
+    evidence: dict = dataclasses.field(default_factory=dict)
+    """The rule, the metric, the (paired) difference and its standard error, the items."""
+    mode: str = "act"
+    """``act``: the trainer applies it; ``shadow``: only recorded, for what it would have done."""
+    args: dict = dataclasses.field(default_factory=dict)
+    made_at: float = 0.0
+
+    def line(self) -> str:
+        """How logs say it: ``lr_scale@40 (shadow): <reason>``."""
+        return f"{self.id} ({self.mode}): {self.reason}"
+
+    @classmethod
+    def from_json(cls, data: dict) -> Directive:
+        return cls(**{**data, "steps": tuple(data.get("steps", ()))})
+
+
+class FeedbackJudge:
+    """The directives a run's results call for (:class:`FeedbackConfig`)."""
+
+    def __init__(
+        self, cfg: FeedbackConfig, *, metric: str, higher_is_better: bool = True, items: ItemScores | None = None
+    ):
+        self.cfg = cfg
+        self.metric = cfg.metric or metric
+        self.sign = 1.0 if (higher_is_better if cfg.higher_is_better is None else cfg.higher_is_better) else -1.0
+        self._items = items
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.stop != "off" or self.cfg.lr_scale != "off"
+
+    def directives(self, results: list[tuple[int, dict]]) -> list[Directive]:
+        """Every directive the results call for, in step order: ``results`` are ``(step,
+        metrics)`` of the evaluated checkpoints, in any order. Nothing follows a stop."""
+        cfg, out = self.cfg, []
+        series = sorted((s, m) for s, m in results if s >= cfg.min_step and _finite(m.get(self.metric)))
+        best_i, since_action, scales = None, None, 0
+        for i, (step, metrics) in enumerate(series):
+            value = metrics[self.metric]
+            if best_i is None or self.sign * (value - series[best_i][1][self.metric]) > cfg.min_delta:
+                best_i = i
+            if since_action is not None:
+                since_action += 1
+            if cfg.target is not None and cfg.stop != "off" and (hit := self._target(step, metrics)):
+                out.append(hit)
+                break
+            if cfg.patience is None or i - best_i < cfg.patience:
+                continue
+            if since_action is not None and since_action <= cfg.cooldown:
+                continue
+            plateau = self._plateau(series, i)
+            if plateau is None:
+                continue
+            if scales < cfg.max_lr_scales and cfg.lr_scale != "off":
+                scales += 1
+                out.append(self._directive("lr_scale", series, i, plateau, {"factor": cfg.factor}, cfg.lr_scale))
+                since_action = 0
+            elif cfg.stop != "off":
+                out.append(self._directive("stop", series, i, plateau, {}, cfg.stop))
+                break
+        return out
+
+    def _target(self, step: int, metrics: dict) -> Directive | None:
+        value, stderr = metrics[self.metric], metrics.get(f"{self.metric}_stderr")
+        past = self.sign * (value - self.cfg.target)
+        margin = self.cfg.target_stderrs * (stderr if _finite(stderr) else 0.0)
+        if past <= margin:
+            return None
+        said = f"{self.metric} {value:.4g} is past the target {self.cfg.target:g}"
+        if _finite(stderr) and stderr > 0:
+            said += f" by {past / stderr:.1f} standard errors"
+        evidence = {
+            "rule": "target",
+            "metric": self.metric,
+            "value": value,
+            "stderr": stderr,
+            "target": self.cfg.target,
+        }
+        return Directive(f"stop@{step}", "stop", (step,), said, evidence, self.cfg.stop)
+
+    def _plateau(self, series: list[tuple[int, dict]], i: int) -> dict | None:
+        """The evidence that the curve is flat at ``series[i]``, or None where it still climbs."""
+        start, now = series[i - self.cfg.patience], series[i]
+        delta, stderr, n = self._difference(start, now)
+        rise = self.sign * delta
+        if stderr is not None and rise - self.cfg.min_delta > self.cfg.improve_stderrs * stderr:
+            return None  # still improving, through the noise
+        if stderr is None and rise > self.cfg.min_delta:
+            return None
+        return {
+            "rule": "plateau",
+            "metric": self.metric,
+            "since_step": start[0],
+            "delta": delta,
+            "stderr": stderr,
+            "n_items": n,
+            "patience": self.cfg.patience,
+            "min_delta": self.cfg.min_delta,
+        }
+
+    def _difference(self, a: tuple[int, dict], b: tuple[int, dict]) -> tuple[float, float | None, int | None]:
+        """``b - a`` in the metric, with its paired standard error where both kept their items
+        (else the two errors combined, or None without them) and the items paired."""
+        if self._items is not None:
+            scores_a, scores_b = self._items(a[0], self.metric), self._items(b[0], self.metric)
+            if scores_a is not None and scores_b is not None:
+                try:
+                    paired = paired_difference(scores_a[0], scores_b[0], scores_b[1])
+                    return paired.difference, paired.guarded_stderr, paired.n
+                except NoCommonItems:
+                    pass
+        delta = b[1][self.metric] - a[1][self.metric]
+        errors = [m.get(f"{self.metric}_stderr") for _, m in (a, b)]
+        stderr = math.hypot(*errors) if all(_finite(e) for e in errors) else None
+        return delta, stderr, None
+
+    def _directive(
+        self, action: str, series: list[tuple[int, dict]], i: int, evidence: dict, args: dict, mode: str
+    ) -> Directive:
+        step = series[i][0]
+        steps = tuple(s for s, _ in series[i - self.cfg.patience : i + 1])
+        flat = f"{self.metric} flat for {self.cfg.patience} evaluations since step {evidence['since_step']}"
+        change = f" ({evidence['delta']:+.4g}"
+        change += f", stderr {evidence['stderr']:.2g})" if evidence["stderr"] is not None else ")"
+        todo = f"learning rate x{args['factor']:g}" if action == "lr_scale" else "stop"
+        return Directive(f"{action}@{step}", action, steps, f"{flat}{change}: {todo}", evidence, mode, args)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,75 @@
+"""Feedback rules on results: the same directives for the same results, whatever order they
+arrived in; shadow and act; targets, plateaus, and a curve that still climbs through noise."""
+
+import random
+
+import pytest
+
+from areal_eval.config.parsing import FieldError
+from areal_eval.feedback import FeedbackConfig, FeedbackJudge
+
+
+def results(values, stderr=0.01, every=10):
+    return [(i * every, {"accuracy": v, "accuracy_stderr": stderr}) for i, v in enumerate(values)]
+
+
+def judge(**cfg):
+    return FeedbackJudge(FeedbackConfig(**cfg), metric="accuracy")
+
+
+def test_a_plateau_scales_the_learning_rate_then_stops_and_each_directive_says_why():
+    flat = results([0.5, 0.6, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7])
+    said = judge(patience=3, cooldown=2, max_lr_scales=2).directives(flat)
+    assert [d.id for d in said] == ["lr_scale@50", "lr_scale@80", "stop@110"]
+    assert all(d.mode == "shadow" for d in said)  # the default: recorded, never applied
+    first = said[0]
+    assert first.steps == (20, 30, 40, 50) and first.args == {"factor": 0.5}
+    assert first.reason == "accuracy flat for 3 evaluations since step 20 (+0, stderr 0.014): learning rate x0.5"
+    assert first.evidence["rule"] == "plateau" and first.evidence["n_items"] is None
+    acted = judge(patience=3, lr_scale="act", stop="off").directives(flat)
+    assert [(d.id, d.mode) for d in acted] == [("lr_scale@50", "act"), ("lr_scale@80", "act")]
+
+
+def test_the_same_results_in_any_order_give_the_same_directives():
+    flat = results([0.5, 0.6, 0.7, 0.7, 0.69, 0.7, 0.7, 0.71, 0.7])
+    shuffled = flat[:]
+    random.Random(7).shuffle(shuffled)
+    assert judge().directives(flat) == judge().directives(shuffled)
+
+
+def test_a_curve_still_climbing_through_noise_is_no_plateau():
+    # No new best for 3 evaluations (noise), but 3 evaluations on it is 4 errors higher.
+    climbing = results([0.50, 0.60, 0.58, 0.59, 0.64, 0.63, 0.64, 0.68])
+    assert judge(patience=3).directives(climbing) == []
+
+
+def test_a_target_reached_beyond_its_error_stops_once_and_nothing_follows():
+    said = judge(target=0.8, target_stderrs=2.0, patience=None).directives(results([0.5, 0.81, 0.815, 0.85, 0.9]))
+    assert [d.id for d in said] == ["stop@30"]  # 0.81 and 0.815 are within 2 errors of 0.8
+    assert said[0].reason == "accuracy 0.85 is past the target 0.8 by 5.0 standard errors"
+    lower = FeedbackJudge(FeedbackConfig(target=0.3, patience=None), metric="loss", higher_is_better=False)
+    assert [d.id for d in lower.directives([(0, {"loss": 1.0}), (10, {"loss": 0.2})])] == ["stop@10"]
+
+
+def test_paired_items_decide_a_plateau_where_the_stated_errors_would_not():
+    # Two results 0.02 apart with stated errors of 0.05: unpaired, noise. On the same 400 items,
+    # the later one gains 8 items and loses none: paired, a clear rise, so no plateau there.
+    items = {}
+    for step, gained in ((0, 0), (10, 0), (20, 0), (30, 8)):
+        items[step] = {k: 1.0 if k < 200 + gained else 0.0 for k in range(400)}
+    values = [(s, {"accuracy": sum(v.values()) / 400, "accuracy_stderr": 0.05}) for s, v in items.items()]
+    unpaired = FeedbackJudge(FeedbackConfig(patience=3, min_delta=0.03), metric="accuracy")
+    assert [d.id for d in unpaired.directives(values)] == ["lr_scale@30"]
+    paired = FeedbackJudge(
+        FeedbackConfig(patience=3, min_delta=0.01), metric="accuracy", items=lambda s, m: (items[s], None)
+    )
+    assert paired.directives(values) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [("factor", 1.5, "factor"), ("stop", "maybe", "stop"), ("patience", 0, "patience"), ("factor", 0, "factor")],
+)
+def test_bad_settings_are_refused_naming_the_field(field, value, named):
+    with pytest.raises((FieldError, ValueError), match=named):
+        FeedbackConfig(**{field: value})
