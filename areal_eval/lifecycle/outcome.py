@@ -128,11 +128,15 @@ def record_outcome(
 
 
 def issue_directives(planner: EvaluationPlanner, feedback: FeedbackJudge | None) -> list[Directive]:
-    """What the feedback rules call for on the run's evaluated results, issued once each."""
-    if feedback is None or not feedback.active:
+    """What the feedback rules call for on the run's evaluated results, issued once each: those
+    that rest on the newest result, while training goes on. A late result of an older checkpoint
+    (a look-back, a refinement, a sweep) steers nothing: training has moved past it."""
+    if feedback is None or not feedback.active or any(e.final for e in planner.events()):
         return []
     results = [(e.step, e.metrics) for e in planner.ledger.entries() if e.status == "evaluated"]
-    return Directives(planner.ledger.path.parent).issue(feedback.directives(results))
+    newest = max((step for step, _ in results), default=None)
+    called = [d for d in feedback.directives(results) if d.steps[-1] == newest]
+    return Directives(planner.ledger.path.parent).issue(called)
 
 
 class AfterOutcome(Protocol):

@@ -257,3 +257,18 @@ def test_the_in_flow_loop_and_the_shared_record_issue_the_same_directives_once(t
         == kept(shared.root)
         == [("lr_scale@10", "act", (0, 10), {"factor": 0.5}), ("stop@30", "shadow", (30,), {})]
     )
+
+
+def test_a_late_result_of_an_older_checkpoint_and_a_finished_run_steer_nothing(tmp_path):
+    judge = FeedbackJudge(FeedbackConfig(lr_scale="act", patience=1, cooldown=0), metric="accuracy")
+    planner, engine = scheduled(tmp_path, steps=(0, 10, 20)), AlertEngine(RULES)
+    issued = []
+    for step, accuracy in ((0, 0.8), (20, 0.6), (10, 0.6)):  # 10 is a look-back, evaluated last
+        attempt = Attempt(ev(step), result=result(step, accuracy))
+        issued += [d.id for d in record_outcome(planner, attempt, engine, feedback=judge).directives]
+    assert issued == ["lr_scale@20"]  # not lr_scale@10: training moved past it
+    final = CheckpointEvent("r", "/ckpt/30", 0, 30, 30, 0.0, {}, final=True)
+    planner.offer(final)
+    assert planner.next() == final
+    late = record_outcome(planner, Attempt(final, result=result(30, 0.5)), engine, feedback=judge)
+    assert late.directives == [] and [d.id for d in Directives(tmp_path).all()] == ["lr_scale@20"]
