@@ -20,6 +20,7 @@ from areal_eval.disk import brief
 from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.logged_models import TABLE_EVERY_S, checkpoint_model, log_checkpoints_table
+from areal_eval.runs.directives import directive_records
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
 from areal_eval.sinks import Sinks
@@ -130,6 +131,7 @@ class Recorder:
         for entry in entries:
             tags |= attempt_tags(entry)
         tracker.set_tags(run_id, tags | ({FAILURE_TAG: failure[:5000]} if failure else {}))
+        self._side("the directives not recorded in MLflow", self._directives, ledger.path.parent)
         if status == "FINISHED":
             tracker.supersede_failure(run_id)
         if status is not None:
@@ -138,6 +140,17 @@ class Recorder:
             self.sinks.catch_up(entries, RunDir(ledger.path.parent).evals)
             self.sinks.record_end(status or "RUNNING", plot=plot)
             self.sinks.close()
+
+    def _directives(self, run_root: Path) -> None:
+        """What evaluation asked of training and what came of it: a table (``directives.json``)
+        and a tag each (``directive.lr_scale_at_40``: ``applied at step 43``, ``shadow``, ...)."""
+        rows = directive_records(run_root)
+        if not rows:
+            return
+        columns = {key: [str(r[key]) if key == "steps" else r[key] for r in rows] for key in rows[0]}
+        self.tracker.client.log_table(self.mlflow_run_id, data=columns, artifact_file="directives.json")
+        tags = {f"directive.{r['id'].replace('@', '_at_')}": r["outcome"].split(": ", 1)[-1][:5000] for r in rows}
+        self.tracker.set_tags(self.mlflow_run_id, tags)
 
     def _register_best(self, result: EvalResult) -> None:
         """Move the registered model's ``best`` alias to this checkpoint if it beats the best so

@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f"; probes {summary['probed']} (escalated {summary['escalated']})" if "probed" in summary else "")
     )
     print(f"{cfg.scheduler.metric} by step: {curve}")
+    for directive in summary.get("directives", []):  # what evaluation asked of training
+        print(f"feedback: {directive}")
     if cfg.tracking.to_mlflow:
         print(f"MLflow run name: {summary['run_name']} (id {summary['mlflow_run_id']})")
         print(f"See it in MLflow:  .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']}")

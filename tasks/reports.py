@@ -17,6 +17,7 @@ from prefect.settings import PREFECT_UI_URL
 from areal_eval.curve_plot import plot_curve
 from areal_eval.failures import is_known_failure, one_line
 from areal_eval.pipeline.config import PipelineConfig
+from areal_eval.runs.directives import directive_records
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger
 from areal_eval.tracking import mlflow_run_url, resolve_tracking_uri
@@ -80,6 +81,10 @@ def summarize(
         [f"| {k} | {counts.get(k, 0)} |" for k in COUNTED if counts.get(k)]
         + [f"| {k} (probes) | {n} |" for k, n in ledger.probe_counts().items()]
     )
+    summary["directives"] = [f"{r['id']} ({r['mode']}): {r['outcome']}" for r in directive_records(run.root)]
+    directives = "".join(
+        f"- {r['id']} ({r['mode']}): {r['reason']}; {r['outcome']}\n" for r in directive_records(run.root)
+    )
     curve_table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
     image = f"![evaluation curve](data:image/png;base64,{base64.b64encode(plot.read_bytes()).decode()})" if plot else ""
     create_markdown_artifact(
@@ -90,6 +95,7 @@ def summarize(
             f"| checkpoints | {summary['checkpoints']} |\n|---|---|\n{counts_table}\n\n"
             f"{image}\n\n"
             f"| step | {cfg.scheduler.metric} |\n|---|---|\n{curve_table}\n"
+            + (f"\n## What evaluation asked of training\n\n{directives}" if directives else "")
         ),
     )
     return summary

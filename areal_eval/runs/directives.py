@@ -176,3 +176,25 @@ def evaluation_results(run_root: str | Path) -> list[tuple[int, dict]]:
     coefficient); cheap enough to call at every save."""
     ledger = Ledger(RunDir(run_root).ledger)
     return [(e.step, dict(e.metrics)) for e in ledger.entries() if e.status == "evaluated"]
+
+
+def directive_records(run_root: str | Path) -> list[dict]:
+    """Each directive of the run with what came of it, for the run's record (the MLflow table,
+    the summary): ``shadow`` (recorded, never applied), the trainer's latest answer, or
+    ``waiting`` for one."""
+    box = Directives(run_root)
+    answers = {a.id: a for a in box.answers()}  # the latest answer of each
+    rows = []
+    for d in box.all():
+        outcome = "shadow" if d.mode == "shadow" else answers[d.id].line() if d.id in answers else "waiting"
+        rows.append(
+            {
+                "id": d.id,
+                "action": d.action,
+                "mode": d.mode,
+                "steps": list(d.steps),
+                "reason": d.reason,
+                "outcome": outcome,
+            }
+        )
+    return rows

@@ -4,6 +4,7 @@ torchrun training and evaluation, and a webhook receiver on loopback."""
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.logged_models import file_digest
@@ -192,7 +193,7 @@ def test_a_feedback_target_reached_stops_training_and_the_trainer_answers(prefec
         feedback={"stop": "act", "target": 0.0, "min_step": 1, "patience": 1, "max_lr_scales": 10},
         train={"max_steps": 100000, "epochs": 100000, "save": {"freq_steps": 10, "eval_before_train": False}},
     )
-    train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))))
+    summary = train_and_evaluate(params=json.loads(json.dumps(dataclasses.asdict(cfg))))
     run = RunDir(cfg.run_root)
     box = Directives(run.root)
     [stop] = [d for d in box.all() if d.action == "stop"]
@@ -204,6 +205,14 @@ def test_a_feedback_target_reached_stops_training_and_the_trainer_answers(prefec
     # The lr_scale rule stayed in shadow mode: recorded, never answered, the rate untouched.
     assert all(d.mode == "shadow" for d in box.all() if d.action == "lr_scale")
     assert {a.id for a in box.answers()} == {stop.id}
+    # On record: the summary (the Prefect UI's artifact, the demo's last lines) and MLflow.
+    assert f"{stop.id} (act): {stop.id}: applied at step {answer.step}" in summary["directives"]
+    tracker, [recorded] = mlflow_run(cfg)
+    assert recorded.data.tags[f"directive.{stop.id.replace('@', '_at_')}"] == f"applied at step {answer.step}"
+    table = json.loads(
+        Path(tracker.client.download_artifacts(recorded.info.run_id, "directives.json", str(tmp_path))).read_text()
+    )
+    assert stop.id in [row[table["columns"].index("id")] for row in table["data"]]
 
 
 def test_killed_worker_is_retried_and_metrics_land_once(prefect_server, trained_run, tmp_path, monkeypatch):
