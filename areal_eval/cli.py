@@ -1,7 +1,7 @@
 """``areal-eval``: command-line tools that need no orchestrator.
 
 areal-eval replay CURVES.jsonl [--policy adaptive] [--policy fixed:K ...] [--inject-regression] [--without-items]
-    [--json]
+    [--feedback [field=value,...]] [--json]
 areal-eval follow-node [--cache-dir DIR] [--once]
 areal-eval compare RUN_DIR STEP_A STEP_B [--json]
 """
@@ -15,6 +15,8 @@ import sys
 import time
 
 from areal_eval.alerts import NOISE_AWARE_REGRESSION, AlertRule
+from areal_eval.config.parsing import ConfigError, from_dict, override_value
+from areal_eval.feedback import FeedbackConfig
 from areal_eval.scheduling import replay as replay_mod
 from areal_eval.scheduling.curves import read_curves
 
@@ -58,6 +60,7 @@ def _replay(args) -> int:
         seed=args.seed,
         alert_rules=rules,
         use_items=not args.without_items,
+        feedback=args.feedback,
     )
     if not args.json or sys.stdout.isatty():
         cols = ["evaluations", "mean_tracking_error", "mean_regret", "max_regret"] + (
@@ -70,9 +73,25 @@ def _replay(args) -> int:
         for name, row in result["policies"].items():
             for rule, scores in row["alerts"].items():
                 print(f"{name:<28}alert rule {rule}: " + ", ".join(f"{k} {v}" for k, v in scores.items()))
+            for action, scores in row.get("feedback", {}).items():
+                print(f"{name:<28}feedback {action}: " + ", ".join(f"{k} {v}" for k, v in scores.items()))
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _feedback_config(spec: str) -> FeedbackConfig:
+    """``field=value,...`` of the feedback rules, read as ``--set`` reads them."""
+    fields = {}
+    for item in filter(None, spec.split(",")):
+        if "=" not in item:
+            raise argparse.ArgumentTypeError(f"--feedback: {item!r} is not field=value")
+        key, value = item.split("=", 1)
+        fields[key.strip()] = override_value(f"feedback.{key.strip()}", value)
+    try:
+        return from_dict(FeedbackConfig, fields, "feedback")
+    except (ConfigError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _follow_node(args) -> int:
@@ -160,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     rp.add_argument(
         "--alert-consecutive", type=int, default=None, help="... and its consecutive (AlertRule.consecutive)"
+    )
+    rp.add_argument(
+        "--feedback",
+        type=_feedback_config,
+        nargs="?",
+        const=FeedbackConfig(),
+        help="also report what the feedback rules would have asked of training: their defaults, or "
+        "field=value,... (FeedbackConfig fields, e.g. patience=4,target=0.8)",
     )
     rp.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     rp.set_defaults(run=_replay)

@@ -21,6 +21,8 @@ checkpoint's value is revealed to the policy only when the policy evaluates it. 
   it fired at all; with injection, ``detected_within_2`` is the share of curves where it fired
   on a result at or after the drop, evaluated at most 2 checkpoints after it began, and
   ``false_alerts_per_100_curves`` counts the curves where it fired before the drop.
+* ``feedback`` (given feedback rules): what they would have asked of training, judged as alerts
+  are (:mod:`.feedback_replay`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import statistics
 
 from areal_eval.alerts import AlertEngine, AlertRule, AlertsConfig
 from areal_eval.config.parsing import from_dict, override_value
+from areal_eval.feedback import FeedbackConfig
 from areal_eval.scheduling.curves import DEFAULT_STDERR, Curve, Point
+from areal_eval.scheduling.feedback_replay import acted, feedback_scores
 from areal_eval.scheduling.oracle import MAX_CHECKPOINTS, oracle_compute
 from areal_eval.scheduling.policy import SchedulerConfig
 from areal_eval.scheduling.probes import ProbeSettings, select_with_probes
@@ -211,6 +215,7 @@ def replay(
     seed: int = 0,
     alert_rules: list[AlertRule] | None = None,
     use_items: bool = True,
+    feedback: FeedbackConfig | None = None,
 ) -> dict:
     """Each policy's evaluations, ``compute`` (a full evaluation counts 1), tracking error, regret
     and, with ``regression``, detection delay; for every policy that is not ``fixed:K``, the
@@ -219,9 +224,11 @@ def replay(
     for curves over ``MAX_CHECKPOINTS`` long) with its ratio to the frontier; and how each of
     ``alert_rules`` (on the curve's metric) fired. Without ``use_items`` the curves' items are
     dropped after the regression is injected into them: the same curves as a run that keeps no
-    items would see them, so probes and alerts are judged unpaired on the same drops."""
+    items would see them, so probes and alerts are judged unpaired on the same drops. With
+    ``feedback``, what its rules would have asked of training (:mod:`.feedback_replay`)."""
     results = {
-        policy.name: _replay_one(curves, policy, regression, seed, alert_rules, use_items) for policy in policies
+        policy.name: _replay_one(curves, policy, regression, seed, alert_rules, use_items, feedback)
+        for policy in policies
     }
     fixed: dict[int, dict] = {}
     replayed = None
@@ -327,9 +334,10 @@ def _replay_one(
     seed: int,
     alert_rules: list[AlertRule] | None = None,
     use_items: bool = True,
+    feedback: FeedbackConfig | None = None,
 ) -> dict:
     """One policy over every curve (with the same injected regressions for every policy)."""
-    per_curve, delays, probes_run = [], [], 0
+    per_curve, delays, probes_run, fed_back = [], [], 0, []
     false_alerts = {rule.name: 0 for rule in alert_rules or ()}
     detected = {rule.name: 0 for rule in alert_rules or ()}
     for curve, start in as_replayed(curves, regression, seed, use_items):
@@ -344,6 +352,8 @@ def _replay_one(
         for name, fired in fired_by_rule(curve, evaluations, alert_rules).items() if alert_rules else ():
             false_alerts[name] += any(start is None or when < start for _, when in fired)
             detected[name] += start is not None and any(i >= start and when <= start + 2 for i, when in fired)
+        if feedback is not None:
+            fed_back.append((curve, start, acted(curve, evaluations, feedback)))
     probe_compute = probes_run * policy.probes.fraction if policy.probes else 0.0  # a probe costs its share
     out = {
         "evaluations": sum(r["evaluations"] for r in per_curve),
@@ -354,6 +364,8 @@ def _replay_one(
     }
     if policy.probes:
         out["probes"] = probes_run
+    if feedback is not None:
+        out["feedback"] = feedback_scores(fed_back)
     if regression:
         out["detection_delay"] = round(statistics.fmean(delays), 3)
     if alert_rules:
