@@ -12,7 +12,7 @@ from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.feedback import Directive
-from areal_eval.lifecycle.outcome import decision_line, directive_line
+from areal_eval.lifecycle.outcome import decision_line
 from areal_eval.lifecycle.shared_run import SharedRun
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
@@ -20,6 +20,7 @@ from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import Decision
 from tasks.alerts import send_alert
 from tasks.mlflow_logging import log_evaluation, log_failed_attempt
+from tasks.reports import announce_directive
 
 
 @dataclasses.dataclass
@@ -54,4 +55,4 @@ class FlowRunOutcomes:
         send_alert(alert, self.cfg, self.mlflow_run_id, self.run)
 
     def say_directive(self, directive: Directive) -> None:
-        get_run_logger().info(directive_line(directive))
+        announce_directive(self.shared.run_id or self.run.root.name, directive)

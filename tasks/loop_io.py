@@ -17,6 +17,7 @@ from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.evaluation.worker_pool import WarmWorkerGroups
+from areal_eval.feedback import Directive
 from areal_eval.launchers.devices import SlotDevices
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
@@ -25,7 +26,7 @@ from tasks.alerts import send_alert
 from tasks.checkpoints import announce_checkpoint, apply_retention
 from tasks.evaluation import dispatch_evaluation, evaluation_task
 from tasks.mlflow_logging import log_evaluation, log_failed_attempt, recorder_for, sinks_for
-from tasks.reports import update_evaluation_table
+from tasks.reports import announce_directive, update_evaluation_table
 
 
 @dataclasses.dataclass
@@ -94,6 +95,9 @@ class PrefectLoopIO:
 
     def delete_checkpoints(self, events: list[CheckpointEvent]) -> None:
         apply_retention(self.cfg, self.run, self.mlflow_run_id, self.ledger, doomed=events)
+
+    def say_directive(self, directive: Directive) -> None:
+        announce_directive(self.run.run_id, directive)
 
     def info(self, message: str) -> None:
         self.logger.info(message)

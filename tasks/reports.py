@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import re
 import threading
@@ -16,6 +17,8 @@ from prefect.settings import PREFECT_UI_URL
 
 from areal_eval.curve_plot import plot_curve
 from areal_eval.failures import is_known_failure, one_line
+from areal_eval.feedback import Directive
+from areal_eval.lifecycle.outcome import directive_line
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directives import directive_records
 from areal_eval.runs.directory import RunDir
@@ -112,6 +115,17 @@ def announce_outcome(run_id: str, line: str, failed: bool = False, *, log: bool 
         resource={"prefect.resource.id": f"areal.run.{run_id}", "prefect.resource.name": line[:2000]},
     )
     send_queued(timeout_s=10)
+
+
+def announce_directive(run_id: str, directive: Directive) -> None:
+    """A directive issued: in the flow run's log, and as an ``areal.feedback.directive`` event of
+    the run (the UI's event feed; an automation may notify on it), its line as the name."""
+    get_run_logger().info(directive_line(directive))
+    emit_event(
+        "areal.feedback.directive",
+        resource={"prefect.resource.id": f"areal.run.{run_id}", "prefect.resource.name": directive.line()[:2000]},
+        payload=dataclasses.asdict(directive),
+    )
 
 
 def send_queued(timeout_s: float) -> None:

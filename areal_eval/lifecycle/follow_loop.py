@@ -31,7 +31,7 @@ from areal_eval.feedback import Directive, FeedbackJudge
 from areal_eval.lifecycle.decision_thread import DecisionThread
 from areal_eval.lifecycle.delivery import Deliverer, Notifier
 from areal_eval.lifecycle.followers import JsonlFollower, ManifestFollower
-from areal_eval.lifecycle.outcome import Attempt, decision_line, directive_line, follow_outcome, record_outcome
+from areal_eval.lifecycle.outcome import Attempt, decision_line, follow_outcome, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import Decision
@@ -80,6 +80,9 @@ class LoopIO(Protocol):
 
     def delete_checkpoints(self, events: list[CheckpointEvent]) -> None:
         """Delete what retention lets go, and record it."""
+
+    def say_directive(self, directive: Directive) -> None:
+        """A directive issued (kept in the run directory already): in the log and the UI."""
 
     def info(self, message: str) -> None: ...
 
@@ -344,4 +347,4 @@ class _InFlow:
         self.loop.notifier.add(alert)
 
     def say_directive(self, directive: Directive) -> None:
-        self.loop.io.info(directive_line(directive))
+        self.loop.io.say_directive(directive)

@@ -83,6 +83,9 @@ class ReversingIO:
     def delete_checkpoints(self, events):
         raise AssertionError("retention is off")
 
+    def say_directive(self, directive):
+        self.warnings.append(directive.line())
+
     def info(self, message):
         pass
 
