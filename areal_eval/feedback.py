@@ -119,6 +119,8 @@ class FeedbackJudge:
         self.metric = cfg.metric or metric
         self.sign = 1.0 if (higher_is_better if cfg.higher_is_better is None else cfg.higher_is_better) else -1.0
         self._items = items
+        self._scores: dict[int, tuple[dict, dict | None] | None] = {}
+        """Each step's items, read once (a judgement reads the same steps again and again)."""
 
     @property
     def active(self) -> bool:
@@ -197,7 +199,7 @@ class FeedbackJudge:
         """``b - a`` in the metric, with its paired standard error where both kept their items
         (else the two errors combined, or None without them) and the items paired."""
         if self._items is not None:
-            scores_a, scores_b = self._items(a[0], self.metric), self._items(b[0], self.metric)
+            scores_a, scores_b = self._item_scores(a[0]), self._item_scores(b[0])
             if scores_a is not None and scores_b is not None:
                 try:
                     paired = paired_difference(scores_a[0], scores_b[0], scores_b[1])
@@ -208,6 +210,13 @@ class FeedbackJudge:
         errors = [m.get(f"{self.metric}_stderr") for _, m in (a, b)]
         stderr = math.hypot(*errors) if all(_finite(e) for e in errors) else None
         return delta, stderr, None
+
+    def _item_scores(self, step: int) -> tuple[dict, dict | None] | None:
+        if step not in self._scores:
+            if len(self._scores) >= 256:  # a long run: the oldest go first
+                self._scores.pop(next(iter(self._scores)))
+            self._scores[step] = self._items(step, self.metric)
+        return self._scores[step]
 
     def _directive(
         self, action: str, series: list[tuple[int, dict]], i: int, evidence: dict, args: dict, mode: str
