@@ -16,6 +16,7 @@ from pathlib import Path
 
 from areal_eval import distributed
 from areal_eval.integrations.areal import Evaluator, EvaluatorConfig, FinetuneSpec, PublishCheckpoint
+from areal_eval.runs.directives import scale_learning_rate
 from examples.common import ddp_setup, train_step
 
 
@@ -35,6 +36,11 @@ def main() -> None:
             model.save_pretrained(directory)
             tokenizer.save_pretrained(directory)
 
+    def act(directive) -> str | None:  # what evaluation asks of training: applied, or why not
+        if directive.action == "lr_scale":
+            return scale_learning_rate(directive, optimizer)
+        return None if directive.action == "stop" else f"this loop does not {directive.action}"
+
     evaluator = Evaluator(
         EvaluatorConfig(freq_steps=args.freq_steps, eval_before_train=True),
         ft_spec,
@@ -45,6 +51,7 @@ def main() -> None:
             args.run_dir.name,
             valid_data=valid_path,
         ),
+        act=act,
     )
     evaluator.before_train()  # the untouched weights, as step 0
     rng = random.Random(distributed.rank())
@@ -54,6 +61,10 @@ def main() -> None:
             train_step(ddp, optimizer, examples, tokenizer.pad_token_id, rng, batch_size)
             evaluator.evaluate(None, epoch, step, global_step)  # as AReaL's trainers call it
             global_step += 1
+            if evaluator.stopped:
+                break
+        if evaluator.stopped:
+            break
     if distributed.rank() == 0:
         print(f"published steps {evaluator.published} to {args.run_dir / 'manifest.jsonl'}")
     del ddp  # free the DDP wrapper before the group goes (see distributed.shutdown)

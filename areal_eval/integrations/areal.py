@@ -22,6 +22,8 @@ from areal_eval import distributed
 from areal_eval.checkpoints.freq_ctl import EpochStepTimeFreqCtl, FrequencyControl
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import publish_checkpoint
+from areal_eval.feedback import Directive
+from areal_eval.runs.directives import Inbox
 
 __all__ = [
     "EpochStepTimeFreqCtl",
@@ -93,10 +95,27 @@ class Evaluator:
     Without ``publish`` it calls ``evaluate_fn()`` inline when due, as AReaL does. With
     ``publish`` it saves and publishes the checkpoint instead, and the pipeline evaluates it on
     its own workers; the last step of training is always published, marked final.
+
+    With ``publish``, each ``evaluate`` call also takes what evaluation asks of training
+    (:mod:`areal_eval.runs.directives`), on every rank alike, and hands each to ``act``, which
+    applies it and returns None, or returns why it cannot; the answer is recorded. A ``stop``
+    that ``act`` accepts publishes this step as the final checkpoint and sets :attr:`stopped`:
+    the loop ends there. ``resumed_at``: the step training resumed from (0 for a fresh start).
     """
 
-    def __init__(self, config: Any, ft_spec: Any, publish: PublishCheckpoint | None = None):
-        self.config, self.ft_spec, self.publish = config, ft_spec, publish
+    def __init__(
+        self,
+        config: Any,
+        ft_spec: Any,
+        publish: PublishCheckpoint | None = None,
+        *,
+        act: Callable[[Directive], str | None] | None = None,
+        resumed_at: int = 0,
+    ):
+        self.config, self.ft_spec, self.publish, self.act = config, ft_spec, publish, act
+        self.inbox = Inbox(Path(publish.manifest).parent, resumed_at=resumed_at) if publish else None
+        self.stopped: str | None = None
+        """The stop directive that ended training (its line), if any."""
         self.freq_ctl = EpochStepTimeFreqCtl(
             freq_epoch=config.freq_epochs,
             freq_step=config.freq_steps,
@@ -123,8 +142,20 @@ class Evaluator:
         epoch_ended = step == self.ft_spec.steps_per_epoch - 1
         due = self.freq_ctl.check(epochs=int(epoch_ended), steps=1)
         final = self.publish is not None and global_step == getattr(self.ft_spec, "total_train_steps", -1) - 1
+        final = self._take_directives(global_step) or final
         if due or final:
             self._run(evaluate_fn, epoch, step, global_step, final)
+
+    def _take_directives(self, global_step: int) -> bool:
+        """Apply and answer what waits; True when a stop was applied (this step is the last)."""
+        if self.inbox is None or self.stopped:
+            return False
+        for directive in self.inbox.take():
+            refused = self.act(directive) if self.act else "the trainer passed no act= to Evaluator"
+            if directive.action == "stop" and refused is None:
+                self.stopped = directive.line()
+            self.inbox.answer(directive, global_step, refused)
+        return self.stopped is not None
 
     def _run(self, evaluate_fn, epoch: int, step: int, global_step: int, final: bool) -> None:
         if self.publish is None:

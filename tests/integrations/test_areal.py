@@ -1,6 +1,7 @@
 """AReaL drop-ins: a loop written the way AReaL's trainers call them fires on the steps AReaL's
 semantics give (worked out by hand below), and the fixed defects stay fixed."""
 
+import dataclasses
 import time
 
 import pytest
@@ -174,3 +175,47 @@ def test_publishing_evaluator_saves_and_publishes_instead_of_evaluating(tmp_path
 def test_unknown_fields_are_refused_by_the_dataclasses():
     with pytest.raises(TypeError):
         EpochStepTimeFreqCtl(freq_epochs=1, freq_step=None, freq_sec=None)  # AReaL's name is freq_epoch
+
+
+def test_the_areal_hook_hands_directives_to_act_answers_them_and_a_stop_publishes_the_final_step(tmp_path):
+    from safetensors.torch import save_file
+
+    from areal_eval.feedback import Directive
+    from areal_eval.runs.directives import Directives
+
+    def save(directory):
+        directory.mkdir(parents=True)
+        save_file({"w": torch.ones(2)}, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text("{}")
+
+    box, asked = Directives(tmp_path), []
+    box.issue([Directive("lr_scale@0", "lr_scale", (0,), "flat", {}, "act", {"factor": 0.5})])
+
+    def act(directive):
+        asked.append(directive.id)
+        if directive.id == "lr_scale@0":  # as the rollout weights would change too: the next asks to stop
+            box.issue([Directive("stop@0", "stop", (0,), "target reached", {}, "act")])
+            return None
+        return None if directive.action == "stop" else "cannot"
+
+    publish = PublishCheckpoint(save, tmp_path / "checkpoints", tmp_path / "manifest.jsonl", run_id="areal-run")
+    ft_spec = FinetuneSpec(total_train_epochs=2, dataset_size=32, train_batch_size=8)
+    evaluator = Evaluator(EvaluatorConfig(freq_steps=3), ft_spec, publish=publish, act=act)
+    global_step = 0
+    for step in range(ft_spec.total_train_steps):
+        evaluator.evaluate(None, 0, step, global_step)
+        global_step += 1
+        if evaluator.stopped:
+            break
+    assert asked == ["lr_scale@0", "stop@0"] and evaluator.stopped == "stop@0 (act): target reached"
+    assert [(a.id, a.step, a.applied) for a in box.answers()] == [("lr_scale@0", 0, True), ("stop@0", 1, True)]
+    assert [(e.global_step, e.final) for e in Manifest(tmp_path / "manifest.jsonl").events()] == [(1, True)]
+    # No act= given: an act-mode directive is refused, with the reason on record.
+    other = tmp_path / "other"
+    Directives(other).issue([Directive("stop@0", "stop", (0,), "r", {}, "act")])
+    plain = Evaluator(
+        EvaluatorConfig(freq_steps=3), ft_spec, publish=dataclasses.replace(publish, manifest=other / "manifest.jsonl")
+    )
+    plain.evaluate(None, 0, 0, 0)
+    [refused] = Directives(other).answers()
+    assert not refused.applied and refused.reason == "the trainer passed no act= to Evaluator" and not plain.stopped
