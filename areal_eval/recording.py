@@ -143,13 +143,14 @@ class Recorder:
 
     def _directives(self, run_root: Path) -> None:
         """What evaluation asked of training and what came of it: a table (``directives.json``)
-        and a tag each (``directive.lr_scale_at_40``: ``applied at step 43``, ``shadow``, ...)."""
+        and a tag each (``directive.lr_scale_at_40``: ``applied at step 43``, ``not applied (shadow
+        mode)``, ...)."""
         rows = directive_records(run_root)
         if not rows:
             return
         columns = {key: [str(r[key]) if key == "steps" else r[key] for r in rows] for key in rows[0]}
         self.tracker.client.log_table(self.mlflow_run_id, data=columns, artifact_file="directives.json")
-        tags = {f"directive.{r['id'].replace('@', '_at_')}": r["outcome"].split(": ", 1)[-1][:5000] for r in rows}
+        tags = {f"directive.{r['id'].replace('@', '_at_')}": r["outcome"][:5000] for r in rows}
         self.tracker.set_tags(self.mlflow_run_id, tags)
 
     def _register_best(self, result: EvalResult) -> None:

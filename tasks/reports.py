@@ -84,10 +84,8 @@ def summarize(
         [f"| {k} | {counts.get(k, 0)} |" for k in COUNTED if counts.get(k)]
         + [f"| {k} (probes) | {n} |" for k, n in ledger.probe_counts().items()]
     )
-    summary["directives"] = [f"{r['id']} ({r['mode']}): {r['outcome']}" for r in directive_records(run.root)]
-    directives = "".join(
-        f"- {r['id']} ({r['mode']}): {r['reason']}; {r['outcome']}\n" for r in directive_records(run.root)
-    )
+    summary["directives"] = [f"{r['id']}: {r['reason']}; {r['outcome']}" for r in directive_records(run.root)]
+    directives = "".join(f"- {line}\n" for line in summary["directives"])
     curve_table = "\n".join(f"| {s} | {v} |" for s, v in summary["curve"])
     image = f"![evaluation curve](data:image/png;base64,{base64.b64encode(plot.read_bytes()).decode()})" if plot else ""
     create_markdown_artifact(

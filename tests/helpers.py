@@ -214,7 +214,7 @@ def copy_trained_run(original, run_root, run_id: str | None = None):
     from areal_eval.runs.directory import RunDir
 
     run = RunDir(run_root)
-    state = ("ledger.jsonl", "evals", "decisions.lock", "evaluation_state.json")
+    state = ("ledger.jsonl", "evals", "decisions.lock", "evaluation_state.json", "directive*")
     shutil.copytree(original.root, run.root, ignore=shutil.ignore_patterns(*state))
     run.manifest.write_text(run.manifest.read_text().replace(str(original.root), str(run.root)))
     if run_id is not None:

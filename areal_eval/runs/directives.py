@@ -180,13 +180,18 @@ def evaluation_results(run_root: str | Path) -> list[tuple[int, dict]]:
 
 def directive_records(run_root: str | Path) -> list[dict]:
     """Each directive of the run with what came of it, for the run's record (the MLflow table,
-    the summary): ``shadow`` (recorded, never applied), the trainer's latest answer, or
-    ``waiting`` for one."""
+    the summary): ``not applied (shadow mode)``, the trainer's latest answer (``applied at step
+    S``, ``refused: ...``), or ``waiting for the trainer``."""
     box = Directives(run_root)
     answers = {a.id: a for a in box.answers()}  # the latest answer of each
     rows = []
     for d in box.all():
-        outcome = "shadow" if d.mode == "shadow" else answers[d.id].line() if d.id in answers else "waiting"
+        if d.mode == "shadow":
+            outcome = "not applied (shadow mode)"
+        elif d.id in answers:
+            outcome = answers[d.id].line().split(": ", 1)[1]
+        else:
+            outcome = "waiting for the trainer"
         rows.append(
             {
                 "id": d.id,

@@ -206,7 +206,7 @@ def test_a_feedback_target_reached_stops_training_and_the_trainer_answers(prefec
     assert all(d.mode == "shadow" for d in box.all() if d.action == "lr_scale")
     assert {a.id for a in box.answers()} == {stop.id}
     # On record: the summary (the Prefect UI's artifact, the demo's last lines) and MLflow.
-    assert f"{stop.id} (act): {stop.id}: applied at step {answer.step}" in summary["directives"]
+    assert f"{stop.id}: {stop.reason}; applied at step {answer.step}" in summary["directives"]
     tracker, [recorded] = mlflow_run(cfg)
     assert recorded.data.tags[f"directive.{stop.id.replace('@', '_at_')}"] == f"applied at step {answer.step}"
     table = json.loads(

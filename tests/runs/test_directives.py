@@ -14,7 +14,14 @@ import torch
 
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.feedback import Directive
-from areal_eval.runs.directives import Answer, Directives, Inbox, evaluation_results, scale_learning_rate
+from areal_eval.runs.directives import (
+    Answer,
+    Directives,
+    Inbox,
+    directive_records,
+    evaluation_results,
+    scale_learning_rate,
+)
 from areal_eval.runs.ledger import Ledger, LedgerEntry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +47,18 @@ def test_a_directive_is_issued_once_by_id_and_pending_until_answered(tmp_path):
     with (tmp_path / "directives.jsonl").open("a") as torn:  # a crash mid-append
         torn.write('{"id": "stop@')
     assert [d.id for d in box.all()] == ["lr_scale@40", "lr_scale@60"]
+
+
+def test_the_record_says_what_came_of_each_directive(tmp_path):
+    box = Directives(tmp_path)
+    box.issue([lr_scale(40), lr_scale(60, mode="shadow"), lr_scale(80)])
+    box.answer(Answer("lr_scale@40", 43, applied=True))
+    box.answer(Answer("lr_scale@40", 45, applied=False, reason="no optimizer"))  # the latest answer holds
+    assert [(r["id"], r["outcome"]) for r in directive_records(tmp_path)] == [
+        ("lr_scale@40", "refused: no optimizer"),
+        ("lr_scale@60", "not applied (shadow mode)"),
+        ("lr_scale@80", "waiting for the trainer"),
+    ]
 
 
 def test_an_inbox_hands_each_directive_once_and_looks_only_when_the_file_changed(tmp_path):
