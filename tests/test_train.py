@@ -225,7 +225,7 @@ def test_a_directive_answered_then_lost_with_a_kill_is_applied_once_in_the_train
     run_training(prepare_run(tiny_config(tmp_path / "killed", **sections)))
     answers = [(a.id, a.step) for a in box.answers()]
     # Killed before step 12's checkpoint (the usual case): answered again at step 1 of the rerun.
-    assert answers == ([("lr_scale@0", 1), ("lr_scale@0", 1)] if max(saved) < 12 else [("lr_scale@0", 1)])
+    assert answers == ([("lr_scale@0", 1), ("lr_scale@0", 1)] if max(saved, default=0) < 12 else [("lr_scale@0", 1)])
     a = load_model(straight.checkpoints / "global_step_00000024").state_dict()
     b = load_model(killed.checkpoints / "global_step_00000024").state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
