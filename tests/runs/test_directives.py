@@ -84,9 +84,11 @@ def test_a_learning_rate_scale_reaches_the_optimizer_and_the_schedule():
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    optimizer.step()  # a training step, then the schedule's
     schedule.step()
     assert scale_learning_rate(lr_scale(10), optimizer, schedule) is None
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0025)
+    optimizer.step()
     schedule.step()  # the schedule goes on from the lower base
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.005 / 3)
     assert schedule.state_dict()["base_lrs"] == [pytest.approx(0.005)]  # a checkpoint keeps it
