@@ -103,7 +103,10 @@ class Deliverer:
                 return False
             with self._lock:
                 self._results.pop(0)
-            self._on_delivered(result)
+            try:
+                self._on_delivered(result)
+            except OSError as exc:  # a full disk: in the tracker already, and the tracker logs a step once
+                self._warn(f"result of step {result.global_step} delivered, not marked so in the ledger: {brief(exc)}")
 
     def _deliver_rows(self) -> bool:
         with self._lock:
