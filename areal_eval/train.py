@@ -33,7 +33,7 @@ from areal_eval.launchers.devices import Devices, check_setting
 from areal_eval.launchers.local import TorchrunJob
 from areal_eval.launchers.process_control import die_with_parent
 from areal_eval.models.objectives import ModelConfig, objective
-from areal_eval.runs.directives import Inbox, scale_learning_rate
+from areal_eval.runs.directives import Inbox, apply_directive
 from areal_eval.runs.directory import RunDir, StopSignal
 
 
@@ -320,7 +320,7 @@ def train(spec: TrainJobSpec) -> None:
             local = [loss.item(), 1.0 if rank == 0 and stop.requested() else 0.0, float(rank == 0 and inbox.waiting())]
             stats = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=dev))
             for directive in inbox.agree(stats[2].item() > 0):  # applied before this step's save
-                stop_reason = apply_directive(directive, opt, sched, inbox=inbox, step=global_step) or stop_reason
+                stop_reason = answer_directive(directive, opt, sched, inbox=inbox, step=global_step) or stop_reason
             metrics = {"loss": stats[0].item() / world, "lr": sched.get_last_lr()[0], "epoch": epoch}
             if log and global_step % cfg.log_every == 0:
                 elapsed = time.monotonic() - started
@@ -362,22 +362,15 @@ def train(spec: TrainJobSpec) -> None:
     distributed.shutdown()
 
 
-def apply_directive(directive, optimizer, schedule, *, inbox: Inbox, step: int) -> str | None:
-    """Apply what evaluation asked (:mod:`areal_eval.runs.directives`) and answer it; returns the
-    stop reason for a ``stop``."""
-    refused, stop = None, None
-    if directive.action == "stop":
-        stop = f"{directive.id}: {directive.reason}"
-    elif directive.action == "lr_scale":
-        refused = scale_learning_rate(directive, optimizer, schedule)
-    else:
-        refused = f"{directive.action} is not supported by this trainer"
+def answer_directive(directive, optimizer, schedule, *, inbox: Inbox, step: int) -> str | None:
+    """Apply what evaluation asked and answer it; returns the stop reason for a ``stop``."""
     from areal_eval import distributed
 
+    refused, stop = apply_directive(directive, optimizer, schedule)
     answer = inbox.answer(directive, step, refused)
     if distributed.rank() == 0:
         print(f"directive {answer.line()}", flush=True)
-    return stop
+    return f"{directive.id}: {directive.reason}" if stop else None
 
 
 class TrainLog:

@@ -27,7 +27,7 @@ from areal_eval import distributed, jsonl
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import check_has_weights, publish_checkpoint
 from areal_eval.checkpoints.store import S3Config
-from areal_eval.runs.directives import Inbox, scale_learning_rate
+from areal_eval.runs.directives import Inbox, apply_directive
 from areal_eval.runs.directory import RunDir, StopSignal
 
 RUN_DIR_ENV = "AREAL_EVAL_RUN_DIR"
@@ -192,13 +192,10 @@ class PublishCheckpoints(TrainerCallback):
         if distributed.all_reduce_max_scalar(1.0 if self.stop.requested() else 0.0):
             control.should_training_stop = True
         for directive in self.inbox.take() if self.inbox else []:  # the same on every rank
-            refused = None
-            if directive.action == "stop":
-                control.should_training_stop = True
-            elif directive.action == "lr_scale":
-                refused = scale_learning_rate(directive, kwargs["optimizer"], kwargs.get("lr_scheduler"))
-            else:
-                refused = f"{directive.action} is not supported by PublishCheckpoints"
+            refused, stop = apply_directive(
+                directive, kwargs["optimizer"], kwargs.get("lr_scheduler"), who="PublishCheckpoints"
+            )
+            control.should_training_stop = control.should_training_stop or stop
             self.inbox.answer(directive, state.global_step, refused)
         if control.should_training_stop or state.global_step >= state.max_steps:
             control.should_save = True  # the last weights are published, marked final

@@ -170,6 +170,18 @@ def scale_learning_rate(directive: Directive, optimizer, scheduler=None) -> str 
     return None
 
 
+def apply_directive(
+    directive: Directive, optimizer, scheduler=None, *, who: str = "this trainer"
+) -> tuple[str | None, bool]:
+    """What a trainer that knows ``stop`` and ``lr_scale`` does with a directive: ``(why it was
+    refused or None, whether training stops here)``."""
+    if directive.action == "stop":
+        return None, True
+    if directive.action == "lr_scale":
+        return scale_learning_rate(directive, optimizer, scheduler), False
+    return f"{directive.action} is not supported by {who}", False
+
+
 def evaluation_results(run_root: str | Path) -> list[tuple[int, dict]]:
     """The run's evaluated checkpoints so far, in step order: ``(step, metrics)``, each metric with
     its standard error beside it. For a trainer that acts on them itself (a data mix, a KL
