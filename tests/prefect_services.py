@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,7 +171,7 @@ def cli_or_fail(env, *args, timeout=300) -> str:
 
 
 def api_get(env, path: str) -> dict:
-    return json.loads(urllib.request.urlopen(env["PREFECT_API_URL"] + path, timeout=10).read())
+    return api(env, path, method="GET")
 
 
 def eval_steps(env, run_id: str) -> list[int]:
@@ -179,15 +180,22 @@ def eval_steps(env, run_id: str) -> list[int]:
     return sorted(tracker.eval_steps(mlflow_run)) if mlflow_run else []
 
 
-def api(env, path: str, body: dict | None = None):
+def api(env, path: str, body: dict | None = None, *, method: str = "POST"):
+    """One call to the test server's API; a busy server's 503 is retried, as Prefect's own client does."""
     request = urllib.request.Request(
         env["PREFECT_API_URL"] + path,
-        data=json.dumps(body or {}).encode(),
-        method="POST",
+        data=None if method in ("GET", "DELETE") else json.dumps(body or {}).encode(),
+        method=method,
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read() or b"null")
+    for attempt in range(6):
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            if exc.code not in (429, 503) or attempt == 5:
+                raise
+            time.sleep(float(exc.headers.get("Retry-After") or 2))
 
 
 def wait_for_runs(env, matches, count: int, timeout_s: float = 420) -> list[dict]:

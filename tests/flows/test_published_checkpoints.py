@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -313,10 +312,7 @@ def test_a_trainer_whose_event_is_lost_is_told_which_sweep_evaluates_its_checkpo
         assert flush_events(30) == 0
     finally:
         proxy.close()
-        urllib.request.urlopen(
-            urllib.request.Request(server["PREFECT_API_URL"] + f"/flow_runs/{scheduled['id']}", method="DELETE"),
-            timeout=10,
-        )
+        api(server, f"/flow_runs/{scheduled['id']}", method="DELETE")
     [warned] = [r.getMessage() for r in caplog.records if "its event did not reach" in r.getMessage()]
     local = at.astimezone()
     assert warned.startswith("checkpoint step 4 is in the manifest, but its event did not reach"), warned
