@@ -8,6 +8,7 @@ that exist everywhere), so Slurm sets ``CUDA_VISIBLE_DEVICES`` as it would on GP
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -102,7 +103,7 @@ PartitionName=short Nodes={",".join(NODES)} MaxTime=1 State=UP
             time.sleep(0.05)
         self._daemon(self._controller_command(), r / "slurmctld.out")
         for name in NODES:
-            self._daemon(["slurmd", "-D", "-N", name, "-f", str(r / "slurm.conf")], r / f"slurmd-{name}.out")
+            self._daemon(self._node_command(name), r / f"slurmd-{name}.out")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             states = self.run("sinfo", "-h", "-N", "-p", "eval", "-o", "%N %t", check=False).stdout.split()
@@ -135,6 +136,34 @@ PartitionName=short Nodes={",".join(NODES)} MaxTime=1 State=UP
     def start_controller(self) -> None:
         """Start slurmctld again on its saved state."""
         self._daemon(self._controller_command(), self.root / "slurmctld.out")
+
+    def _node_command(self, name: str) -> list[str]:
+        return ["slurmd", "-D", "-N", name, "-f", str(self.root / "slurm.conf")]
+
+    def kill_node(self, name: str) -> list[int]:
+        """The node ``name`` lost, as a machine that dies: its slurmd, the job steps it runs
+        (``slurmstepd``) and their tasks, all with SIGKILL. Returns the killed PIDs."""
+        import psutil
+
+        tasks, here = [], {"SLURMD_NODENAME": name, "SLURM_CONF": self.env["SLURM_CONF"]}
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                env = proc.environ()  # this cluster's node only: other lanes run clusters with nodes of that name
+                if all(env.get(k) == v for k, v in here.items()) and not proc.name().startswith("slurmstepd"):
+                    tasks.append(proc)
+        steps = {p for t in tasks for p in t.parents() if p.name().startswith("slurmstepd")}
+        daemon = next(p for p in self.procs if p.args == self._node_command(name))
+        doomed = [psutil.Process(daemon.pid), *steps, *tasks]
+        for proc in doomed:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        daemon.wait(10)
+        self.procs.remove(daemon)
+        return [p.pid for p in doomed]
+
+    def start_node(self, name: str) -> None:
+        """Start ``name``'s slurmd again (``ReturnToService=2``: the controller takes it back)."""
+        self._daemon(self._node_command(name), self.root / f"slurmd-{name}.out")
 
     def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(command, env=self.env, capture_output=True, text=True, check=check, timeout=60)

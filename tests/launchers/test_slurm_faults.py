@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 
 from areal_eval.config.parsing import ConfigError
@@ -214,6 +215,74 @@ def test_a_follower_lost_mid_evaluation_fails_it_at_once_and_the_retry_lands_on_
         result, slot = evaluate_on(slots, event, run, tmp_path / "again")
         assert slot.job != job and result.metrics["n_pairs"] == 101
     assert run_jobs("follower") == []
+
+
+def test_a_follower_node_lost_mid_evaluation_fails_it_with_node_fail_and_the_retry_waits_for_nodes(
+    slurm_cluster, final_checkpoint, tmp_path
+):
+    """The follower's whole node dies in the middle of a 2-node evaluation (its slurmd, job step
+    and ranks killed): the controller marks it down after ``SlurmdTimeout`` (30 s here) and ends
+    the job, long before node 0's collective timeout (an hour). The retry waits for nodes (a
+    wait, not a refusal) and lands once the node is back."""
+    run, event = final_checkpoint
+    cfg = slowed(2.0, nodes=2, collective_timeout_s=3600, job_timeout_s=3600)
+    with SlurmSlots(cfg, tmp_path, run_name="lost-node") as slots:
+        with slots.lease() as slot:
+            job, lost = slot.job, psutil.Process(slot.nodes[1]["pid"]).environ()["SLURMD_NODENAME"]
+            timer = threading.Timer(8.0, slurm_cluster.kill_node, (lost,))
+            timer.start()
+            with pytest.raises(EvaluationFailed, match=rf"its job {job} is NODE_FAIL") as info:
+                run_evaluation_job(event, run.valid_data, cfg, tmp_path / "lost", workers=slot)
+            timer.join()
+        assert not is_permanent(info.value)
+        threading.Timer(15.0, slurm_cluster.start_node, (lost,)).start()
+        result, slot = evaluate_on(slots, event, run, tmp_path / "again")  # no job can start before then
+        assert slot.job != job and result.metrics["n_pairs"] == 101
+        [waited] = slot.wait_note()  # what the result's notes say, with Slurm's reason
+        assert waited.startswith("waited") and ": " in waited, waited
+    assert run_jobs("lost-node") == []
+
+
+def test_kill_9_of_a_flow_whose_slot_job_pends_cancels_that_job_before_it_ever_starts(
+    slurm_cluster, final_checkpoint, tmp_path
+):
+    """Both nodes busy, the flow's slot job pends; the flow is killed (``kill -9``). The pending
+    job outlives it (nothing on a node could notice: no agent runs yet); the run's next flow
+    cancels it before the nodes free, and evaluates on a job of its own."""
+    run, event = final_checkpoint
+    blocker = slurm_cluster.run(
+        "sbatch", "--parsable", "--nodes=2", "--gres=gpu:2", "--job-name=blocker", "--wrap=sleep 600"
+    ).stdout.strip()
+    try:
+        wait_for(lambda: f"{blocker} blocker RUNNING" in slurm_cluster.jobs(), 60, "the blocker to run")
+        flow = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys\n"
+                "from areal_eval.launchers.slurm_slots import SlurmSlots\n"
+                "from tests.launchers.test_slurm_faults import slurm_eval\n"
+                "with SlurmSlots(slurm_eval(), sys.argv[1], run_name='pending') as slots, slots.lease():\n"
+                "    pass\n",
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+        )
+        try:
+            wait_for(lambda: any(j.endswith("PENDING") and ":pending:" in j for j in slurm_cluster.jobs()), 60, "a job")
+        finally:
+            flow.kill()
+            flow.wait(10)
+        [(pending, _)] = run_jobs("pending")  # a batch job outlives its submitter
+        with SlurmSlots(slurm_eval(), tmp_path, run_name="pending") as slots:
+            assert pending not in [j for j, _ in run_jobs("pending")]  # cancelled while the nodes were busy
+            slurm_cluster.run("scancel", blocker)
+            result, slot = evaluate_on(slots, event, run, tmp_path / "evals")
+        assert slot.job != pending and result.metrics["n_pairs"] == 101
+        assert not list(job_dir(tmp_path / "slurm-slots" / "slot-0", pending).glob("node-*.json"))  # never started
+    finally:
+        slurm_cluster.run("scancel", blocker, check=False)
+    assert run_jobs("pending") == []
 
 
 def test_a_requeue_of_a_slots_job_is_refused_and_nothing_runs_twice(slurm_cluster, final_checkpoint, tmp_path):
