@@ -159,11 +159,10 @@ def main() -> None:
     from ray.cluster_utils import Cluster
 
     from areal_eval.checkpoints.manifest import Manifest
-    from areal_eval.evaluation.cluster_config import RayConfig, SlurmConfig
     from areal_eval.evaluation.jobs import EvalConfig
     from areal_eval.evaluation.worker_pool import WarmWorkerGroups
-    from areal_eval.launchers.ray_slots import RaySlots
-    from areal_eval.launchers.slurm_slots import SlurmSlots
+    from areal_eval.launchers.ray_slots import RayConfig, RaySlots
+    from areal_eval.launchers.slurm_slots import SlurmConfig, SlurmSlots
     from areal_eval.tracking import Tracker, TrackingConfig
     from tests.slurm_cluster import SlurmCluster
 

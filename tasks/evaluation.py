@@ -19,10 +19,9 @@ from prefect.exceptions import MissingContextError
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.disk import is_disk_full
-from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, run_evaluation_job
+from areal_eval.evaluation.jobs import EvalResult, EvaluationFailed, cluster_slots, run_evaluation_job
 from areal_eval.evaluation.worker_pool import WarmWorkerGroups
 from areal_eval.failures import is_permanent
-from areal_eval.launchers.clusters import cluster_slots
 from areal_eval.launchers.devices import DevicePlan, Placement, SlotDevices, plan_here
 from areal_eval.launchers.slot_pool import ClusterSlot, SlotPool
 from areal_eval.pipeline.config import PipelineConfig

@@ -29,24 +29,24 @@ LAYERS = [
     {"checkpoints"},
     {"integrations"},  # trainers' side: publishing from HF, AReaL-style loops
     {"models"},
-    {"evaluation"},
-    {  # evaluation slots on Ray and Slurm, beside the local launcher
+    {"evaluation"},  # the ranks' side: evaluators, the worker, warm workers, job specs
+    {  # evaluation slots on Ray and Slurm, beside the local launcher: a module per launcher
         "launchers.node_agent",
         "launchers.slot_pool",
         "launchers.slurm_node",
         "launchers.slurm_queue",
         "launchers.ray_slots",
         "launchers.slurm_slots",
-        "launchers.clusters",
     },
+    {"evaluation.jobs"},  # the flow's side: ``eval`` settings (every launcher's) and one checkpoint's job
     {"sinks", "logged_models", "curve_plot", "failures", "compare"},  # what is made of results
     {"tracking", "recording"},  # the one recording step: MLflow, then the other sinks
     {"lifecycle"},  # one run's lifecycle, on every path
     {"pipeline", "train", "cli", "diagnostics"},  # the combined config and the entry points
 ]
 """Each entry: a module's name under ``areal_eval``, its first part (a package or a flat module)
-or, for the launchers (processes on this machine, and slots on clusters above evaluation), its
-first two."""
+or, for the launchers (processes on this machine, and slots on clusters above the ranks' side of
+evaluation) and for ``evaluation.jobs`` (the flow's side, above the slots), its first two."""
 OUTSIDE = {"tasks": len(LAYERS), "commands": len(LAYERS) + 1, "flows": len(LAYERS) + 2}
 """The Prefect side, above the library: tasks, what a command does around its flow, then the flows."""
 

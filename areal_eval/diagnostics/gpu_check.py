@@ -241,9 +241,8 @@ def ray_slot(work: Path, reward_model_job: tuple, on_gpu: bool) -> dict:
     if importlib.util.find_spec("ray") is None:
         return {"skipped": "ray is not installed here: pip install 'ray[default]>=2.40'"}
     from areal_eval.checkpoints.manifest import CheckpointEvent, checkpoint_name, describe_files
-    from areal_eval.evaluation.cluster_config import RayConfig
     from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
-    from areal_eval.launchers.ray_slots import RaySlots
+    from areal_eval.launchers.ray_slots import RayConfig, RaySlots
 
     checkpoint, data = reward_model_job
     event = CheckpointEvent("gpu-check", str(checkpoint), 0, 0, 0, time.time(), {}, describe_files(checkpoint))

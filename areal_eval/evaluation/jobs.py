@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -27,7 +28,6 @@ from areal_eval.config.parsing import (
     check_ranges,
 )
 from areal_eval.disk import named_if_disk_full
-from areal_eval.evaluation.cluster_config import LAUNCHERS, PASS_ENV, RayConfig, SlurmConfig, check_launcher
 from areal_eval.evaluation.generation import GenerationConfig
 from areal_eval.evaluation.interpreter import check_interpreter
 from areal_eval.evaluation.job_spec import COLLECTIVE_TIMEOUT_S, EvalJobSpec, to_json, write_spec
@@ -37,6 +37,9 @@ from areal_eval.evaluation.preflight import preflight_cache, preflight_key, run_
 from areal_eval.evaluation.worker_pool import WarmEvalWorkers
 from areal_eval.launchers.devices import Devices, Placement, check_setting
 from areal_eval.launchers.local import NodeLayout, TorchrunJob, WorkerError, failure_summary, stay_offline
+from areal_eval.launchers.ray_slots import RayConfig, RaySlots
+from areal_eval.launchers.slot_pool import PASS_ENV, SlotPool
+from areal_eval.launchers.slurm_slots import SlurmConfig, SlurmSlots
 
 
 class EvaluationFailed(RuntimeError):
@@ -174,7 +177,10 @@ class EvalConfig:
     """Variables set for the ranks on ``ray`` and ``slurm`` nodes, over the flow's."""
 
     PATTERNS: ClassVar[dict] = {"evaluator": lambda: evaluator_spec_pattern()}
-    CHOICES: ClassVar[dict] = {"dtype": lambda: list(DTYPES), "launcher": lambda: list(LAUNCHERS)}
+    CLUSTERS: ClassVar[dict[str, type[SlotPool]]] = {"ray": RaySlots, "slurm": SlurmSlots}
+    """The cluster launchers, beside ``local``: each one's module declares its settings (a field
+    of this class, of its pool's ``Config``), what it needs installed, and its slots."""
+    CHOICES: ClassVar[dict] = {"dtype": lambda: list(DTYPES), "launcher": lambda: ["local", *EvalConfig.CLUSTERS]}
     RANGES: ClassVar[Ranges] = {
         "nproc": RANKS,
         "slots": Bounds(1, 64),
@@ -192,7 +198,7 @@ class EvalConfig:
     def __post_init__(self):
         check_ranges(self, self.RANGES)
         check_setting(self.devices, "devices")
-        check_launcher(self.launcher, self.nodes, self.devices)
+        self._check_launcher()
         if self.dtype not in DTYPES:
             raise FieldError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         # On a cluster the interpreter is the nodes' (a path the flow's machine may lack): each node
@@ -203,6 +209,34 @@ class EvalConfig:
             check_interpreter(self.python, self.evaluator, self.generation)
         if self.nproc % self.mp_size:
             raise FieldError("nproc", f"{self.nproc} must be divisible by mp_size ({self.mp_size})")
+
+    def _check_launcher(self) -> None:
+        """``launcher`` and what it needs, in one line naming the field."""
+        launcher, nodes = self.launcher, self.nodes
+        if launcher == "local":
+            if nodes > 1:
+                clusters = " or ".join(self.CLUSTERS)
+                raise FieldError(
+                    "nodes", f"{nodes} nodes per slot need launcher {clusters} (local runs on one machine)"
+                )
+            return
+        if launcher not in self.CLUSTERS:
+            raise FieldError("launcher", f"{launcher!r} is not one of {', '.join(['local', *self.CLUSTERS])}")
+        if self.devices != "auto":
+            raise FieldError(
+                "devices",
+                f"{self.devices!r}: with launcher {launcher} the cluster gives each node its devices"
+                f" ({launcher}.gpus_per_node)",
+            )
+        package, how = self.CLUSTERS[launcher].EXTRA or (None, None)
+        if package and importlib.util.find_spec(package) is None:
+            raise FieldError("launcher", f"{launcher} needs the {package} package, not installed here: {how}")
+
+
+def cluster_slots(cfg: EvalConfig, work_dir: str | Path, *, run_name: str, report=None) -> SlotPool:
+    """The slots of ``cfg.launcher`` (a cluster launcher) for one run, as a context manager
+    (entering it starts acquiring them)."""
+    return cfg.CLUSTERS[cfg.launcher](cfg, work_dir, run_name=run_name, **({"report": report} if report else {}))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,6 +91,16 @@ class NodeAgent:
         """Node 0's address and a free port on it, for a multi-node job's static rendezvous."""
         return {"master_addr": self.address, "master_port": free_port()}
 
+    def take_part(
+        self, spec: dict, data: bytes | None, *, nnodes: int, rendezvous: dict | None, timeout_s: float
+    ) -> dict:
+        """This node's part in one evaluation, the same on every cluster: node 0 runs ``spec`` on
+        ``data`` and its reply holds the result; the others (``data`` None) join it at node 0's
+        ``rendezvous`` (from :meth:`rendezvous`) and reply with their log lines."""
+        if self.node_rank == 0:
+            return self.evaluate(spec, data, nnodes=nnodes, rendezvous=rendezvous, timeout_s=timeout_s)
+        return self.follow(nnodes, rendezvous, timeout_s=timeout_s)
+
     def evaluate(
         self, spec: dict, data: bytes, *, nnodes: int = 1, rendezvous: dict | None = None, timeout_s: float
     ) -> dict:

@@ -11,19 +11,20 @@ removes them itself.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
-from areal_eval.config.parsing import ConfigError
-from areal_eval.evaluation.cluster_config import RayConfig, rank_env
+from areal_eval.config.parsing import NON_NEGATIVE, ConfigError, FieldError, Ranges, check_ranges
 from areal_eval.evaluation.interpreter import required_modules
 from areal_eval.launchers.local import WorkerError
 from areal_eval.launchers.node_agent import NodeAgent, NodeCheckFailed, check_node
-from areal_eval.launchers.slot_pool import ClusterSlot, SlotLost, SlotPool
+from areal_eval.launchers.slot_pool import ClusterSlot, SlotLost, SlotPool, rank_env
 
 CONNECT_TIMEOUT_S = 5.0
 """How long a head address may take to answer before it is refused (Ray itself waits minutes)."""
@@ -31,6 +32,39 @@ START_S = 600.0
 """How long a slot's node agents may take to start (the node check imports the package)."""
 FOLLOWERS_S = 60.0
 """How long after node 0's result the other nodes may take to end before the slot is rebuilt."""
+
+
+@dataclasses.dataclass
+class RayConfig:
+    address: str | None = None
+    """The Ray cluster to run on: ``auto`` (the one this machine belongs to), ``host:port`` of its
+    head, or ``ray://host:10001``. None starts a Ray instance of its own for the run, on this machine."""
+    gpus_per_node: float = 0
+    """GPUs in each node's bundle: Ray gives each node agent, and its ranks, its own
+    ``CUDA_VISIBLE_DEVICES``. 0 on CPU-only clusters."""
+    cpus_per_node: float = 1
+    """CPUs in each node's bundle."""
+    resources: dict = dataclasses.field(default_factory=dict)
+    """Custom resources in each node's bundle, e.g. ``{eval_node: 1}``: only nodes started with
+    ``ray start --resources '{"eval_node": 4}'`` host evaluation, which keeps it off training's."""
+    namespace: str = "areal-eval"
+    """The Ray namespace of the slots' placement groups and actors."""
+    autoscaling: bool = False
+    """The cluster adds nodes on demand (KubeRay or Ray's autoscaler, a group with ``min: 0``):
+    slots that no live node can hold wait for new nodes instead of being refused."""
+
+    RANGES: ClassVar[Ranges] = {"gpus_per_node": NON_NEGATIVE, "cpus_per_node": NON_NEGATIVE}
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES)
+        for name, amount in self.resources.items():
+            if not isinstance(amount, (int, float)) or amount <= 0:
+                raise FieldError(f"resources.{name}", f"{amount!r} is not a positive amount")
+
+    def bundle(self) -> dict:
+        """One node's share of a slot, as a placement group bundle."""
+        amounts = {"CPU": self.cpus_per_node, "GPU": self.gpus_per_node, **self.resources}
+        return {name: float(amount) for name, amount in amounts.items() if amount}
 
 
 class RayNodeAgent(NodeAgent):
@@ -106,7 +140,7 @@ class RaySlot(ClusterSlot):
         self.nodes: list[dict] = []
         self.group = None
         self.agents: list = []
-        self.state = "waiting for its placement group"
+        self.shown = "waiting for its placement group"
 
     def acquire(self, stop: threading.Event) -> bool:
         from ray.util.placement_group import placement_group
@@ -114,7 +148,7 @@ class RaySlot(ClusterSlot):
         e = self.cfg
         strategy = "STRICT_SPREAD" if e.nodes > 1 else "PACK"
         self.group = placement_group([e.ray.bundle()] * e.nodes, strategy=strategy, name=self.name)
-        self.state = f"waiting for {e.nodes} x {e.ray.bundle()} ({strategy})"
+        self.shown = f"waiting for {e.nodes} x {e.ray.bundle()} ({strategy})"
         try:
             while not self.group.wait(timeout_seconds=1):
                 if stop.is_set():
@@ -131,7 +165,7 @@ class RaySlot(ClusterSlot):
         if stop.is_set():  # the pool closed meanwhile
             self.release()
             return False
-        self.state = "ready on " + ", ".join(f"{n['host']}/{n['address']} (devices {n['devices']})" for n in self.nodes)
+        self.shown = "ready on " + ", ".join(f"{n['host']}/{n['address']} (devices {n['devices']})" for n in self.nodes)
         return True
 
     def _start_agents(self) -> None:
@@ -173,8 +207,10 @@ class RaySlot(ClusterSlot):
         nnodes, reply = len(self.agents), None
         try:
             rendezvous = ray.get(self.agents[0].rendezvous.remote(), timeout=60) if nnodes > 1 else None
-            followers = [a.follow.remote(nnodes, rendezvous, timeout_s=timeout_s) for a in self.agents[1:]]
-            head = self.agents[0].evaluate.remote(spec, data, nnodes=nnodes, rendezvous=rendezvous, timeout_s=timeout_s)
+            part = {"nnodes": nnodes, "rendezvous": rendezvous, "timeout_s": timeout_s}
+            head, *followers = [
+                agent.take_part.remote(spec, None if i else data, **part) for i, agent in enumerate(self.agents)
+            ]
             waiting, deadline = [head, *followers], time.monotonic() + timeout_s + 30
             while head in waiting:
                 done, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -230,7 +266,7 @@ class RaySlot(ClusterSlot):
         from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():  # disconnected: Ray removed what this driver owned (a call would start a new Ray)
-            self.agents, self.group, self.state = [], None, "released"
+            self.agents, self.group, self.shown = [], None, "released"
             return
         for agent in self.agents:
             try:
@@ -242,10 +278,10 @@ class RaySlot(ClusterSlot):
         if self.group is not None:
             remove_placement_group(self.group)
             self.group = None
-        self.state = "released"
+        self.shown = "released"
 
     def describe(self) -> str:
-        return f"ray slot {self.index} ({self.name}): {self.state}"
+        return f"ray slot {self.index} ({self.name}): {self.shown}"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -255,6 +291,9 @@ def _first_line(exc: BaseException) -> str:
 class RaySlots(SlotPool):
     """``eval.slots`` Ray slots of ``eval.nodes`` nodes for one run (``run_name`` names its
     placement groups and actors, so ``ray list actors`` says whose they are)."""
+
+    Config = RayConfig
+    EXTRA = ("ray", "pip install 'areal-eval[ray]'")
 
     def __init__(self, cfg, work_dir: str | Path, *, run_name: str, **pool):
         self.cfg = cfg

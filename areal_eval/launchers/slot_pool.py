@@ -9,12 +9,15 @@ has nodes for it.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ClassVar
 
 from areal_eval import jsonl
 from areal_eval.config.parsing import ConfigError
@@ -24,11 +27,22 @@ from areal_eval.launchers.local import WorkerError
 
 log = logging.getLogger(__name__)
 
+PASS_ENV = ["AWS_*", "HF_*", "HUGGING_FACE_*", "NCCL_*", "GLOO_*", "WANDB_*", "MLFLOW_*"]
+"""The flow's variables that reach every rank on a cluster by default (``eval.pass_env``):
+credentials for ``s3://`` checkpoints, the model hub's cache, the collectives' network settings."""
+
 WAIT_NOTED_S = 5.0
 """A lease that waited this long for its slot says so on the result."""
 START_TRIES = 3
 """Once every slot has failed to start this many times in a row, a lease fails (transient, with
 the last reason) rather than wait on: the checkpoint is retried, then decided."""
+
+
+def rank_env(cfg) -> dict[str, str]:
+    """What a cluster's ranks get of the flow's environment: its variables that match
+    ``cfg.pass_env``, then ``cfg.env`` (``cfg``: the ``eval`` section)."""
+    passed = {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in cfg.pass_env)}
+    return {**passed, **{k: str(v) for k, v in cfg.env.items()}}
 
 
 class SlotLost(WorkerError):
@@ -47,6 +61,8 @@ class ClusterSlot:
         """How long its current lease waited for it (the cluster had no nodes for a free slot)."""
         self.wait_reason = ""
         """Why the cluster last kept it waiting (Slurm's pending reason)."""
+        self.shown = "not started"
+        """What it is doing, for the log only (``describe``): decisions read the engine's state."""
 
     def wait_note(self) -> list[str]:
         """The lease's wait, as a note on the evaluation's result (the log and the ledger keep
@@ -101,7 +117,15 @@ class ClusterSlot:
 
 
 class SlotPool:
-    """Cluster slots leased one evaluation at a time, each acquired in a thread of its own."""
+    """Cluster slots leased one evaluation at a time, each acquired in a thread of its own.
+
+    A cluster launcher is one module: its settings (``eval.<launcher>``, named by ``EvalConfig``),
+    what the flow's environment needs for it, and its pool of slots, a subclass of this."""
+
+    Config: ClassVar[type]
+    """The launcher's section of ``eval``."""
+    EXTRA: ClassVar[tuple[str, str] | None] = None
+    """The package the launcher needs in the flow's environment, and how to get it."""
 
     def __init__(self, slots: list[ClusterSlot], *, report: Callable[[str], None] = log.info, report_s: float = 30.0):
         self.slots, self.report, self.report_s = slots, report, report_s

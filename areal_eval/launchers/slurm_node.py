@@ -130,19 +130,18 @@ def serve(
         if job is None or job.get("stop"):
             return
         stem = here / path.stem
-        if agent.node_rank == 0:
+        if agent.node_rank == 0:  # node 0 posts the rendezvous for the others
             rendezvous = agent.rendezvous() if nnodes > 1 else None
             jsonl.write_json(stem.with_suffix(".rendezvous.json"), {"rendezvous": rendezvous})
             data = Path(job["data"]).read_bytes()
-            reply = agent.evaluate(job["spec"], data, nnodes=nnodes, rendezvous=rendezvous, timeout_s=job["timeout_s"])
-            jsonl.write_json(stem.with_suffix(".reply.json"), encode_reply(reply))
         else:
             posted = wait_for(stem.with_suffix(".rendezvous.json"), heartbeat, orphan_after_s)
             if posted is None:
                 return
-            rendezvous = posted["rendezvous"]
-            reply = agent.follow(nnodes, rendezvous, timeout_s=job["timeout_s"])
-            jsonl.write_json(stem.with_suffix(f".node-{agent.node_rank}.json"), reply)
+            rendezvous, data = posted["rendezvous"], None
+        reply = agent.take_part(job["spec"], data, nnodes=nnodes, rendezvous=rendezvous, timeout_s=job["timeout_s"])
+        answer = ".reply.json" if agent.node_rank == 0 else f".node-{agent.node_rank}.json"
+        jsonl.write_json(stem.with_suffix(answer), encode_reply(reply))
         if once:
             return
 

@@ -10,6 +10,7 @@ a resume of the run on that host cancels those a killed flow left behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import itertools
 import os
@@ -22,16 +23,59 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import ClassVar
 
 import psutil
 
 from areal_eval import jsonl
-from areal_eval.config.parsing import ConfigError
-from areal_eval.evaluation.cluster_config import rank_env
+from areal_eval.config.parsing import NON_NEGATIVE, POSITIVE, Bounds, ConfigError, Ranges, check_ranges
 from areal_eval.evaluation.interpreter import required_modules
-from areal_eval.launchers.slot_pool import ClusterSlot, SlotLost, SlotPool, log
+from areal_eval.launchers.slot_pool import ClusterSlot, SlotLost, SlotPool, log, rank_env
 from areal_eval.launchers.slurm_node import HEARTBEAT, STOP, Backoff, decode_reply, job_dir
 from areal_eval.launchers.slurm_queue import JobState, SlurmQueue, is_transient, slurm
+
+
+@dataclasses.dataclass
+class SlurmConfig:
+    partition: str | None = None
+    """``sbatch --partition``; None: the cluster's default."""
+    account: str | None = None
+    """``sbatch --account``."""
+    gpus_per_node: int = 0
+    """GPUs each node of a slot's job asks for (``--gres=gpu:N``); Slurm sets each node's
+    ``CUDA_VISIBLE_DEVICES``. 0 on CPU-only partitions."""
+    cpus_per_node: int = 1
+    """CPUs each node of a slot's job asks for (``--cpus-per-task``)."""
+    mem_per_node: str | None = None
+    """``sbatch --mem`` of each node (``64G``); None: the partition's default."""
+    time_limit: str = "1-00:00:00"
+    """``sbatch --time`` of a slot's job. A kept job is renewed (a new job submitted) before its
+    limit could cut an evaluation, so the run may outlive it."""
+    controller_grace_s: float = 180.0
+    """How long the controller may not answer (a restart, a failover) before an evaluation in
+    flight is given up; meanwhile the job is kept and its evaluation goes on."""
+    orphan_after_s: float = 300.0
+    """A job's node agents end once the flow has not touched their heartbeat for this long (a
+    flow killed on another host), giving the nodes back before the time limit."""
+    sbatch_args: list[str] = dataclasses.field(default_factory=list)
+    """More ``sbatch`` options, as given on its command line (``--qos=eval``, ``--exclude=n7``)."""
+    keep_jobs: bool = True
+    """Keep each slot's job for the whole run (it serves evaluation after evaluation); False
+    submits a job per evaluation and frees the nodes in between."""
+    shared_dir: str | None = None
+    """A directory the flow's machine and every node see (jobs, results, logs); None: the run's
+    ``evals`` directory, which must then be on a shared file system."""
+
+    RANGES: ClassVar[Ranges] = {
+        "gpus_per_node": NON_NEGATIVE,
+        "cpus_per_node": POSITIVE,
+        "controller_grace_s": NON_NEGATIVE,
+        "orphan_after_s": Bounds(30),  # the flow touches the heartbeat every 10 s
+    }
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES)
+
 
 REPLY_GRACE_S = 60.0
 """How long past ``eval.job_timeout_s`` the flow waits for node 0's reply."""
@@ -118,7 +162,7 @@ class SlurmSlot(ClusterSlot):
         self.job: str | None = None
         self.nodes: list[dict] = []
         self.served = 0
-        self.state = "not submitted"
+        self.shown = "not submitted"
 
     def _script(self, once: bool) -> Path:
         e = self.cfg
@@ -160,7 +204,7 @@ class SlurmSlot(ClusterSlot):
             why = " ".join(submitted.stderr.split()) or f"exit {submitted.returncode}"
             if not is_transient(why):
                 raise ConfigError(f"eval.slurm: sbatch refused the slot's job: {why}")
-            self.state = f"sbatch waits: {why}"
+            self.shown = f"sbatch waits: {why}"
             self.report(f"slurm slot {self.index}: sbatch could not submit yet ({why}); trying again in {wait_s:.0f} s")
             if stop.wait(wait_s):
                 return False
@@ -199,7 +243,7 @@ class SlurmSlot(ClusterSlot):
                     waits = f"job {self.job} is pending; its evaluation waits for nodes: {job.reason}"
                     self.report(f"slurm slot {self.index}: {waits}")
             if job.kind is not JobState.UNKNOWN:  # the controller away: the job is as it was
-                self.state = f"job {self.job} {job.state}" + (f" ({job.reason})" if job.reason else "")
+                self.shown = f"job {self.job} {job.state}" + (f" ({job.reason})" if job.reason else "")
             self.nodes = [jsonl.read_json(p) for p in sorted(here.glob("node-*.json"))]
             refused = [n["error"] for n in self.nodes if n and n.get("error")]
             if refused:  # before the job's end: a node that refused ends it
@@ -207,7 +251,7 @@ class SlurmSlot(ClusterSlot):
             if job.kind in (JobState.ENDED, JobState.GONE):
                 raise SlotLost(f"{self.describe()} before its node agents started; see {self.dir}/job-{self.job}.out")
             if job.kind is JobState.RUNNING and len(self.nodes) == self.cfg.nodes:
-                self.state = f"job {self.job} running on " + ", ".join(
+                self.shown = f"job {self.job} running on " + ", ".join(
                     f"{n['host']}/{n['address']} (devices {n['devices']})" for n in self.nodes
                 )
                 return True
@@ -287,7 +331,7 @@ class SlurmSlot(ClusterSlot):
             slurm("scancel", f"--name={self.name}", f"--user={getpass.getuser()}")
             self._wait_gone(30)  # gone, not just told to go
             shutil.rmtree(job_dir(self.dir, self.job), ignore_errors=True)
-        self.job, self.nodes, self.state = None, [], "released"
+        self.job, self.nodes, self.shown = None, [], "released"
 
     def _wait_gone(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -297,12 +341,14 @@ class SlurmSlot(ClusterSlot):
             time.sleep(0.2)
 
     def describe(self) -> str:
-        return f"slurm slot {self.index} ({self.name}): {self.state}"
+        return f"slurm slot {self.index} ({self.name}): {self.shown}"
 
 
 class SlurmSlots(SlotPool):
     """``eval.slots`` Slurm slots for one run; leftovers of a killed flow of the run are cancelled.
     One squeue serves all of them, and a thread touches each job's heartbeat."""
+
+    Config = SlurmConfig
 
     def __init__(self, cfg, work_dir: str | Path, *, run_name: str, **pool):
         check_cluster(cfg)

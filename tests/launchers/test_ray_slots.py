@@ -17,10 +17,9 @@ import pytest
 
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.config.parsing import ConfigError
-from areal_eval.evaluation.cluster_config import RayConfig
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
-from areal_eval.launchers.ray_slots import RaySlots, connect
+from areal_eval.launchers.ray_slots import RayConfig, RaySlots, connect
 from tests.flows.test_train_and_evaluate_resume import wait_for
 from tests.launchers.conftest import (
     NODE_GPUS,
@@ -341,3 +340,12 @@ def test_a_frozen_follower_node_fails_the_evaluation_once_ray_sees_it_dead_and_t
         assert node.node_id not in {n["node_id"] for n in slot.nodes}
     assert result.metrics["n_pairs"] == 101
     assert placement_groups_left("areal-eval-frozen") == [] and slot_actors_alive("areal-eval-frozen") == []
+
+
+def test_a_bundle_holds_what_is_asked_of_each_node():
+    assert RayConfig(gpus_per_node=1, cpus_per_node=2, resources={"eval_node": 1}).bundle() == {
+        "CPU": 2.0,
+        "GPU": 1.0,
+        "eval_node": 1.0,
+    }
+    assert RayConfig(cpus_per_node=0).bundle() == {}

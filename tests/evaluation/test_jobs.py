@@ -1,4 +1,5 @@
-"""``eval.launcher`` and the cluster settings: each refusal is one line naming its field."""
+"""``eval`` settings (``EvalConfig``): the launcher and the cluster launchers' sections; each refusal
+is one line naming its field."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import importlib.util
 import pytest
 
 from areal_eval.config.parsing import ConfigError
-from areal_eval.evaluation.cluster_config import RayConfig
 from areal_eval.pipeline.config import load_pipeline_config
 
 
@@ -42,12 +42,3 @@ def test_bad_amounts_are_refused_by_their_field():
     assert refusal(launcher="local", ray={"gpus_per_node": -1}).startswith("eval.ray.gpus_per_node")
     assert refusal(launcher="local", ray={"resources": {"eval_node": 0}}).startswith("eval.ray.resources.eval_node")
     assert refusal(launcher="local", slurm={"cpus_per_node": 0}).startswith("eval.slurm.cpus_per_node")
-
-
-def test_a_bundle_holds_what_is_asked_of_each_node():
-    assert RayConfig(gpus_per_node=1, cpus_per_node=2, resources={"eval_node": 1}).bundle() == {
-        "CPU": 2.0,
-        "GPU": 1.0,
-        "eval_node": 1.0,
-    }
-    assert RayConfig(cpus_per_node=0).bundle() == {}
