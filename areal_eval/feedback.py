@@ -12,6 +12,11 @@ same results give the same directives, with the same ids, on every path.
   their items. A plateau scales the learning rate (``lr_scale``, ``factor``) up to
   ``max_lr_scales`` times, ``cooldown`` evaluations apart; a plateau after that stops training.
 
+- ``rollback`` on a confirmed regression: the two newest results in a row below the best, each
+  by more than ``min_delta`` plus ``regression_stderrs`` (paired) standard errors. Training goes
+  back to the best checkpoint's weights, optimizer, schedule and data position, its learning rate
+  times ``factor``; up to ``max_rollbacks`` times, ``cooldown`` evaluations apart.
+
 Each action is ``off``, ``shadow`` (recorded with what it would have done, never applied; the
 default) or ``act``.
 """
@@ -35,6 +40,14 @@ class FeedbackConfig:
     ``max_lr_scales`` times: ``off``, ``shadow`` (only recorded) or ``act`` (training stops)."""
     lr_scale: Mode = "shadow"
     """A lower learning rate on a plateau: ``off``, ``shadow`` or ``act``."""
+    rollback: Mode = "shadow"
+    """Back to the best checkpoint on a confirmed regression, the learning rate times ``factor``:
+    ``off``, ``shadow`` or ``act``."""
+    regression_stderrs: float = 2.0
+    """A regression: each of the two newest results lies below the best by more than ``min_delta``
+    plus this many (paired) standard errors."""
+    max_rollbacks: int = 1
+    """Rollbacks in one run; a regression after that is only recorded."""
     metric: str | None = None
     """The metric the rules watch. None: the scheduler's (``scheduler.metric``)."""
     higher_is_better: bool | None = None
@@ -57,7 +70,7 @@ class FeedbackConfig:
     max_lr_scales: int = 2
     """Plateaus answered by a lower learning rate; the next one stops training."""
     cooldown: int = 2
-    """Evaluations after an action before a plateau is counted again."""
+    """Evaluations after an action before a plateau or a regression is counted again."""
     min_step: int = 0
     """Results before this step (an untrained baseline) are not looked at."""
 
@@ -68,6 +81,8 @@ class FeedbackConfig:
         "improve_stderrs": NON_NEGATIVE,
         "factor": POSITIVE,
         "max_lr_scales": NON_NEGATIVE,
+        "regression_stderrs": NON_NEGATIVE,
+        "max_rollbacks": NON_NEGATIVE,
         "cooldown": NON_NEGATIVE,
         "min_step": NON_NEGATIVE,
     }
@@ -76,7 +91,7 @@ class FeedbackConfig:
         check_ranges(self, self.RANGES)
         if self.factor >= 1:
             raise FieldError("factor", f"lowers the learning rate: below 1, got {self.factor}")
-        for name in ("stop", "lr_scale"):
+        for name in ("stop", "lr_scale", "rollback"):
             if getattr(self, name) not in ("off", "shadow", "act"):
                 raise FieldError(name, f"off, shadow or act, got {getattr(self, name)!r}")
 
@@ -124,14 +139,14 @@ class FeedbackJudge:
 
     @property
     def active(self) -> bool:
-        return self.cfg.stop != "off" or self.cfg.lr_scale != "off"
+        return any(mode != "off" for mode in (self.cfg.stop, self.cfg.lr_scale, self.cfg.rollback))
 
     def directives(self, results: list[tuple[int, dict]]) -> list[Directive]:
         """Every directive the results call for, in step order: ``results`` are ``(step,
         metrics)`` of the evaluated checkpoints, in any order. Nothing follows a stop."""
         cfg, out = self.cfg, []
         series = sorted((s, m) for s, m in results if s >= cfg.min_step and _finite(m.get(self.metric)))
-        best_i, since_action, scales = None, None, 0
+        best_i, since_action, scales, rollbacks = None, None, 0, 0
         for i, (step, metrics) in enumerate(series):
             value = metrics[self.metric]
             if best_i is None or self.sign * (value - series[best_i][1][self.metric]) > cfg.min_delta:
@@ -141,9 +156,14 @@ class FeedbackJudge:
             if cfg.target is not None and cfg.stop != "off" and (hit := self._target(step, metrics)):
                 out.append(hit)
                 break
-            if cfg.patience is None or i - best_i < cfg.patience:
-                continue
             if since_action is not None and since_action <= cfg.cooldown:
+                continue
+            if cfg.rollback != "off" and rollbacks < cfg.max_rollbacks and i - best_i >= 2:
+                if back := self._regression(series, best_i, i):
+                    out.append(back)
+                    rollbacks, since_action = rollbacks + 1, 0
+                    continue
+            if cfg.patience is None or i - best_i < cfg.patience:
                 continue
             plateau = self._plateau(series, i)
             if plateau is None:
@@ -174,6 +194,32 @@ class FeedbackJudge:
             "target": self.cfg.target,
         }
         return Directive(f"stop@{step}", "stop", (step,), said, evidence, self.cfg.stop)
+
+    def _regression(self, series: list[tuple[int, dict]], best_i: int, i: int) -> Directive | None:
+        """A rollback to ``series[best_i]`` where the two newest results lie confirmed below it."""
+        best, cfg, drops = series[best_i], self.cfg, []
+        for j in (i - 1, i):
+            delta, stderr, n = self._difference(best, series[j])
+            drop = -self.sign * delta
+            if drop - cfg.min_delta <= cfg.regression_stderrs * (stderr or 0.0) or drop <= cfg.min_delta:
+                return None
+            drops.append({"step": series[j][0], "delta": delta, "stderr": stderr, "n_items": n})
+        step, to_step = series[i][0], best[0]
+        worst = drops[-1]
+        said = f"{self.metric} below the best (step {to_step}) in 2 evaluations in a row ({worst['delta']:+.4g}"
+        said += f", stderr {worst['stderr']:.2g})" if worst["stderr"] is not None else ")"
+        said += f": back to step {to_step}, learning rate x{cfg.factor:g}"
+        evidence = {
+            "rule": "regression",
+            "metric": self.metric,
+            "best_step": to_step,
+            "drops": drops,
+            "regression_stderrs": cfg.regression_stderrs,
+            "min_delta": cfg.min_delta,
+        }
+        args = {"to_step": to_step, "factor": cfg.factor}
+        steps = (to_step, series[i - 1][0], step)
+        return Directive(f"rollback@{step}", "rollback", steps, said, evidence, cfg.rollback, args)
 
     def _plateau(self, series: list[tuple[int, dict]], i: int) -> dict | None:
         """The evidence that the curve is flat at ``series[i]``, or None where it still climbs."""

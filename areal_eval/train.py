@@ -217,7 +217,7 @@ def train(spec: TrainJobSpec) -> None:
     import torch
 
     from areal_eval import distributed
-    from areal_eval.checkpoints.saving import CheckpointWriter
+    from areal_eval.checkpoints.saving import CheckpointWriter, read_resume_state, resume_state_path
 
     cfg, run = spec.train, RunDir(spec.run_dir)
     if training_finished(run, spec.run_id):
@@ -286,62 +286,76 @@ def train(spec: TrainJobSpec) -> None:
             "next_epoch": next_epoch,
             "next_epoch_step": next_epoch_step,
             "global_step": global_step,
+            "lineage": lineage,
         }
 
-    global_step, metrics, start_epoch, start_epoch_step = 0, {}, 0, 0
+    global_step, metrics, position, lineage = 0, {}, (0, 0), {}
     if resume:  # model, optimizer, schedule, trigger state and data position of the newest checkpoint
         state = resume[1]
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["schedule"])
         ctl.load_state_dict(state["trigger"])
-        global_step, start_epoch, start_epoch_step = state["global_step"], state["next_epoch"], state["next_epoch_step"]
+        global_step, position = state["global_step"], (state["next_epoch"], state["next_epoch_step"])
+        lineage = state.get("lineage", {})
+
+    def roll_back(to_step: int) -> str | None:
+        """Weights, optimizer, schedule and data position of checkpoint ``to_step`` (rank 0 says
+        whether it is there, so every rank does the same); global steps go on counting."""
+        nonlocal position, lineage
+        where = run.checkpoints / checkpoint_name(to_step)
+        gone = None if where.exists() and resume_state_path(run.resume_states, to_step).exists() else where
+        gone = distributed.broadcast_object(gone) if world > 1 else gone
+        if gone is not None:
+            return f"its target, checkpoint {to_step}, is gone ({gone})"
+        model.load_state_dict(task.load_model(where).state_dict())
+        state = read_resume_state(run.resume_states, to_step)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["schedule"])
+        position, lineage = (state["next_epoch"], state["next_epoch_step"]), {"weights_from_step": to_step}
+        return None
+
     # What evaluation asks of training; an answer made after the step training starts from is void.
     inbox = Inbox(run.root, resumed_at=global_step)
     if not resume and ctl.before_train() and writer:
         writer.save(epoch=0, epoch_step=0, global_step=0, train_metrics={}, resume_state=resume_state(0, 0, 0))
-    started, stop_reason = time.monotonic(), None
-    epoch = epoch_step = 0
-    for epoch in range(start_epoch, cfg.epochs):
-        order = list(range(len(examples)))
-        random.Random(cfg.seed * 1000 + epoch).shuffle(order)
-        for epoch_step in range(start_epoch_step if epoch == start_epoch else 0, epoch_steps):
-            if global_step >= total:
-                break
-            base = (epoch_step * world + rank) * cfg.batch_size
-            batch = task.collate([examples[i] for i in order[base : base + cfg.batch_size]], tokenizer)
-            batch = {k: v.to(dev) for k, v in batch.items()}
-            loss = task.loss(ddp, batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            global_step += 1
-            # One small all-reduce per step: mean loss for the log, a stop request, a directive waiting.
-            local = [loss.item(), 1.0 if rank == 0 and stop.requested() else 0.0, float(rank == 0 and inbox.waiting())]
-            stats = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=dev))
-            for directive in inbox.agree(stats[2].item() > 0):  # applied before this step's save
-                stop_reason = answer_directive(directive, opt, sched, inbox=inbox, step=global_step) or stop_reason
-            metrics = {"loss": stats[0].item() / world, "lr": sched.get_last_lr()[0], "epoch": epoch}
-            if log and global_step % cfg.log_every == 0:
-                elapsed = time.monotonic() - started
-                log.write(
-                    {"step": global_step, **metrics, "samples_per_s": global_step * cfg.batch_size * world / elapsed}
-                )
-            if stats[1].item() > 0 or stop_reason:
-                stop_reason = stop_reason or stop.requested() or "stop requested"
-                break
-            is_last = global_step >= total
-            due = ctl.check(epochs=int(epoch_step == epoch_steps - 1), steps=1)
-            if (due or global_step in cfg.save.at_steps) and not is_last and writer:
-                writer.save(
-                    epoch,
-                    epoch_step,
-                    global_step,
-                    metrics,
-                    resume_state=resume_state(*next_position(epoch, epoch_step, epoch_steps), global_step),
-                )
-        if stop_reason or global_step >= total:
+    started, stop_reason, shuffled = time.monotonic(), None, None
+    epoch, epoch_step = position
+    while position[0] < cfg.epochs and global_step < total:
+        epoch, epoch_step = position
+        if shuffled != epoch:
+            order, shuffled = list(range(len(examples))), epoch
+            random.Random(cfg.seed * 1000 + epoch).shuffle(order)
+        base = (epoch_step * world + rank) * cfg.batch_size
+        batch = task.collate([examples[i] for i in order[base : base + cfg.batch_size]], tokenizer)
+        batch = {k: v.to(dev) for k, v in batch.items()}
+        loss = task.loss(ddp, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        global_step += 1
+        position = next_position(epoch, epoch_step, epoch_steps)
+        # One small all-reduce per step: mean loss for the log, a stop request, a directive waiting.
+        local = [loss.item(), 1.0 if rank == 0 and stop.requested() else 0.0, float(rank == 0 and inbox.waiting())]
+        stats = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=dev))
+        rolled_back = False
+        for directive in inbox.agree(stats[2].item() > 0):  # applied before this step's save
+            said = answer_directive(directive, opt, sched, inbox=inbox, step=global_step, roll_back=roll_back)
+            stop_reason = said.stop or stop_reason
+            rolled_back = rolled_back or said.rolled_back
+        metrics = {"loss": stats[0].item() / world, "lr": sched.get_last_lr()[0], "epoch": epoch, **lineage}
+        if log and global_step % cfg.log_every == 0:
+            elapsed = time.monotonic() - started
+            log.write({"step": global_step, **metrics, "samples_per_s": global_step * cfg.batch_size * world / elapsed})
+        if stats[1].item() > 0 or stop_reason:
+            stop_reason = stop_reason or stop.requested() or "stop requested"
             break
+        is_last = global_step >= total
+        due = ctl.check(epochs=int(epoch_step == epoch_steps - 1), steps=1)
+        # A rollback is saved at once: its checkpoint holds the weights gone back to, at this step,
+        # so every sink's curve shows it and a restart goes on from it.
+        if (due or rolled_back or global_step in cfg.save.at_steps) and not is_last and writer:
+            writer.save(epoch, epoch_step, global_step, metrics, resume_state=resume_state(*position, global_step))
     if writer:
         # The final checkpoint is always published (and always evaluated downstream).
         writer.save(
@@ -362,15 +376,24 @@ def train(spec: TrainJobSpec) -> None:
     distributed.shutdown()
 
 
-def answer_directive(directive, optimizer, schedule, *, inbox: Inbox, step: int) -> str | None:
-    """Apply what evaluation asked and answer it; returns the stop reason for a ``stop``."""
+@dataclasses.dataclass(frozen=True)
+class Answered:
+    stop: str | None = None
+    """The stop reason, for an applied ``stop``."""
+    rolled_back: bool = False
+
+
+def answer_directive(directive, optimizer, schedule, *, inbox: Inbox, step: int, roll_back=None) -> Answered:
+    """Apply what evaluation asked and answer it."""
     from areal_eval import distributed
 
-    refused, stop = apply_directive(directive, optimizer, schedule)
+    refused, stop = apply_directive(directive, optimizer, schedule, roll_back=roll_back)
     answer = inbox.answer(directive, step, refused)
     if distributed.rank() == 0:
         print(f"directive {answer.line()}", flush=True)
-    return f"{directive.id}: {directive.reason}" if stop else None
+    return Answered(
+        f"{directive.id}: {directive.reason}" if stop else None, directive.action == "rollback" and answer.applied
+    )
 
 
 class TrainLog:

@@ -66,9 +66,38 @@ def test_paired_items_decide_a_plateau_where_the_stated_errors_would_not():
     assert paired.directives(values) == []
 
 
+def test_a_confirmed_regression_rolls_back_to_the_best_once_and_each_drop_is_in_the_evidence():
+    # Best at step 30; one dip (40) is not a regression; two results in a row far below it (70, 80) are.
+    curve = results([0.5, 0.6, 0.7, 0.8, 0.7, 0.79, 0.8, 0.6, 0.55, 0.5, 0.45, 0.4], stderr=0.01)
+    said = judge(rollback="act", patience=None, max_rollbacks=1, cooldown=2).directives(curve)
+    assert [d.id for d in said] == ["rollback@80"]
+    back = said[0]
+    assert back.mode == "act" and back.args == {"to_step": 30, "factor": 0.5} and back.steps == (30, 70, 80)
+    assert back.reason == (
+        "accuracy below the best (step 30) in 2 evaluations in a row (-0.25, stderr 0.014): "
+        "back to step 30, learning rate x0.5"
+    )
+    assert [d["step"] for d in back.evidence["drops"]] == [70, 80] and back.evidence["rule"] == "regression"
+    # A second rollback once allowed, after the cooldown; the default mode only records.
+    twice = judge(patience=None, max_rollbacks=2, cooldown=2).directives(curve)
+    assert [(d.id, d.mode) for d in twice] == [("rollback@80", "shadow"), ("rollback@110", "shadow")]
+    assert judge(rollback="off", patience=None).directives(curve) == []
+
+
+def test_drops_within_their_errors_are_no_regression():
+    noisy = results([0.5, 0.7, 0.68, 0.67, 0.69, 0.66], stderr=0.02)  # 0.03 below, errors of 0.028 each way
+    assert judge(patience=None, rollback="act").directives(noisy) == []
+
+
 @pytest.mark.parametrize(
     ("field", "value", "named"),
-    [("factor", 1.5, "factor"), ("stop", "maybe", "stop"), ("patience", 0, "patience"), ("factor", 0, "factor")],
+    [
+        ("factor", 1.5, "factor"),
+        ("stop", "maybe", "stop"),
+        ("rollback", "yes", "rollback"),
+        ("patience", 0, "patience"),
+        ("factor", 0, "factor"),
+    ],
 )
 def test_bad_settings_are_refused_naming_the_field(field, value, named):
     with pytest.raises((FieldError, ValueError), match=named):

@@ -231,3 +231,47 @@ def test_a_directive_answered_then_lost_with_a_kill_is_applied_once_in_the_train
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     once = read_resume_state(straight.resume_states, 12)  # the step-12 checkpoint's schedule
     assert once["schedule"]["base_lrs"] == [tiny_config(tmp_path).train.lr * 0.5]
+
+
+def test_a_rollback_restores_the_best_checkpoints_weights_optimizer_schedule_and_data_position(tmp_path):
+    # Asked once step 8 is out: at the next step boundary every rank goes back to step 4 and saves
+    # at once (global steps go on counting): that checkpoint's weights are step 4's, tensor for
+    # tensor, with step 4's optimizer state, schedule and data position, the learning rate halved.
+    # A rollback whose target is gone is refused, with the reason on record.
+    import time
+
+    import torch
+
+    from areal_eval.checkpoints.saving import read_resume_state
+    from areal_eval.feedback import Directive
+    from areal_eval.runs.directives import Directives, directive_records
+
+    sections = {"train": {"max_steps": 160, "epochs": 20, "save": {"freq_steps": 4}}}
+    run = prepare_run(tiny_config(tmp_path / "run", **sections))
+    box = Directives(run.root)
+    box.issue([Directive("rollback@0", "rollback", (0,), "test", {}, "act", {"to_step": 1000, "factor": 0.5})])
+    job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], 2, run.logs / "train.log")
+    deadline = time.monotonic() + 300
+    while 8 not in [e.global_step for e in Manifest(run.manifest).events()] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    box.issue([Directive("rollback@8", "rollback", (4, 8), "test", {}, "act", {"to_step": 4, "factor": 0.5})])
+    job.wait(300)
+    job.raise_for_status("training")
+    refused, applied = box.answers()
+    assert not refused.applied and refused.reason.startswith("its target, checkpoint 1000, is gone")
+    assert applied.applied and 8 < applied.step < 160
+    at = applied.step
+    events = {e.global_step: e for e in Manifest(run.manifest).events()}
+    assert events[at].train_metrics["weights_from_step"] == 4 and "weights_from_step" not in events[8].train_metrics
+    assert events[160].final and events[160].train_metrics["weights_from_step"] == 4  # steps counted on to the end
+    back = load_model(run.checkpoints / f"global_step_{at:08d}").state_dict()
+    best = load_model(run.checkpoints / "global_step_00000004").state_dict()
+    assert all(torch.equal(back[k], best[k]) for k in best)
+    then, now = read_resume_state(run.resume_states, 4), read_resume_state(run.resume_states, at)
+    assert (now["next_epoch"], now["next_epoch_step"]) == (then["next_epoch"], then["next_epoch_step"])
+    assert now["global_step"] == at and now["schedule"]["last_epoch"] == then["schedule"]["last_epoch"]
+    assert now["schedule"]["base_lrs"] == [b * 0.5 for b in then["schedule"]["base_lrs"]]
+    moments = zip(then["optimizer"]["state"].values(), now["optimizer"]["state"].values(), strict=True)
+    assert all(torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["step"], b["step"]) for a, b in moments)
+    outcomes = {r["id"]: r["outcome"] for r in directive_records(run.root)}
+    assert outcomes["rollback@8"] == f"applied at step {at}" and outcomes["rollback@0"].startswith("refused: its")

@@ -171,14 +171,19 @@ def scale_learning_rate(directive: Directive, optimizer, scheduler=None) -> str 
 
 
 def apply_directive(
-    directive: Directive, optimizer, scheduler=None, *, who: str = "this trainer"
+    directive: Directive, optimizer, scheduler=None, *, who: str = "this trainer", roll_back=None
 ) -> tuple[str | None, bool]:
-    """What a trainer that knows ``stop`` and ``lr_scale`` does with a directive: ``(why it was
-    refused or None, whether training stops here)``."""
+    """What a trainer does with a directive: ``(why it was refused or None, whether training
+    stops here)``. ``roll_back(to_step)`` restores the checkpoint of ``to_step`` (weights,
+    optimizer, schedule, data position) and returns why it could not, or None; a trainer without
+    it refuses rollbacks. After a rollback the learning rate is scaled as ``lr_scale`` would."""
     if directive.action == "stop":
         return None, True
     if directive.action == "lr_scale":
         return scale_learning_rate(directive, optimizer, scheduler), False
+    if directive.action == "rollback" and roll_back is not None:
+        refused = roll_back(int(directive.args["to_step"]))
+        return refused or scale_learning_rate(directive, optimizer, scheduler), False
     return f"{directive.action} is not supported by {who}", False
 
 
