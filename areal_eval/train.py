@@ -33,7 +33,7 @@ from areal_eval.launchers.devices import Devices, check_setting
 from areal_eval.launchers.local import TorchrunJob
 from areal_eval.launchers.process_control import die_with_parent
 from areal_eval.models.objectives import ModelConfig, objective
-from areal_eval.runs.directives import Inbox, apply_directive
+from areal_eval.runs.directives import Inbox, apply_directive, multiply_learning_rate
 from areal_eval.runs.directory import RunDir, StopSignal
 
 
@@ -78,6 +78,12 @@ class TrainConfig:
     """Linear warm-up steps."""
     seed: int = 1
     """Seed of model init and data order."""
+    lr_jump_at: int | None = None
+    """At this global step the learning rate is multiplied by ``lr_jump_factor``, once: a collapse
+    part-way to try the feedback rules on (``--preset collapse``). A rollback to a checkpoint
+    before it undoes it."""
+    lr_jump_factor: float = 30.0
+    """What ``lr_jump_at`` multiplies the learning rate by."""
     log_every: int = 5
     """Write the training loss every this many steps."""
     collective_timeout_s: float = 120.0
@@ -98,6 +104,8 @@ class TrainConfig:
         "max_steps": AT_LEAST_1,
         "batch_size": BATCH,
         "lr": POSITIVE,
+        "lr_jump_at": AT_LEAST_1,
+        "lr_jump_factor": POSITIVE,
         "warmup_steps": NON_NEGATIVE,
         "log_every": AT_LEAST_1,
         "collective_timeout_s": POSITIVE,
@@ -325,6 +333,8 @@ def train(spec: TrainJobSpec) -> None:
         if shuffled != epoch:
             order, shuffled = list(range(len(examples))), epoch
             random.Random(cfg.seed * 1000 + epoch).shuffle(order)
+        if global_step + 1 == cfg.lr_jump_at:
+            multiply_learning_rate(opt, sched, cfg.lr_jump_factor)
         base = (epoch_step * world + rank) * cfg.batch_size
         batch = task.collate([examples[i] for i in order[base : base + cfg.batch_size]], tokenizer)
         batch = {k: v.to(dev) for k, v in batch.items()}

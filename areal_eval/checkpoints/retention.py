@@ -39,12 +39,14 @@ def checkpoints_to_delete(
     metric: str,
     higher_is_better: bool = True,
     deleted: set[int] = frozenset(),
+    kept: set[int] = frozenset(),
 ) -> list[CheckpointEvent]:
     """The checkpoints retention may delete now, oldest first.
 
     Kept: the newest ``keep_last``; the ``keep_best`` best evaluated (at least the best) and their
     unevaluated neighbours; every checkpoint whose evaluation is not settled (no ledger entry
-    yet, or scheduled/in flight); the final one.
+    yet, or scheduled/in flight); the final one; ``kept`` (a rollback's target training has not
+    answered yet).
     """
     if cfg.keep_last is None:
         return []
@@ -65,5 +67,5 @@ def checkpoints_to_delete(
                 s for s in steps[max(0, i - 1) : i + 2] if s in ledger and ledger[s].status in ("skipped", "superseded")
             }
     keep |= {s for s in steps if s not in ledger or ledger[s].status not in FINAL_STATES}
-    keep |= {s for s in steps if by_step[s].final}
+    keep |= {s for s in steps if by_step[s].final} | set(kept)
     return [by_step[s] for s in steps if s not in keep and s not in deleted]

@@ -33,6 +33,7 @@ from areal_eval.lifecycle.delivery import Deliverer, Notifier
 from areal_eval.lifecycle.followers import JsonlFollower, ManifestFollower
 from areal_eval.lifecycle.outcome import Attempt, decision_line, follow_outcome, record_outcome
 from areal_eval.lifecycle.planner import EvaluationPlanner
+from areal_eval.runs.directives import rollback_targets
 from areal_eval.runs.ledger import Ledger
 from areal_eval.scheduling.policy import Decision
 
@@ -299,6 +300,7 @@ class FollowLoop:
             metric=sched.metric,
             higher_is_better=sched.higher_is_better,
             deleted=self.deleted,
+            kept=rollback_targets(self.planner.ledger.path.parent),
         )
         if doomed:
             self.io.delete_checkpoints(doomed)

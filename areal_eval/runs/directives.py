@@ -161,13 +161,18 @@ def scale_learning_rate(directive: Directive, optimizer, scheduler=None) -> str 
     factor = directive.args.get("factor")
     if not isinstance(factor, (int, float)) or not 0 < factor:
         return f"factor {factor!r} is not a positive number"
+    multiply_learning_rate(optimizer, scheduler, factor)
+    return None
+
+
+def multiply_learning_rate(optimizer, scheduler, factor: float) -> None:
+    """Every parameter group's learning rate, and the scheduler's base rates, times ``factor``."""
     for group in optimizer.param_groups:
         group["lr"] *= factor
         if "initial_lr" in group:
             group["initial_lr"] *= factor
     if scheduler is not None and hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-    return None
 
 
 def apply_directive(
@@ -187,6 +192,11 @@ def apply_directive(
     return f"{directive.action} is not supported by {who}", False
 
 
+def rollback_targets(run_root: str | Path) -> set[int]:
+    """Steps that rollbacks training has yet to answer go back to: retention keeps them."""
+    return {int(d.args["to_step"]) for d in Directives(run_root).pending() if d.action == "rollback"}
+
+
 def evaluation_results(run_root: str | Path) -> list[tuple[int, dict]]:
     """The run's evaluated checkpoints so far, in step order: ``(step, metrics)``, each metric with
     its standard error beside it. For a trainer that acts on them itself (a data mix, a KL
@@ -201,12 +211,16 @@ def directive_records(run_root: str | Path) -> list[dict]:
     S``, ``refused: ...``), or ``waiting for the trainer``."""
     box = Directives(run_root)
     answers = {a.id: a for a in box.answers()}  # the latest answer of each
-    rows = []
+    rows, published = [], None
     for d in box.all():
         if d.mode == "shadow":
             outcome = "not applied (shadow mode)"
         elif d.id in answers:
             outcome = answers[d.id].line().split(": ", 1)[1]
+            if d.action == "rollback" and answers[d.id].applied:
+                published = published or [e.step for e in Ledger(RunDir(run_root).ledger).entries()]
+                gone = [s for s in published if int(d.args["to_step"]) < s < answers[d.id].step]
+                outcome += f"; abandoned (on record): checkpoints {', '.join(map(str, gone))}" if gone else ""
         else:
             outcome = "waiting for the trainer"
         rows.append(

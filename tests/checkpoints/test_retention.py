@@ -53,3 +53,23 @@ def test_keeps_the_final_checkpoint():
     checkpoints = [ckpt(0), ckpt(10, final=True), ckpt(20)]  # a resumed run may publish past a "final"
     ledger = [entry(0, "evaluated", 0.9), entry(10, "evaluated", 0.1), entry(20, "evaluated", 0.2)]
     assert deletable(ledger, RetentionConfig(keep_last=1, keep_best=0), checkpoints=checkpoints) == [0]
+
+
+def test_never_deletes_a_rollback_target_training_has_not_answered(tmp_path):
+    from areal_eval.feedback import Directive
+    from areal_eval.runs.directives import Answer, Directives, rollback_targets
+
+    box = Directives(tmp_path)
+    box.issue([Directive("rollback@70", "rollback", (0, 60, 70), "test", {}, "act", {"to_step": 0, "factor": 0.5})])
+    box.issue([Directive("rollback@40", "rollback", (20, 30, 40), "shadow", {}, "shadow", {"to_step": 20})])
+    assert rollback_targets(tmp_path) == {0}  # a shadow one is never acted on
+    ledger = [entry(s, "evaluated", 0.9 if s == 20 else 0.5) for s in range(0, 80, 10)]
+    assert deletable(ledger, RetentionConfig(keep_last=1, keep_best=1), kept=rollback_targets(tmp_path)) == [
+        10,
+        30,
+        40,
+        50,
+        60,
+    ]
+    box.answer(Answer("rollback@70", 75, applied=True))
+    assert rollback_targets(tmp_path) == set()

@@ -61,6 +61,20 @@ def test_the_record_says_what_came_of_each_directive(tmp_path):
     ]
 
 
+def test_an_applied_rollback_names_the_checkpoints_it_abandoned(tmp_path):
+    from areal_eval.runs.directory import RunDir
+
+    ledger = Ledger(RunDir(tmp_path).ledger)
+    for step in (0, 25, 50, 75, 100, 125):
+        ledger.append(LedgerEntry(step, f"/c/{step}", "evaluated" if step != 75 else "skipped", "", {}))
+    box = Directives(tmp_path)
+    args = {"to_step": 25, "factor": 0.5}
+    box.issue([Directive("rollback@100", "rollback", (25, 75, 100), "worse", {}, "act", args)])
+    box.answer(Answer("rollback@100", 112, applied=True))
+    [row] = directive_records(tmp_path)
+    assert row["outcome"] == "applied at step 112; abandoned (on record): checkpoints 50, 75, 100"
+
+
 def test_an_inbox_hands_each_directive_once_and_looks_only_when_the_file_changed(tmp_path):
     inbox = Inbox(tmp_path)
     assert inbox.take() == []
