@@ -15,7 +15,7 @@ import statistics
 from areal_eval.feedback import FeedbackConfig, FeedbackJudge
 from areal_eval.scheduling.curves import Curve
 
-ACTIONS = ("lr_scale", "stop")
+ACTIONS = ("lr_scale", "rollback", "stop")
 
 
 def acted(curve: Curve, evaluations: list[tuple[int, int]], cfg: FeedbackConfig) -> list[tuple[str, int, int]]:

@@ -28,11 +28,17 @@ def test_a_plateau_is_acted_on_when_its_newest_result_arrives_and_not_after_the_
     assert acted(curve([0.5, 0.6, 0.7, 0.8, 0.9, 1.0]), [(i, i) for i in range(6)], FeedbackConfig()) == []
 
 
+def test_a_collapse_is_rolled_back_on_its_second_result_below_the_best():
+    collapse = curve([0.5, 0.6, 0.7, 0.8, 0.81, 0.6, 0.5, 0.45, 0.4, 0.4, 0.4])
+    assert acted(collapse, [(i, i) for i in range(11)], FeedbackConfig(patience=None)) == [("rollback", 6, 6)]
+
+
 def test_scores_count_curves_first_actions_and_drops():
     flat = curve([0.5, 0.6, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7])
     runs = [(flat, None, [("lr_scale", 5, 5)]), (flat, None, [])]
     assert feedback_scores(runs) == {
         "lr_scale": {"acted_per_100_curves": 50.0, "mean_first_at": 0.5},
+        "rollback": {"acted_per_100_curves": 0.0},
         "stop": {"acted_per_100_curves": 0.0},
     }
     dropped = feedback_scores([(flat, 4, [("lr_scale", 5, 5)])])
