@@ -20,7 +20,7 @@ from areal_eval.disk import brief
 from areal_eval.evaluation.items import stored_items
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.logged_models import TABLE_EVERY_S, checkpoint_model, log_checkpoints_table
-from areal_eval.runs.directives import directive_records
+from areal_eval.runs.directives import WAITING, directive_records
 from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
 from areal_eval.sinks import Sinks
@@ -138,6 +138,11 @@ class Recorder:
             tracker.finish(run_id, status)
         if self.sinks is not None:
             self.sinks.catch_up(entries, RunDir(ledger.path.parent).evals)
+            for r in directive_records(ledger.path.parent):  # once settled, an event at its step
+                if r["outcome"] != WAITING:
+                    text = f"{r['id']} ({r['mode']}): {r['reason']}; {r['outcome']}"
+                    applied = r["outcome"].startswith("applied")
+                    self.sinks.record_directive(r["id"], r["steps"][-1], applied=applied, text=text)
             self.sinks.record_end(status or "RUNNING", plot=plot)
             self.sinks.close()
 

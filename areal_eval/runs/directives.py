@@ -26,6 +26,8 @@ from areal_eval.runs.directory import RunDir, file_lock
 from areal_eval.runs.ledger import Ledger
 
 DIRECTIVES = "directives.jsonl"
+WAITING = "waiting for the trainer"
+"""A directive's outcome until the trainer answers."""
 ANSWERS = "directive_answers.jsonl"
 
 
@@ -222,7 +224,7 @@ def directive_records(run_root: str | Path) -> list[dict]:
                 gone = [s for s in published if int(d.args["to_step"]) < s < answers[d.id].step]
                 outcome += f"; abandoned (on record): checkpoints {', '.join(map(str, gone))}" if gone else ""
         else:
-            outcome = "waiting for the trainer"
+            outcome = WAITING
         rows.append(
             {
                 "id": d.id,

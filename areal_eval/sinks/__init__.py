@@ -79,6 +79,18 @@ class Sinks:
             lambda sink: self.outbox.ack(sink.name, key, held=_held(sink)),
         )
 
+    def record_directive(self, directive_id: str, step: int, *, applied: bool, text: str) -> None:
+        """What evaluation asked of training (``<action>@<step>``), at the step it rests on, once
+        its outcome is settled: 1 where training applied it, 0 where not (shadow, refused)."""
+        key = f"directive/{directive_id}"
+        action = directive_id.split("@", 1)[0]
+        self._turn(
+            f"directive {directive_id}",
+            lambda sink: not self.outbox.has(sink.name, key),
+            lambda sink: sink.directive(action, step, applied=applied, text=text),
+            lambda sink: self.outbox.ack(sink.name, key, held=_held(sink)),
+        )
+
     def record_end(self, status: str, *, plot: Path | None = None) -> None:
         """The run's end (or a refresh of it): the summary plot, the status."""
         self._turn(f"the run's end ({status})", lambda sink: True, lambda sink: sink.end(status, plot=plot), None)

@@ -128,6 +128,9 @@ class TensorBoardSink:
     def alert(self, rule: str, step: int, message: str) -> None:
         self._run("eval").add(step, {f"alerts/{rule}": 1.0})
 
+    def directive(self, action: str, step: int, *, applied: bool, text: str) -> None:
+        self._run("eval").add(step, {f"feedback/{action}": float(applied), f"feedback/{action}{TEXT}": text})
+
     def end(self, status: str, *, plot: Path | None) -> None:
         pass  # TensorBoard draws its own curves
 

@@ -52,7 +52,8 @@ class WandbSink:
 
     def landed(self) -> tuple[set[str], int]:
         """What the run's segments hold, as the recording step names it: result keys
-        (``eval/<step>``, ``eval_probe/<step>``, ``alert/<rule>/<step>``) and the last training step."""
+        (``eval/<step>``, ``eval_probe/<step>``, ``alert/<rule>/<step>``, ``directive/<id>``) and the
+        last training step."""
         keys, through = set(), -1
         for path in run_files(self.dir, self._run_id()):
             size = path.stat().st_size
@@ -88,7 +89,7 @@ class WandbSink:
             ),
         )
         self._run.define_metric(EVAL_STEP)
-        for prefix in ("eval/*", "eval_probe/*", "alerts/*"):
+        for prefix in ("eval/*", "eval_probe/*", "alerts/*", "feedback/*"):
             self._run.define_metric(prefix, step_metric=EVAL_STEP)
         self._run.define_metric(TRAIN_STEP)
         self._run.define_metric("train/*", step_metric=TRAIN_STEP)
@@ -114,6 +115,9 @@ class WandbSink:
         self._run.log({f"alerts/{rule}": 1, EVAL_STEP: step})
         self._run.alert(title=f"[areal-eval] {rule} at step {step}", text=message, level=wandb.AlertLevel.WARN)
 
+    def directive(self, action: str, step: int, *, applied: bool, text: str) -> None:
+        self._run.log({f"feedback/{action}": int(applied), f"feedback/{action}_why": text, EVAL_STEP: step})
+
     def end(self, status: str, *, plot: Path | None) -> None:
         import wandb
 
@@ -135,6 +139,8 @@ def _keys_of(rows) -> tuple[set[str], int]:
             for key in row:
                 if key.startswith("alerts/"):
                     keys.add(f"alert/{key.removeprefix('alerts/')}/{step}")
+                elif key.startswith("feedback/") and key.count("/") == 1 and not key.endswith("_why"):
+                    keys.add(f"directive/{key.removeprefix('feedback/')}@{step}")
                 elif key.startswith("eval_probe/"):
                     keys.add(f"eval_probe/{step}")
                 elif key.startswith("eval/") and key != EVAL_STEP:

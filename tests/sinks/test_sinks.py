@@ -54,6 +54,7 @@ def test_every_record_lands_once_in_each_sink_across_processes_and_a_late_result
     first.record_evaluation(400, {"accuracy": 0.5, "accuracy_stderr": 0.05}, items=items, uri="ckpt-400")
     first.record_evaluation(200, {"accuracy": 0.4}, prefix="eval_probe/", uri="ckpt-200")
     first.record_alert("drop", 400, "accuracy fell")
+    first.record_directive("rollback@400", 400, applied=True, text="rollback@400 (act): worse; applied at step 463")
     first.close()
     # The same records again from a process of its own (a rerun after kill -9): nothing lands twice.
     again = sinks(tmp_path, said)
@@ -61,6 +62,8 @@ def test_every_record_lands_once_in_each_sink_across_processes_and_a_late_result
     again.record_evaluation(400, {"accuracy": 0.5, "accuracy_stderr": 0.05}, items=items, uri="ckpt-400")
     again.record_evaluation(480, {"accuracy": 0.6}, uri="ckpt-480")
     again.record_alert("drop", 400, "accuracy fell")
+    again.record_directive("rollback@400", 400, applied=True, text="rollback@400 (act): worse; applied at step 463")
+    again.record_directive("lr_scale@480", 480, applied=False, text="lr_scale@480 (shadow): flat; not applied")
     again.record_end("FINISHED")
     again.close()
     assert said == []
@@ -71,6 +74,11 @@ def test_every_record_lands_once_in_each_sink_across_processes_and_a_late_result
     assert "train/loss" not in points  # training rows: a run of their own, so results never restart them
     assert scalars(tmp_path / "tensorboard" / "areal-eval" / "train")["train/loss"] == list(range(0, 500, 20))
     assert list(held_points(tmp_path / "tensorboard" / "areal-eval")["eval/answers/text_summary"]) == [400]
+    assert points["feedback/rollback"] == [400] and points["feedback/lr_scale"] == [480]
+    assert (
+        "applied at step 463"
+        in held_points(tmp_path / "tensorboard" / "areal-eval")["feedback/rollback/text_summary"][400]
+    )
 
     wandb_dir, run_id = tmp_path / "sinks", wandb_run_id(tmp_path)
     rows = history(wandb_dir, run_id)
@@ -78,6 +86,8 @@ def test_every_record_lands_once_in_each_sink_across_processes_and_a_late_result
     assert evals == [(400, 0.5), (480, 0.6)]  # 400 after training logged 460: on eval/step, not dropped
     assert [r["train/step"] for r in rows if "train/loss" in r] == list(range(0, 500, 20))
     assert [r["eval/step"] for r in rows if "eval_probe/accuracy" in r] == [200]
+    said_back = [(r["eval/step"], k, r[k]) for r in rows for k in r if k.startswith("feedback/") and "_why" not in k]
+    assert said_back == [(400, "feedback/rollback", 1), (480, "feedback/lr_scale", 0)]  # each once
     tables = [r for r in rows if "eval/answers/_type" in r]
     assert len(tables) == 1 and tables[0]["eval/answers/nrows"] == 5 and tables[0]["eval/step"] == 400
     [alert] = of_kind(wandb_dir, run_id, "alert")
