@@ -56,6 +56,30 @@ def link_or_copy(files: list[Path], target: Path) -> None:
     partial.rename(target)
 
 
+def trainer_rollback(output_dir: str | Path, model, optimizer, schedule):
+    """A rollback for a running Trainer: ``roll_back(to_step)`` loads the weights, optimizer and
+    scheduler state of the Trainer's own ``checkpoint-<to_step>`` (rank 0 says whether it is
+    still there: ``save_total_limit`` may have rotated it away) and returns None, or why not.
+    The data position and RNG stay where they are: the Trainer's loop owns them."""
+
+    def roll_back(to_step: int) -> str | None:
+        import torch
+
+        source = Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{to_step}"
+        needed = [source / "optimizer.pt", source / "scheduler.pt", source / "config.json"]
+        gone = None if all(p.exists() for p in needed) else str(source)
+        gone = distributed.broadcast_object(gone) if distributed.world_size() > 1 else gone
+        if gone is not None:
+            return f"its target, the Trainer's checkpoint {gone}, is gone (save_total_limit?)"
+        model.load_state_dict(type(model).from_pretrained(source).state_dict())
+        optimizer.load_state_dict(torch.load(source / "optimizer.pt", weights_only=True))
+        if schedule is not None:
+            schedule.load_state_dict(torch.load(source / "scheduler.pt", weights_only=True))
+        return None
+
+    return roll_back
+
+
 def trainer_trackers(args) -> dict:
     """Where this Trainer logs: its active W&B run (the ``wandb`` integration started it before
     this callback's ``on_train_begin``) and its TensorBoard ``logging_dir``."""
@@ -106,6 +130,8 @@ class PublishCheckpoints(TrainerCallback):
         self.stop = StopSignal(self.run.stop_file) if self.run else None
         self.inbox: Inbox | None = None
         """What evaluation asks of training (set when training begins)."""
+        self.weights_from: int | None = None
+        """The step a rollback went back to: every later checkpoint's weights descend from it."""
         self.published: list[int] = []
         """Global steps published so far (by the main process)."""
         self._publisher: ThreadPoolExecutor | None = None
@@ -157,13 +183,16 @@ class PublishCheckpoints(TrainerCallback):
         return control
 
     def _publish(self, target: Path, step: int, epoch: int, loss: float | None, final: bool) -> None:
+        metrics = ({"loss": loss} if loss is not None else {}) | (
+            {"weights_from_step": self.weights_from} if self.weights_from is not None else {}
+        )
         publish_checkpoint(
             target,
             self.run.manifest,
             self.run_id,
             step,
             epoch=epoch,
-            train_metrics={"loss": loss} if loss is not None else None,
+            train_metrics=metrics or None,
             final=final,
             api_url=self.api_url,
             store=self.store,
@@ -192,10 +221,15 @@ class PublishCheckpoints(TrainerCallback):
         if distributed.all_reduce_max_scalar(1.0 if self.stop.requested() else 0.0):
             control.should_training_stop = True
         for directive in self.inbox.take() if self.inbox else []:  # the same on every rank
+            optimizer, schedule = kwargs["optimizer"], kwargs.get("lr_scheduler")
+            roll_back = trainer_rollback(args.output_dir, kwargs["model"], optimizer, schedule)
             refused, stop = apply_directive(
-                directive, kwargs["optimizer"], kwargs.get("lr_scheduler"), who="PublishCheckpoints"
+                directive, optimizer, schedule, who="PublishCheckpoints", roll_back=roll_back
             )
             control.should_training_stop = control.should_training_stop or stop
+            if directive.action == "rollback" and refused is None:
+                self.weights_from = int(directive.args["to_step"])
+                control.should_save = True  # the weights gone back to, published at this step
             self.inbox.answer(directive, state.global_step, refused)
         if control.should_training_stop or state.global_step >= state.max_steps:
             control.should_save = True  # the last weights are published, marked final

@@ -107,8 +107,44 @@ def test_directives_lower_the_learning_rate_then_stop_training_and_are_answered(
     assert answers["lr_scale@3"].applied and answers["lr_scale@3"].step == 3
     assert rates[5] == pytest.approx(rates[3] * 0.25, rel=0.1)  # (the schedule moves it a little too)
     assert answers["stop@6"].applied and answers["stop@6"].step == 6
-    assert not answers["rollback@6"].applied and "not supported" in answers["rollback@6"].reason
+    assert not answers["rollback@6"].applied and "checkpoint-0, is gone" in answers["rollback@6"].reason
     assert [(e.global_step, e.final) for e in Manifest(run.manifest).events()] == [(6, True)]
+
+
+def test_a_rollback_restores_the_trainers_checkpoint_and_publishes_it_at_once(tmp_path):
+    # Asked at step 12: back to checkpoint-8's weights, optimizer and schedule, the learning rate
+    # halved; the Trainer saves at once and the callback publishes step 12 as descending from 8.
+    import torch
+    from transformers import TrainerCallback
+
+    from areal_eval.feedback import Directive
+    from areal_eval.models.reward_model import load_model
+    from areal_eval.runs.directives import Directives
+
+    run = RunDir(tmp_path / "run")
+    box = Directives(run.root)
+
+    class AsEvaluationWould(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 12:
+                box.issue(
+                    [Directive("rollback@12", "rollback", (8, 12), "worse", {}, "act", {"to_step": 8, "factor": 0.5})]
+                )
+
+    callback = PublishCheckpoints(run.root, api_url=None)
+    trainer, _ = hf_trainer(tmp_path, [AsEvaluationWould(), callback], max_steps=20)
+    trainer.train()
+    [answer] = box.answers()
+    assert answer.applied and answer.step == 12
+    events = {e.global_step: e for e in Manifest(run.manifest).events()}
+    assert sorted(events) == [8, 12, 16, 20] and events[12].train_metrics["weights_from_step"] == 8
+    assert "weights_from_step" not in events[8].train_metrics
+    back, best = (load_model(Path(events[s].uri)).state_dict() for s in (12, 8))
+    assert all(torch.equal(back[k], best[k]) for k in best)
+    then, now = (torch.load(tmp_path / "trainer" / f"checkpoint-{s}" / "scheduler.pt") for s in (8, 12))
+    assert now["last_epoch"] == then["last_epoch"] and now["base_lrs"] == [b * 0.5 for b in then["base_lrs"]]
+    moments = [torch.load(tmp_path / "trainer" / f"checkpoint-{s}" / "optimizer.pt")["state"] for s in (8, 12)]
+    assert all(torch.equal(moments[0][i]["exp_avg"], moments[1][i]["exp_avg"]) for i in moments[0])
 
 
 def test_a_checkpoint_without_weights_is_refused_naming_it(tmp_path):
