@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from areal_eval import distributed, jsonl
-from areal_eval.checkpoints.manifest import checkpoint_name
+from areal_eval.checkpoints.manifest import Manifest, checkpoint_name
 from areal_eval.checkpoints.publisher import check_has_weights, publish_checkpoint
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.runs.directives import Inbox, apply_directive
@@ -148,6 +148,8 @@ class PublishCheckpoints(TrainerCallback):
             jsonl.write_json(self.run.trainer_trackers, trainer_trackers(args))
         # An answer made after the step training starts from is void: its change went with that state.
         self.inbox = Inbox(self.run.root, resumed_at=state.global_step)
+        resumed = [e for e in Manifest(self.run.manifest).events() if e.global_step <= state.global_step]
+        self.weights_from = resumed[-1].train_metrics.get("weights_from_step") if resumed else None
         return control
 
     def _agree_on_run_id(self) -> None:
