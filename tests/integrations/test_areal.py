@@ -219,3 +219,38 @@ def test_the_areal_hook_hands_directives_to_act_answers_them_and_a_stop_publishe
     plain.evaluate(None, 0, 0, 0)
     [refused] = Directives(other).answers()
     assert not refused.applied and refused.reason == "the trainer passed no act= to Evaluator" and not plain.stopped
+
+
+def test_a_rollback_act_accepts_is_published_at_once_and_the_abandoned_policies_rollouts_are_named(tmp_path):
+    from safetensors.torch import save_file
+
+    from areal_eval.feedback import Directive
+    from areal_eval.runs.directives import Directives
+
+    weights = {"w": torch.ones(2)}
+
+    def save(directory):
+        directory.mkdir(parents=True)
+        save_file(weights, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text("{}")
+
+    def act(directive):  # a trainer's own: restore step 3's weights (and push them to the rollout engines)
+        weights["w"] = torch.full((2,), float(directive.args["to_step"]))
+        return None
+
+    box = Directives(tmp_path)
+    publish = PublishCheckpoint(save, tmp_path / "checkpoints", tmp_path / "manifest.jsonl", run_id="areal-run")
+    ft_spec = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
+    evaluator = Evaluator(EvaluatorConfig(freq_steps=4), ft_spec, publish=publish, act=act)
+    for global_step in range(ft_spec.total_train_steps):
+        if global_step == 5:  # as the pipeline would, once results after step 3 came in worse
+            box.issue([Directive("rollback@5", "rollback", (3, 5), "worse", {}, "act", {"to_step": 3})])
+        evaluator.evaluate(None, 0, global_step, global_step)
+    [answer] = box.answers()
+    assert answer.applied and answer.step == 5 and evaluator.rollbacks == [(3, 5)]
+    events = {e.global_step: e for e in Manifest(tmp_path / "manifest.jsonl").events()}
+    assert sorted(events) == [3, 5, 7, 9] and events[5].train_metrics == {"weights_from_step": 3}
+    assert [v for v in range(10) if evaluator.abandoned(v)] == [4, 5]  # rollouts of versions 4 and 5: dropped
+    resumed = Evaluator(EvaluatorConfig(freq_steps=4), ft_spec, publish=publish, act=act, resumed_at=7)
+    resumed.load_state_dict(evaluator.state_dict())
+    assert resumed.rollbacks == [(3, 5)] and resumed.abandoned(4)
