@@ -18,6 +18,10 @@ Each checkpoint is also evaluated on a fixed random subset of the validation pai
 what a probe of tiered evaluation would have seen there. ``bench/probe_noise.py`` checks replay's
 model of probe noise against them, and replay uses them as the probes' results.
 
+``--preset collapse`` trains the demo's reward model with its learning rate raised 30x at step
+300, a collapse part-way. Every curve also carries ``train``: each checkpoint's training metrics as
+its trainer published them (loss, learning rate), for the scheduler's ``train_metric``.
+
 ``--geometric`` saves at steps 1, 2, 4, ... before the even cadence takes over, as Pythia's
 published schedule does (0, 1, 2, 4, ... 512, then every 1000): the schedule whose growing gaps
 a scheduler must not mistake for "too long without an evaluation".
@@ -57,6 +61,15 @@ PRESETS = {
         runs=[(1, 0.15, 25), (2, 0.25, 25), (3, 0.10, 40), (4, 0.20, 15)],
         geometric_runs=[(5, 0.15, 50), (6, 0.20, 100), (7, 0.10, 64)],
         metrics={"accuracy": ("reward_model", "correct", True), "loss": ("reward_model", "loss", False)},
+    ),
+    # The demo's reward model collapsing part-way: its learning rate raised 30x at step 300 (as
+    # `--preset collapse`), with the training rows each checkpoint published: the scheduler's
+    # training signal (scheduler.train_metric) is judged on these and the areal-demo runs.
+    "collapse": Recording(
+        runs=[(1, 0.15, 25), (2, 0.25, 25), (3, 0.10, 40), (4, 0.20, 15)],
+        geometric_runs=[],
+        metrics={"accuracy": ("reward_model", "correct", True)},
+        sections={"train": {"lr_jump_at": 300, "lr_jump_factor": 30}},
     ),
     # The sft-math preset's causal LM, judged by its greedy answers checked with math-verify
     # (one answer a prompt: the item is that answer's reward).
@@ -135,12 +148,17 @@ def record_run(
                         "items": [round(r[column], 6) for r in rows],
                     }
                 )
+    train = [  # what each checkpoint's publisher said of training (the manifest's train_metrics)
+        {"step": e.global_step, **{k: v for k, v in e.train_metrics.items() if isinstance(v, (int, float))}}
+        for e in Manifest(run.manifest).events()
+    ]
     return [
         {
             "curve": f"{preset}/{name}/{metric}",
             "higher_is_better": recording.metrics[metric][2],
             "subset_fraction": subset_fraction,
             "points": pts,
+            "train": train,
         }
         for metric, pts in points.items()
     ]

@@ -7,8 +7,10 @@ skipped, superseded or failed, with a reason.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import math
 import threading
 import time
 from collections.abc import Collection
@@ -94,6 +96,8 @@ class EvaluationPlanner:
         self.ledger = ledger
         self.queue: CoalescingQueue[CheckpointEvent] = CoalescingQueue(cfg.queue_capacity, coalesce=cfg.coalesce)
         self._events: dict[int, CheckpointEvent] = {}
+        self._train: list[tuple[int, float]] = []
+        """``(step, scheduler.train_metric)`` of the checkpoints offered so far, in step order."""
         # What decide() reads, kept per record: a decision costs the same at any run length.
         self._decisions = DecisionHistory(cfg.higher_is_better)
         self._skipped: set[int] = set()
@@ -113,6 +117,12 @@ class EvaluationPlanner:
         if self.probes:
             self.probes.remember(entry.step, entry.status, entry.probe_metrics)
 
+    def _train_values(self, step: int) -> list[tuple[int, float]]:
+        """``scheduler.train_metric`` of the checkpoints offered up to ``step``, as each published it
+        (every path sees the manifest's events in step order); the newest 64 are plenty."""
+        end = bisect.bisect_right(self._train, (step, math.inf))
+        return self._train[max(0, end - 64) : end]
+
     def history(self):
         return self.ledger.history(self.cfg.metric, self.cfg.stderr_name)
 
@@ -123,6 +133,9 @@ class EvaluationPlanner:
     def decide(self, event: CheckpointEvent) -> Decision:
         """Decide on a newly announced checkpoint and record the decision (scheduled or skipped);
         nothing is queued. A checkpoint already decided keeps its decision."""
+        value = event.train_metrics.get(self.cfg.train_metric) if self.cfg.train_metric else None
+        if event.global_step not in self._events and isinstance(value, (int, float)) and math.isfinite(value):
+            bisect.insort(self._train, (event.global_step, float(value)))
         self._events[event.global_step] = event
         status = self.ledger.status(event.global_step)
         if status in FINAL_STATES:
@@ -132,7 +145,8 @@ class EvaluationPlanner:
             return Decision(True, "resumed: scheduled before restart", pinned=True, probe=probe)
         step = event.global_step
         offered = self._decisions.offered_before(step)
-        decision = decide(event, self._decisions.view(), self.cfg, offered, paired=self._paired)
+        train = self._train_values(step)
+        decision = decide(event, self._decisions.view(), self.cfg, offered, paired=self._paired, train=train)
         if not decision.evaluate and self.probes:  # compared when it is done, with the full result before it
             decision = Decision(True, f"probe: {decision.reason}", probe=True)
         status = "scheduled" if decision.evaluate else "skipped"

@@ -30,12 +30,15 @@ class Curve:
     points: tuple[Point, ...]
     subset_fraction: float | None = None
     """The share of the validation set the points' ``subset`` values were measured on."""
+    train: tuple[dict, ...] = ()
+    """Training's rows as the trainer published them (``{"step", "loss", ...}``), in step order."""
 
 
 def read_curves(path: str | Path) -> list[Curve]:
     """Curves JSONL (``{"curve", "higher_is_better", "points": [{"step", "value", "stderr"}]}``;
     optionally ``subset_fraction`` and, per point, ``subset_value`` and ``subset_stderr``, and
-    ``items``: every item's score, the same items in the same order at every point).
+    ``items``: every item's score, the same items in the same order at every point; and
+    ``train``: training's rows, ``[{"step", "loss", ...}]``, as the trainer published them).
 
     A stderr that is missing or 0 counts as ``DEFAULT_STDERR``, as the scheduler's
     ``default_stderr`` does in the pipeline; a value or stderr that is NaN, infinite or (stderr)
@@ -74,7 +77,17 @@ def _curve(row, where: str) -> Curve:
         higher,
         tuple(_point(p, i, fraction, f"{where}: point {i}") for i, p in enumerate(points)),
         float(fraction) if fraction else None,
+        _train_rows(row.get("train", []), where),
     )
+
+
+def _train_rows(rows, where: str) -> tuple[dict, ...]:
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f'{where}: \'train\' must be a list of rows ({{"step", "loss", ...}}), got {rows!r}')
+    for i, r in enumerate(rows):
+        if not (_is_number(r.get("step")) and float(r["step"]).is_integer()):
+            raise ValueError(f"{where}: train row {i}: 'step' must be an integer, got {r.get('step')!r}")
+    return tuple(sorted(rows, key=lambda r: int(r["step"])))
 
 
 def _point(p, i: int, fraction, where: str) -> Point:

@@ -119,6 +119,13 @@ class SchedulerConfig:
     up to this many of the checkpoints skipped since the result before it, newest first, so that
     a drop that began there is confirmed by two results in a row at once rather than at the next
     evaluated checkpoint. 0: off."""
+    train_metric: str | None = None
+    """Adaptive: a metric training publishes with each checkpoint (``loss``). Where the scheduler
+    would skip a checkpoint but this metric jumped there (``train_jump``), it is evaluated:
+    training changed (a collapse, a new phase). None: off."""
+    train_jump: float = 4.0
+    """A jump: the change from the checkpoint before is more than this many times the metric's
+    typical checkpoint-to-checkpoint change (the root mean square of the 7 changes before)."""
     default_stderr: float = 0.01
     """Noise assumed when an evaluation reports none."""
     queue_capacity: int = 2
@@ -155,6 +162,7 @@ class SchedulerConfig:
         "queue_capacity": AT_LEAST_1,
         "probe_escalate_stderrs": NON_NEGATIVE,
         "probe_fraction": OPEN_UNIT,
+        "train_jump": POSITIVE,
     }
 
     def __post_init__(self):
@@ -162,6 +170,9 @@ class SchedulerConfig:
         if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
             raise FieldError("max_interval_steps", f"must be >= min_interval_steps ({self.min_interval_steps})")
 
+
+TrainValues = Sequence[tuple[int, float]]
+"""``(step, value)`` of ``train_metric`` at each checkpoint offered so far, in step order."""
 
 PairedStderr = Callable[[int, int], "float | None"]
 """(step_a, step_b) -> the paired standard error of the difference of the metric between two
@@ -175,11 +186,13 @@ def decide(
     offered_steps: Sequence[int] = (),
     *,
     paired: PairedStderr | None = None,
+    train: TrainValues = (),
 ) -> Decision:
     """Evaluate this checkpoint? ``offered_steps``: every checkpoint offered before it, evaluated or
     not (the cover bound counts those after the newest entry in ``history``); ``paired``: where
     two results kept their items, the error of their difference paired on them, which the
-    movement and regression tests then use instead of the two errors combined."""
+    movement and regression tests then use instead of the two errors combined; ``train``: the
+    training metric at each checkpoint offered so far (``train_metric``)."""
     step = event.global_step
     if any(h.step == step for h in history):
         return Decision(False, f"step {step} already evaluated or queued")
@@ -204,7 +217,25 @@ def decide(
     since = checkpoints_since(last.step, step, offered_steps)
     if cfg.max_interval_checkpoints is not None and since >= cfg.max_interval_checkpoints:
         return Decision(True, f"checkpoint {since} since step {last.step} (max_interval_checkpoints)")
-    return _adaptive(step, last, history, cfg, paired)
+    decision = _adaptive(step, last, history, cfg, paired)
+    if not decision.evaluate and cfg.train_metric and (moved := train_moved(train, step, cfg)):
+        return Decision(True, f"training moved: {moved}")
+    return decision
+
+
+def train_moved(train: TrainValues, step: int, cfg: SchedulerConfig) -> str | None:
+    """How ``train_metric`` jumped at this checkpoint, where its change from the checkpoint before
+    is more than ``train_jump`` times its typical change (the root mean square of the 7 changes
+    before): a collapse, or a new phase of training."""
+    values = [(s, v) for s, v in train if s <= step and math.isfinite(v)][-9:]
+    if len(values) < 4 or values[-1][0] != step:
+        return None
+    *before, now = (v for _, v in values)
+    typical = math.sqrt(sum((b - a) ** 2 for a, b in zip(before, before[1:], strict=False)) / (len(before) - 1))
+    jump = abs(now - before[-1])
+    if typical <= 0 or jump <= cfg.train_jump * typical:
+        return None
+    return f"{cfg.train_metric} {before[-1]:.4g} -> {now:.4g} ({jump / typical:.1f}x its typical change)"
 
 
 def checkpoints_since(last_step: int, step: int, offered_steps: Sequence[int]) -> int:

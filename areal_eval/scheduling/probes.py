@@ -173,9 +173,15 @@ def select_with_probes(curve, cfg, probes: ProbeSettings | None, seed: str) -> t
     reference = None  # (index, subset value, its stderr) of the newest full evaluation
     paired = curve_paired_stderr(curve)
     at = {p.step: i for i, p in enumerate(points)}
+    train = [
+        (int(r["step"]), float(r[cfg.train_metric]))
+        for r in curve.train
+        if cfg.train_metric and isinstance(r.get(cfg.train_metric), (int, float))
+    ]
     for i, p in enumerate(points):
         event = _Event(p.step, i == len(points) - 1)
-        evaluate = decide(event, index.view(), cfg, index.offered_before(p.step), paired=paired).evaluate
+        known = [t for t in train if t[0] <= p.step][-64:]  # what the trainer had published by then
+        evaluate = decide(event, index.view(), cfg, index.offered_before(p.step), paired=paired, train=known).evaluate
         if not evaluate and probes and reference is not None:
             probes_run += 1
             evaluate = probe_escalates(curve, i, reference, probes, seed=seed)

@@ -240,3 +240,16 @@ def test_when_the_checkpoint_waiting_ones_coalesced_to_is_corrupt_the_newest_goo
         other.offer(ev(step))
     other.attempt_failed(other.next(), "DataError: valid.jsonl:3", permanent=True, max_attempts=3)
     assert other.next() is None and other.ledger.status(10) == "superseded"
+
+
+def test_the_training_metric_each_checkpoint_carries_reaches_the_scheduler(tmp_path):
+    cfg = dataclasses.replace(CFG, train_metric="loss", max_interval_checkpoints=None)
+    planner = EvaluationPlanner(cfg, Ledger(tmp_path / "ledger.jsonl"))
+    for step in range(0, 70, 10):
+        loss = 0.30 + 0.01 * (-1) ** (step // 10) if step < 60 else 0.60  # a collapse at step 60
+        decision = planner.offer(dataclasses.replace(ev(step), train_metrics={"loss": loss}))
+        if decision.evaluate:
+            planner.evaluated(planner.next(), {"accuracy": 0.8, "accuracy_stderr": 0.01})
+        if step == 50:
+            assert not decision.evaluate and decision.reason.startswith("plateau")
+    assert decision.evaluate and decision.reason.startswith("training moved: loss")

@@ -74,6 +74,8 @@ GOOD = {"step": 0, "value": 0.5, "stderr": 0.01}
         ),
         ({"curve": "a", "points": [{**GOOD, "items": []}]}, r"'items' must be a non-empty list of scores, got \[\]"),
         ({"curve": "a", "points": [{**GOOD, "items": [1, None]}]}, r"'items' must all be scores \(numbers\), got None"),
+        ({"curve": "a", "points": [GOOD], "train": {"loss": 1}}, r"c.jsonl:1: 'train' must be a list of rows"),
+        ({"curve": "a", "points": [GOOD], "train": [{"loss": 1}]}, r"train row 0: 'step' must be an integer, got None"),
     ],
     ids=str,
 )
@@ -104,3 +106,12 @@ def test_what_a_curve_file_may_leave_out_or_spell_its_own_way(tmp_path):
     (curve,) = read_curves(f)
     assert curve.higher_is_better and [p.step for p in curve.points] == [0, 10]
     assert [p.stderr for p in curve.points] == [DEFAULT_STDERR] * 2 and curve.points[0].items == (1.0, 0.0)
+    assert curve.train == ()  # no training rows
+
+
+def test_training_rows_are_read_in_step_order(tmp_path):
+    f = tmp_path / "c.jsonl"
+    train = [{"step": 20, "loss": 0.4}, {"step": 10, "loss": 0.5, "lr": 0.001}]
+    f.write_text(json.dumps({"curve": "a", "points": [GOOD], "train": train}) + "\n")
+    (curve,) = read_curves(f)
+    assert curve.train == ({"step": 10, "loss": 0.5, "lr": 0.001}, {"step": 20, "loss": 0.4})

@@ -62,6 +62,21 @@ def test_dense_while_moving_sparse_on_plateau():
     assert not d.evaluate and d.reason.startswith("plateau")
 
 
+def test_a_training_metric_that_jumps_on_a_flat_evaluation_curve_gets_the_checkpoint_evaluated():
+    plateau = [H(0, 0.800), H(50, 0.805)]
+    calm = [(s, 0.30 + 0.01 * (-1) ** (s // 10)) for s in range(0, 70, 10)]  # changes of 0.02 a checkpoint
+    falling = [(s, 0.60 - 0.03 * s / 10) for s in range(0, 70, 10)]  # a steady trend is no jump
+    spiked = calm[:-1] + [(60, 0.60)]  # a collapse at step 60: the loss doubles
+    with_train = dataclasses.replace(ADAPTIVE, train_metric="loss")
+    assert not decide(Ev(60), plateau, with_train, train=calm).evaluate
+    assert not decide(Ev(60), plateau, with_train, train=falling).evaluate
+    moved = decide(Ev(60), plateau, with_train, train=spiked)
+    assert moved.evaluate and moved.reason == "training moved: loss 0.29 -> 0.6 (15.5x its typical change)"
+    assert not decide(Ev(60), plateau, ADAPTIVE, train=spiked).evaluate  # off unless train_metric is set
+    assert not decide(Ev(60), plateau, with_train, train=spiked[-3:]).evaluate  # too few to know its typical change
+    assert not decide(Ev(60), plateau, with_train, train=spiked[:-1]).evaluate  # no value at this checkpoint
+
+
 def test_slow_drift_is_evaluated_once_it_adds_up():
     slow = [H(0, 0.500), H(100, 0.530)]  # 3 stderr per 100 steps, ~1.6 after the noise discount
     assert not decide(Ev(130), slow, ADAPTIVE).evaluate

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -57,6 +58,18 @@ def test_adaptive_runs_the_production_scheduler():
     flat_part = [i for i in chosen if i >= 5]
     assert len(flat_part) < 10  # sparse on the plateau
     assert max(b - a for a, b in zip(chosen, chosen[1:], strict=False)) <= 4  # the cover bound
+
+
+def test_replay_hands_the_training_rows_published_by_each_checkpoint_to_the_scheduler():
+    values = [0.5, 0.6, 0.7, 0.75] + [0.76] * 8 + [0.5] * 4  # a plateau, then a collapse at index 12
+    collapse = curve(values, steps=[100 * i for i in range(16)])
+    loss = [0.30 + 0.01 * (-1) ** i for i in range(12)] + [0.9] * 4
+    with_train = dataclasses.replace(collapse, train=tuple({"step": 100 * i, "loss": v} for i, v in enumerate(loss)))
+    spec = "adaptive:max_interval_checkpoints=4,drift_tolerance=1.0,noise_discount=1.0,look_back=0"
+    blind = [i for i, _ in parse_policy(spec).select(with_train)]
+    told = [i for i, _ in parse_policy(spec + ",train_metric=loss").select(with_train)]
+    assert 12 not in blind and 12 in told  # the loss jumped there: evaluated at once
+    assert [i for i, _ in parse_policy(spec + ",train_metric=loss").select(collapse)] == blind  # no rows: as before
 
 
 def test_refinement_counts_as_seen_at_the_end():
