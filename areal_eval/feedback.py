@@ -186,13 +186,8 @@ class FeedbackJudge:
         said = f"{self.metric} {value:.4g} is past the target {self.cfg.target:g}"
         if _finite(stderr) and stderr > 0:
             said += f" by {past / stderr:.1f} standard errors"
-        evidence = {
-            "rule": "target",
-            "metric": self.metric,
-            "value": value,
-            "stderr": stderr,
-            "target": self.cfg.target,
-        }
+        evidence = {"rule": "target", "metric": self.metric, "value": value, "stderr": stderr}
+        evidence["target"] = self.cfg.target
         return Directive(f"stop@{step}", "stop", (step,), said, evidence, self.cfg.stop)
 
     def _regression(self, series: list[tuple[int, dict]], best_i: int, i: int) -> Directive | None:
@@ -209,14 +204,8 @@ class FeedbackJudge:
         said = f"{self.metric} below the best (step {to_step}) in 2 evaluations in a row ({worst['delta']:+.4g}"
         said += f", stderr {worst['stderr']:.2g})" if worst["stderr"] is not None else ")"
         said += f": back to step {to_step}, learning rate x{cfg.factor:g}"
-        evidence = {
-            "rule": "regression",
-            "metric": self.metric,
-            "best_step": to_step,
-            "drops": drops,
-            "regression_stderrs": cfg.regression_stderrs,
-            "min_delta": cfg.min_delta,
-        }
+        evidence = {"rule": "regression", "metric": self.metric, "best_step": to_step, "drops": drops}
+        evidence |= {"regression_stderrs": cfg.regression_stderrs, "min_delta": cfg.min_delta}
         args = {"to_step": to_step, "factor": cfg.factor}
         steps = (to_step, series[i - 1][0], step)
         return Directive(f"rollback@{step}", "rollback", steps, said, evidence, cfg.rollback, args)
