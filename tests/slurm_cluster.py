@@ -163,7 +163,20 @@ PartitionName=short Nodes={",".join(NODES)} MaxTime=1 State=UP
 
     def start_node(self, name: str) -> None:
         """Start ``name``'s slurmd again (``ReturnToService=2``: the controller takes it back)."""
-        self._daemon(self._node_command(name), self.root / f"slurmd-{name}.out")
+        if not any(p.args == self._node_command(name) and p.poll() is None for p in self.procs):
+            self._daemon(self._node_command(name), self.root / f"slurmd-{name}.out")
+
+    def restore_nodes(self, timeout_s: float = 120) -> None:
+        """Every node's slurmd running and the node back in service (after a test killed one)."""
+        for name in NODES:
+            self.start_node(name)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            states = self.run("sinfo", "-h", "-N", "-p", "eval", "-o", "%t", check=False).stdout.split()
+            if len(states) == len(NODES) and not any(s.startswith(("down", "drain", "unk")) for s in states):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"slurm nodes not back after {timeout_s} s: {states}")
 
     def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(command, env=self.env, capture_output=True, text=True, check=check, timeout=60)

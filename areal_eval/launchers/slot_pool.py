@@ -72,9 +72,10 @@ class ClusterSlot:
         why = f": {self.wait_reason}" if self.wait_reason else ""
         return [f"waited {self.waited_s:.0f} s for a free evaluation slot{why}"]
 
-    def expiring(self) -> bool:
-        """Its nodes would be taken back before another evaluation could end (a time limit)."""
-        return False
+    def stale(self) -> str | None:
+        """Why it must be replaced before it serves (its nodes gone while it was idle, a time limit
+        that could cut the next evaluation), or None."""
+        return None
 
     def acquire(self, stop: threading.Event) -> bool:
         """Get the slot's nodes from the cluster (blocks while it has none free); False if ``stop``."""
@@ -171,9 +172,9 @@ class SlotPool:
                 raise SlotLost(f"every evaluation slot failed to start {START_TRIES} times in a row; the last: {why}")
             try:
                 slot = self._free.get(timeout=min(self.report_s, 1.0))  # a refusal is seen within a second
-                if not slot.expiring():
+                if (why := slot.stale()) is None:
                     break
-                self.report(f"{slot.describe()}: renewed before its time limit")
+                self.report(f"{slot.describe()}: {why}")
                 self._rebuild(slot)
             except queue.Empty:
                 if time.monotonic() - reported < self.report_s:

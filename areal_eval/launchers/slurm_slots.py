@@ -261,13 +261,18 @@ class SlurmSlot(ClusterSlot):
     def acquire(self, stop: threading.Event) -> bool:
         return self.submit(stop) if self.cfg.slurm.keep_jobs else True
 
-    def expiring(self) -> bool:
-        """A kept job whose time limit could cut its next evaluation: renewed before it serves.
-        (A limit shorter than one evaluation's bound renews nothing: a new job would be no better.)"""
-        if self.job is None or not self.served:
-            return False
+    def stale(self) -> str | None:
+        """A kept job that ended while the slot was idle (a node failure, a preemption), or whose
+        time limit could cut its next evaluation, is replaced before it serves. (A limit shorter
+        than one evaluation's bound renews nothing: a new job would be no better.)"""
+        if self.job is None:
+            return None
         job, margin = self.queue.job(self.job), self.cfg.job_timeout_s + REPLY_GRACE_S
-        return None not in (job.left_s, job.limit_s) and job.left_s < margin < job.limit_s
+        if job.kind in (JobState.ENDED, JobState.GONE):
+            return f"its job {self.job} is {job.state}: replaced"
+        if self.served and None not in (job.left_s, job.limit_s) and job.left_s < margin < job.limit_s:
+            return "renewed before its time limit"
+        return None
 
     def beat(self) -> None:
         if self.job is not None:
@@ -313,6 +318,12 @@ class SlurmSlot(ClusterSlot):
                 backoff.wait()
             for follower in followers:
                 reply["log"] += (jsonl.read_json(follower) or {}).get("log", "") if follower.exists() else ""
+            gone = [i for i, follower in enumerate(followers, start=1) if not follower.exists()]
+            if gone and reply.get("code"):  # node 0 failed with a node that never answered: lost with it
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                with self.log_path.open("a") as fh:
+                    fh.write(reply["log"])
+                raise self._lost(f"node(s) {', '.join(map(str, gone))} gone mid-evaluation, and node 0 failed")
             return reply
         finally:  # taken, or given up: nothing of it stays on the shared file system
             for path in [here / "inbox" / f"{name}.json", *here.glob(f"{name}.*")]:

@@ -260,7 +260,7 @@ def test_the_in_flow_loop_and_the_shared_record_issue_the_same_directives_once(t
 
 
 def test_a_late_result_of_an_older_checkpoint_and_a_finished_run_steer_nothing(tmp_path):
-    judge = FeedbackJudge(FeedbackConfig(lr_scale="act", patience=1, cooldown=0), metric="accuracy")
+    judge = FeedbackJudge(FeedbackConfig(lr_scale="act", rollback="off", patience=1, cooldown=0), metric="accuracy")
     planner, engine = scheduled(tmp_path, steps=(0, 10, 20)), AlertEngine(RULES)
     issued = []
     for step, accuracy in ((0, 0.8), (20, 0.6), (10, 0.6)):  # 10 is a look-back, evaluated last
