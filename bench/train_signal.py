@@ -3,7 +3,9 @@
 
     .venv/bin/python bench/train_signal.py [bench/curves/train-signal.jsonl] [--metric loss]
 
-For each curve: the evaluations each way (compute), and, where the curve collapses (a curve of
+For each curve, replayed from 3 phases (0, 1 or 2 of its first checkpoints after step 0 left
+out, so that the schedule meets the collapse at each place of its cover bound's cycle): the
+evaluations each way (compute), and, where the curve collapses (a curve of
 ``record_curves.py --preset collapse``: its learning rate raised at ``--jump-at``), how many
 checkpoints after the jump the first evaluation came (detection delay; 0: the first checkpoint
 at or after it was evaluated). Healthy curves show what the signal costs (evaluations it adds,
@@ -13,6 +15,7 @@ each a false alarm there). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -38,15 +41,17 @@ def main() -> None:
 
     blind, told = parse_policy("adaptive"), parse_policy(f"adaptive:train_metric={args.metric}")
     rows = []
-    for curve in read_curves(Path(args.curves)):
-        steps = [p.step for p in curve.points]
-        row = {"curve": curve.name, "checkpoints": len(steps)}
-        for name, policy in (("blind", blind), ("told", told)):
-            chosen = sorted({i for i, _ in policy.select(curve)})
-            row[f"{name}_evaluations"] = len(chosen)
-            if "collapse" in curve.name:
-                row[f"{name}_delay"] = delay(chosen, steps, args.jump_at)
-        rows.append(row)
+    for whole in read_curves(Path(args.curves)):
+        for phase in range(3):  # the first checkpoints after step 0 left out: the schedule's phase shifts
+            curve = dataclasses.replace(whole, points=whole.points[:1] + whole.points[1 + phase :])
+            steps = [p.step for p in curve.points]
+            row = {"curve": curve.name, "phase": phase, "checkpoints": len(steps)}
+            for name, policy in (("blind", blind), ("told", told)):
+                chosen = sorted({i for i, _ in policy.select(curve)})
+                row[f"{name}_evaluations"] = len(chosen)
+                if "collapse" in curve.name:
+                    row[f"{name}_delay"] = delay(chosen, steps, args.jump_at)
+            rows.append(row)
     collapsed = [r for r in rows if "blind_delay" in r]
     healthy = [r for r in rows if "blind_delay" not in r]
 
