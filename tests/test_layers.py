@@ -42,6 +42,7 @@ LAYERS = [
     {"sinks", "logged_models", "curve_plot", "failures", "compare"},  # what is made of results
     {"tracking", "recording"},  # the one recording step: MLflow, then the other sinks
     {"lifecycle"},  # one run's lifecycle, on every path
+    {"train_config"},  # the training job's settings (the flow's side and the ranks')
     {"pipeline", "train", "cli", "diagnostics"},  # the combined config and the entry points
 ]
 """Each entry: a module's name under ``areal_eval``, its first part (a package or a flat module)

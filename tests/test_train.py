@@ -36,7 +36,7 @@ def test_training_log_has_loss_at_global_steps(trained_run):
     rows = [json.loads(line) for line in run.train_log.read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6, 8, 10, 12]
     done = rows[-1]
-    assert done["done"] and done["blocked_s"] < done["train_s"]
+    assert done["done"] and done["blocked_s"] < done["train_s"] and done["cpu_s"] > 0  # the ranks' CPU, summed
 
 
 def test_stop_request_ends_training_at_the_next_step_and_no_ddp_model_outlives_the_group(tmp_path):

@@ -34,7 +34,7 @@ from areal_eval.launchers.devices import check_disjoint
 from areal_eval.models.objectives import ModelConfig
 from areal_eval.scheduling.policy import SchedulerConfig
 from areal_eval.tracking import TrackingConfig
-from areal_eval.train import TrainConfig
+from areal_eval.train_config import TrainConfig
 
 
 @dataclasses.dataclass

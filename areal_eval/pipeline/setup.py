@@ -16,7 +16,7 @@ from areal_eval.models.objectives import objective
 from areal_eval.pipeline.config import PipelineConfig, load_pipeline_config
 from areal_eval.redaction import recorded_config
 from areal_eval.runs.directory import RunDir
-from areal_eval.train import TrainJobSpec, total_steps
+from areal_eval.train_config import TrainJobSpec, total_steps
 
 
 def prepare_run(cfg: PipelineConfig) -> RunDir:
