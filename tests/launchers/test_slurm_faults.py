@@ -256,7 +256,13 @@ def test_kill_9_of_a_flow_whose_slot_job_pends_cancels_that_job_before_it_ever_s
     cancels it before the nodes free, and evaluates on a job of its own."""
     run, event = final_checkpoint
     blocker = slurm_cluster.run(
-        "sbatch", "--parsable", "--nodes=2", "--gres=gpu:2", "--job-name=blocker", "--wrap=sleep 600"
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        "--gres=gpu:2",
+        "--job-name=blocker",
+        f"--output={tmp_path}/blocker-%j.out",  # not slurm-<job>.out in the directory the tests run from
+        "--wrap=sleep 600",
     ).stdout.strip()
     try:
         wait_for(lambda: f"{blocker} blocker RUNNING" in slurm_cluster.jobs(), 60, "the blocker to run")
