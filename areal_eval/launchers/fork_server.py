@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 ENABLE_ENV = "AREAL_EVAL_FORK_SERVER"
 """``0``: every torchrun job is a fresh interpreter, as ``subprocess.Popen`` starts it."""
@@ -62,7 +63,9 @@ def _late(key: str) -> bool:
 
 
 IDLE_EXIT_S = 120.0
-"""A server with no job running exits after this long, giving its memory back."""
+"""A server with no job running or asked for this long is closed by its client (it then exits),
+giving its memory back. The client decides, under the lock a request takes: a server that left on
+its own could leave with a request already sent to it."""
 
 MAX_MESSAGE = 1 << 20
 
@@ -135,6 +138,7 @@ class ForkServer:
         self.jobs: dict[int, ForkedProcess] = {}
         self.lock = threading.Lock()
         self.alive = True
+        self.idle_since = time.monotonic()
         self.proc: subprocess.Popen | None = None
         started = threading.Event()
         # The kernel sends PR_SET_PDEATHSIG when the *thread* that forked ends: the server is
@@ -178,6 +182,8 @@ class ForkServer:
                     job._start(message["pid"])
                 elif message["exit"] in self.jobs:
                     self.jobs.pop(message["exit"])._end(message["code"])
+                    if not self.busy:
+                        self._idle()
         with self.lock:
             self.alive = False
             for job in self.pending:
@@ -210,20 +216,32 @@ class ForkServer:
                 return None
             job = ForkedProcess(args, os.fdopen(read, "rb"), write, self.server_pid)
             self.pending.append(job)
+            self.idle_since = None
             return job
 
     @property
     def busy(self) -> bool:
         return bool(self.pending or self.jobs)
 
-    def close(self) -> None:
-        """The server exits once its jobs have ended."""
+    def _idle(self) -> None:
+        """(Under the lock.) Close the server once it stays idle for :data:`IDLE_EXIT_S`."""
+        self.idle_since = since = time.monotonic()
+        timer = threading.Timer(IDLE_EXIT_S, lambda: self.close(idle_since=since))
+        timer.daemon = True
+        timer.start()
+
+    def close(self, *, idle_since: float | None = None) -> bool:
+        """Ask the server to exit once its jobs have ended; with ``idle_since``, only if it has not
+        been asked for a job since then (whether it was closed)."""
         with self.lock:
+            if idle_since is not None and (self.busy or self.idle_since != idle_since):
+                return False
             self.alive = False
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        return True
 
 
 _servers: dict[frozenset, ForkServer] = {}
@@ -238,14 +256,17 @@ def spawn(args: list[str], env: dict[str, str], *, nice: int = 0, cpus: set[int]
         return None
     key = frozenset((k, v) for k, v in env.items() if not _late(k))
     with _servers_lock:
-        server = _servers.get(key)
-        if server is None or not server.alive:
-            for other_key, other in list(_servers.items()):  # idle ones for other environments
-                if not other.busy or not other.alive:
-                    other.close()
-                    del _servers[other_key]
-            server = _servers[key] = ForkServer(dict(key))
-    return server.spawn(args, env, nice=nice, cpus=cpus)
+        for _ in range(2):  # the server chosen was closed as idle just now: a new one
+            server = _servers.get(key)
+            if server is None or not server.alive:
+                for other_key, other in list(_servers.items()):  # idle ones for other environments
+                    if not other.alive or other.close(idle_since=other.idle_since):
+                        del _servers[other_key]
+                server = _servers[key] = ForkServer(dict(key))
+            job = server.spawn(args, env, nice=nice, cpus=cpus)
+            if job is not None:
+                return job
+    return None
 
 
 # The server's side. It stays single-threaded, so that every fork is safe.
@@ -308,7 +329,6 @@ def _run_job(request: dict, out_fd: int, sock: socket.socket, session_fd: int) -
 
 def serve(sock: socket.socket) -> None:
     import selectors
-    import time
 
     from areal_eval.launchers import forked_ranks
 
@@ -326,10 +346,8 @@ def serve(sock: socket.socket) -> None:
     selector.register(sock, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
     running: set[int] = set()
-    closed, idle_since = False, time.monotonic()
-    while not (closed and not running):
-        if not running and time.monotonic() - idle_since > IDLE_EXIT_S:
-            break
+    closed = False
+    while not (closed and not running):  # closed by the client (IDLE_EXIT_S), or the client died
         for key, _ in selector.select(timeout=5.0):
             if key.fileobj is sock:
                 message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
@@ -355,7 +373,6 @@ def serve(sock: socket.socket) -> None:
             if pid == 0:
                 break
             running.discard(pid)
-            idle_since = time.monotonic()
             if not closed:
                 try:
                     sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())

@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -159,3 +160,20 @@ def test_what_a_job_runs_is_read_when_it_runs(tmp_path, monkeypatch):
     assert job.wait(120) == 0, (tmp_path / "later.log").read_text()
     assert "LATER ['x']" in (tmp_path / "later.log").read_text()
     assert job.proc.server_pid == warm.proc.server_pid
+
+
+def test_an_idle_server_is_given_back_and_jobs_asked_as_it_goes_each_start(tmp_path, monkeypatch):
+    """Its client closes a server idle for IDLE_EXIT_S, under the lock a request takes: a job
+    asked just before, as or after that moment starts, on that server or a new one."""
+    monkeypatch.setattr(fork_server, "IDLE_EXIT_S", 0.3)
+    env = {"OMP_NUM_THREADS": "3"}  # servers of this test's own
+    first = TorchrunJob("timeit", ["-n", "1", "-r", "1", "pass"], 1, tmp_path / "first.log", env=env)
+    assert first.wait(120) == 0
+    psutil.Process(first.proc.server_pid).wait(60)  # given back: it exits
+    servers = set()
+    for i in range(5):
+        job = TorchrunJob("timeit", ["-n", "1", "-r", "1", "pass"], 1, tmp_path / f"job{i}.log", env=env)
+        assert job.wait(120) == 0, (tmp_path / f"job{i}.log").read_text()
+        servers.add(job.proc.server_pid)
+        time.sleep(0.15 * i)  # idle 0 to 0.6 s: before, about and after the limit
+    assert len(servers) > 1  # some jobs found their server given back and got a new one
