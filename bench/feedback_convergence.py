@@ -1,0 +1,305 @@
+"""Evaluation steering training, measured: no feedback, the synchronous baseline, this project's
+asynchronous feedback, on the project's own reward-model runs.
+
+    .venv/bin/python bench/feedback_convergence.py [--seeds 1 2 3] [--scenarios healthy ...]
+        [--out bench/results/feedback-convergence.jsonl] [--plot docs/images/feedback-convergence.png]
+
+Scenarios (the demo's reward model, 2 DDP ranks, saving every 25 steps):
+
+* ``healthy``: the demo's data (8,000 pairs, 15% of labels flipped) with a budget it still
+  learns through (400 steps);
+* ``plateau``: the demo as it is (3 epochs, 750 steps): flat from about step 350;
+* ``overfit``: 400 pairs, 30% flipped, 60 epochs (720 steps): the model learns the flipped labels;
+* ``collapse``: the demo with its learning rate raised 30x at step 300 (``--preset collapse``).
+
+Ways, each a real run of the scenario with the same seed (same data, same validation items):
+
+* ``none``: the ``train-and-evaluate`` flow with every feedback rule in shadow mode (its default):
+  the fixed budget, and what the rules would have done, recorded;
+* ``sync``: what a Hugging Face ``Trainer`` user has today (``eval_strategy="steps"`` at every
+  save, ``EarlyStoppingCallback(early_stopping_patience=3)``, ``load_best_model_at_end``): the
+  project's trainer is paused (SIGSTOP of its ranks) while each checkpoint it publishes is
+  evaluated on the same evaluation ranks, and asked to stop once 3 evaluations in a row did not
+  beat the best; its model at the end is its best checkpoint;
+* ``async``: the flow with ``feedback.stop``, ``lr_scale`` and ``rollback`` acting.
+
+For each run: training steps and the ranks' CPU seconds (the trainer's own count), wall seconds,
+the best and the final evaluated checkpoint, steps trained after the best, and the directives.
+For each scenario and seed, paired on the validation items: ``async`` and ``sync`` against
+``none`` (best, and the model each ends with). Writes a row a run to ``--out``; prints one JSON line.
+
+On this 2-core machine the flow's evaluations share the cores with training (on a cluster they run
+on devices of their own), so ``async``'s wall time carries its evaluations' CPU; ``sync``'s does
+too, serially.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, emit, prepared_run
+
+SCENARIOS = {
+    "healthy": {"train": {"max_steps": 400}},
+    "plateau": {},
+    "overfit": {"train": {"epochs": 60}, "data": {"synthetic": {"train_pairs": 400, "label_noise": 0.3}}},
+    "collapse": {"train": {"lr_jump_at": 300, "lr_jump_factor": 30}},
+}
+ACTING = {"stop": "act", "lr_scale": "act", "rollback": "act"}
+PATIENCE = 3
+"""Evaluations without a better one before ``sync`` stops (EarlyStoppingCallback's patience)."""
+METRIC = "accuracy"
+
+
+def settings(scenario: str, seed: int) -> dict:
+    from areal_eval.config.parsing import merge
+
+    base = {"train": {"seed": seed}, "data": {"synthetic": {"seed": seed}}, "tracking": {"sinks": ["mlflow"]}}
+    return merge(base, SCENARIOS[scenario])
+
+
+def start_prefect() -> None:
+    """This process's own Prefect API, started before any run is timed (the first flow would
+    otherwise pay for it), without usage reports (as the tests turn them off)."""
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.hello()
+
+
+def run_flow(work: Path, name: str, sections: dict) -> Path:
+    """The train-and-evaluate flow on this process's own Prefect API; the run's directory."""
+    from areal_eval.config.parsing import merge
+    from flows.train_and_evaluate import train_and_evaluate
+
+    params = merge({"run_name": name, "work_dir": str(work)}, sections)
+    params["tracking"]["tracking_uri"] = f"sqlite:///{work / 'mlflow.db'}"
+    train_and_evaluate(params=params)
+    return work / name
+
+
+def run_synchronous(work: Path, name: str, sections: dict) -> Path:
+    """Train with every published checkpoint evaluated while training waits, and early stopping."""
+    import psutil
+
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.evaluation.jobs import run_evaluation_job
+    from areal_eval.evaluation.worker_pool import WarmEvalWorkers
+    from areal_eval.launchers.local import TorchrunJob
+    from areal_eval.runs.directory import StopSignal
+
+    cfg, run = prepared_run(name, work, **sections)
+    job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
+    best, worse, seen, final = None, 0, 0, False
+    with WarmEvalWorkers(cfg.eval.nproc, run.evals) as workers:
+        while not final:
+            events = Manifest(run.manifest).events()[seen:] if run.manifest.exists() else []
+            if not events:
+                if job.poll() is not None:
+                    job.raise_for_status("training")  # it ended without its final checkpoint
+                time.sleep(0.05)
+                continue
+            for event in events:
+                ranks = _signal_tree(psutil.Process(job.pid), signal.SIGSTOP)
+                try:
+                    result = run_evaluation_job(
+                        event, run.valid_data, cfg.eval, run.evals, max_length=cfg.model.max_length, workers=workers
+                    )
+                finally:
+                    for rank in ranks:
+                        with contextlib.suppress(psutil.NoSuchProcess):
+                            rank.send_signal(signal.SIGCONT)
+                value = result.metrics[METRIC]
+                if best is None or value > best:
+                    best, worse = value, 0
+                else:
+                    worse += 1
+                if worse >= PATIENCE:
+                    StopSignal(run.stop_file).request(f"early stopping: {PATIENCE} evaluations without a better one")
+                final = final or event.final
+            seen += len(events)
+    job.wait(300)
+    job.raise_for_status("training")
+    return run.root
+
+
+def _signal_tree(process, sig) -> list:
+    """``sig`` to the training job and every process under it (its ranks); those signalled."""
+    import psutil
+
+    sent = []
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            p.send_signal(sig)
+            sent.append(p)
+        except psutil.NoSuchProcess:  # a rank that has just ended
+            pass
+    return sent
+
+
+def evaluated(run_dir: Path) -> dict[int, float]:
+    """Every evaluated checkpoint's metric, by step."""
+    found = {}
+    for path in sorted((run_dir / "evals").glob("global_step_????????.json")):
+        metrics = json.loads(path.read_text()).get("metrics", {})
+        if METRIC in metrics:
+            found[int(path.stem.rsplit("_", 1)[1])] = metrics[METRIC]
+    return found
+
+
+def measured(run_dir: Path, way: str, wall_s: float) -> dict:
+    from areal_eval.runs.directives import directive_records
+
+    curve = evaluated(run_dir)
+    done = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()][-1]
+    best_step = max(curve, key=lambda s: (curve[s], -s))
+    final_step = max(curve)
+    ends_with = best_step if way == "sync" else final_step  # sync: load_best_model_at_end
+    return {
+        "way": way,
+        "steps": done["step"],
+        "train_cpu_s": done["cpu_s"],
+        "wall_s": round(wall_s, 1),
+        "best": {"step": best_step, METRIC: curve[best_step]},
+        "end": {"step": ends_with, METRIC: curve[ends_with]},
+        "steps_after_best": done["step"] - best_step,
+        "evaluations": len(curve),
+        "stopped": done.get("stopped"),
+        "directives": directive_records(run_dir),
+        "curve": sorted(curve.items()),
+    }
+
+
+def paired(run_a: Path, step_a: int, run_b: Path, step_b: int) -> dict:
+    """``b - a`` on the validation items, with its paired standard error."""
+    from areal_eval.evaluation.items import metric_scores, stored_items
+    from areal_eval.paired import paired_difference
+
+    a, _ = metric_scores(stored_items(run_a / "evals", step_a), METRIC)
+    b, _ = metric_scores(stored_items(run_b / "evals", step_b), METRIC)
+    d = paired_difference(a, b)
+    return {"difference": round(d.difference, 4), "stderr": round(d.stderr, 4), "n": d.n}
+
+
+def compare(rows: dict[str, dict], dirs: dict[str, Path]) -> dict:
+    """Each way against ``none``: compute saved, and quality paired on the same items."""
+    none = rows["none"]
+    out = {}
+    for way in ("sync", "async"):
+        row = rows[way]
+        out[way] = {
+            "compute_saved": round(1 - row["train_cpu_s"] / none["train_cpu_s"], 3),
+            "steps_saved": round(1 - row["steps"] / none["steps"], 3),
+            "best_vs_none_best": paired(dirs["none"], none["best"]["step"], dirs[way], row["best"]["step"]),
+            "end_vs_none_best": paired(dirs["none"], none["best"]["step"], dirs[way], row["end"]["step"]),
+            "end_vs_none_end": paired(dirs["none"], none["end"]["step"], dirs[way], row["end"]["step"]),
+            "wall_vs_sync": round(row["wall_s"] / rows["sync"]["wall_s"], 3),
+        }
+    return out
+
+
+def verdict(scenario: str, compared: dict, rows: dict) -> dict:
+    """The issue's targets, for async (2 paired standard errors decide "within" and "better")."""
+    c = compared["async"]
+    within = abs(c["best_vs_none_best"]["difference"]) <= 2 * c["best_vs_none_best"]["stderr"]
+    checks = {}
+    if scenario in ("plateau", "overfit"):
+        checks["compute_saved_20pct"] = c["compute_saved"] >= 0.2
+        checks["best_within_error"] = within or c["best_vs_none_best"]["difference"] > 0
+    if scenario == "collapse":
+        end_best, end_end = c["end_vs_none_best"], c["end_vs_none_end"]
+        checks["ends_as_good_as_none_best"] = end_best["difference"] >= -2 * end_best["stderr"]
+        checks["ends_better_than_none_end"] = end_end["difference"] > 2 * end_end["stderr"]
+    if scenario == "healthy":
+        acted = [d for d in rows["async"]["directives"] if d["mode"] == "act" and d["action"] in ("stop", "rollback")]
+        checks["no_destructive_action"] = not acted
+        checks["best_no_worse"] = within or c["best_vs_none_best"]["difference"] > 0
+    checks["less_wall_than_sync"] = c["wall_vs_sync"] < 1
+    return checks
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    firsts = {}
+    for r in results:
+        firsts.setdefault(r["scenario"], r)
+    fig, axes = plt.subplots(1, len(firsts), figsize=(4 * len(firsts), 3.4), dpi=110, squeeze=False)
+    for ax, (scenario, r) in zip(axes[0], firsts.items(), strict=True):
+        for way, style in (("none", "k-"), ("sync", "C1--"), ("async", "C0-")):
+            steps, values = zip(*r["runs"][way]["curve"], strict=True)
+            ax.plot(steps, values, style, marker=".", label=f"{way} ({r['runs'][way]['steps']} steps)")
+        ax.set_title(f"{scenario} (seed {r['seed']})")
+        ax.set_xlabel("global step")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(METRIC)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "feedback-convergence.jsonl")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "feedback-convergence.png")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-feedback-"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    start_prefect()
+    with args.out.open("w") as out:
+        for scenario in args.scenarios:
+            for seed in args.seeds:
+                sections = settings(scenario, seed)
+                dirs, rows = {}, {}
+                for way in ("none", "sync", "async"):
+                    name = f"{scenario}-seed{seed}-{way}"
+                    started = time.monotonic()
+                    if way == "sync":
+                        dirs[way] = run_synchronous(work, name, sections)
+                    else:
+                        extra = {"feedback": ACTING} if way == "async" else {}
+                        dirs[way] = run_flow(work, name, {**sections, **extra})
+                    rows[way] = measured(dirs[way], way, time.monotonic() - started)
+                compared = compare(rows, dirs)
+                result = {"scenario": scenario, "seed": seed, "runs": rows, "compared": compared}
+                result["targets"] = verdict(scenario, compared, rows)
+                out.write(json.dumps(result) + "\n")
+                out.flush()
+                results.append(result)
+                print(json.dumps({k: result[k] for k in ("scenario", "seed", "compared", "targets")}), flush=True)
+    plot(results, args.plot)
+    emit(
+        {
+            "benchmark": "feedback_convergence",
+            "runs": len(results),
+            "out": str(args.out),
+            "targets_met": {
+                s: {k: sum(r["targets"][k] for r in results if r["scenario"] == s) for k in results_keys(results, s)}
+                for s in args.scenarios
+            },
+            "of": {s: sum(r["scenario"] == s for r in results) for s in args.scenarios},
+        }
+    )
+
+
+def results_keys(results: list[dict], scenario: str) -> list[str]:
+    return next(list(r["targets"]) for r in results if r["scenario"] == scenario)
+
+
+if __name__ == "__main__":
+    main()
