@@ -226,22 +226,31 @@ class ForkServer:
     def _idle(self) -> None:
         """(Under the lock.) Close the server once it stays idle for :data:`IDLE_EXIT_S`."""
         self.idle_since = since = time.monotonic()
-        timer = threading.Timer(IDLE_EXIT_S, lambda: self.close(idle_since=since))
+        timer = threading.Timer(IDLE_EXIT_S, lambda: self.close_if_idle(since))
         timer.daemon = True
         timer.start()
 
-    def close(self, *, idle_since: float | None = None) -> bool:
-        """Ask the server to exit once its jobs have ended; with ``idle_since``, only if it has not
-        been asked for a job since then (whether it was closed)."""
-        with self.lock:
-            if idle_since is not None and (self.busy or self.idle_since != idle_since):
+    def close_if_idle(self, since: float | None) -> bool:
+        """Close the server if it has been idle since ``since`` (no job asked of it since then);
+        whether it was closed."""
+        with self.lock:  # one hold: no job can be asked of it between the look and the close
+            if self.busy or self.idle_since is None or self.idle_since != since:
                 return False
             self.alive = False
+        self._hang_up()
+        return True
+
+    def close(self) -> None:
+        """The server exits once its jobs have ended."""
+        with self.lock:
+            self.alive = False
+        self._hang_up()
+
+    def _hang_up(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        return True
 
 
 _servers: dict[frozenset, ForkServer] = {}
@@ -260,7 +269,7 @@ def spawn(args: list[str], env: dict[str, str], *, nice: int = 0, cpus: set[int]
             server = _servers.get(key)
             if server is None or not server.alive:
                 for other_key, other in list(_servers.items()):  # idle ones for other environments
-                    if not other.alive or other.close(idle_since=other.idle_since):
+                    if not other.alive or other.close_if_idle(other.idle_since):
                         del _servers[other_key]
                 server = _servers[key] = ForkServer(dict(key))
             job = server.spawn(args, env, nice=nice, cpus=cpus)
