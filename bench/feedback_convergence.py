@@ -21,12 +21,14 @@ Ways, each a real run of the scenario with the same seed (same data, same valida
   project's trainer is paused (SIGSTOP of its ranks) while each checkpoint it publishes is
   evaluated on the same evaluation ranks, and asked to stop once 3 evaluations in a row did not
   beat the best; its model at the end is its best checkpoint;
-* ``async``: the flow with ``feedback.stop``, ``lr_scale`` and ``rollback`` acting.
+* ``async``: the flow with ``feedback.stop``, ``lr_scale`` and ``rollback`` acting, the rules'
+  defaults otherwise (a stop only once the learning rate was lowered twice);
+* ``async-stop``: the same with ``feedback.max_lr_scales: 0``: a stop at the first confirmed plateau.
 
 For each run: training steps and the ranks' CPU seconds (the trainer's own count), wall seconds,
 the best and the final evaluated checkpoint, steps trained after the best, and the directives.
-For each scenario and seed, paired on the validation items: ``async`` and ``sync`` against
-``none`` (best, and the model each ends with). Writes a row a run to ``--out``; prints one JSON line.
+For each scenario and seed, paired on the validation items: each way against ``none`` (best,
+and the model each ends with). Writes a row a run to ``--out``; prints one JSON line.
 
 On this 2-core machine the flow's evaluations share the cores with training (on a cluster they run
 on devices of their own), so ``async``'s wall time carries its evaluations' CPU; ``sync``'s does
@@ -53,6 +55,9 @@ SCENARIOS = {
     "collapse": {"train": {"lr_jump_at": 300, "lr_jump_factor": 30}},
 }
 ACTING = {"stop": "act", "lr_scale": "act", "rollback": "act"}
+FEEDBACK = {"none": {}, "async": ACTING, "async-stop": {**ACTING, "max_lr_scales": 0}}
+"""The feedback settings of the ways that run the flow (``none``: every rule in shadow mode)."""
+WAYS = ("none", "sync", "async", "async-stop")
 PATIENCE = 3
 """Evaluations without a better one before ``sync`` stops (EarlyStoppingCallback's patience)."""
 METRIC = "accuracy"
@@ -194,7 +199,7 @@ def compare(rows: dict[str, dict], dirs: dict[str, Path]) -> dict:
     """Each way against ``none``: compute saved, and quality paired on the same items."""
     none = rows["none"]
     out = {}
-    for way in ("sync", "async"):
+    for way in WAYS[1:]:
         row = rows[way]
         out[way] = {
             "compute_saved": round(1 - row["train_cpu_s"] / none["train_cpu_s"], 3),
@@ -207,9 +212,10 @@ def compare(rows: dict[str, dict], dirs: dict[str, Path]) -> dict:
     return out
 
 
-def verdict(scenario: str, compared: dict, rows: dict) -> dict:
-    """The issue's targets, for async (2 paired standard errors decide "within" and "better")."""
-    c = compared["async"]
+def verdict(scenario: str, way: str, compared: dict, rows: dict) -> dict:
+    """The issue's targets, for an asynchronous ``way`` (2 paired standard errors decide "within"
+    and "better")."""
+    c = compared[way]
     within = abs(c["best_vs_none_best"]["difference"]) <= 2 * c["best_vs_none_best"]["stderr"]
     checks = {}
     if scenario in ("plateau", "overfit"):
@@ -220,7 +226,7 @@ def verdict(scenario: str, compared: dict, rows: dict) -> dict:
         checks["ends_as_good_as_none_best"] = end_best["difference"] >= -2 * end_best["stderr"]
         checks["ends_better_than_none_end"] = end_end["difference"] > 2 * end_end["stderr"]
     if scenario == "healthy":
-        acted = [d for d in rows["async"]["directives"] if d["mode"] == "act" and d["action"] in ("stop", "rollback")]
+        acted = [d for d in rows[way]["directives"] if d["mode"] == "act" and d["action"] in ("stop", "rollback")]
         checks["no_destructive_action"] = not acted
         checks["best_no_worse"] = within or c["best_vs_none_best"]["difference"] > 0
     checks["less_wall_than_sync"] = c["wall_vs_sync"] < 1
@@ -238,7 +244,7 @@ def plot(results: list[dict], out: Path) -> None:
         firsts.setdefault(r["scenario"], r)
     fig, axes = plt.subplots(1, len(firsts), figsize=(4 * len(firsts), 3.4), dpi=110, squeeze=False)
     for ax, (scenario, r) in zip(axes[0], firsts.items(), strict=True):
-        for way, style in (("none", "k-"), ("sync", "C1--"), ("async", "C0-")):
+        for way, style in (("none", "k-"), ("sync", "C1--"), ("async", "C0-"), ("async-stop", "C2:")):
             steps, values = zip(*r["runs"][way]["curve"], strict=True)
             ax.plot(steps, values, style, marker=".", label=f"{way} ({r['runs'][way]['steps']} steps)")
         ax.set_title(f"{scenario} (seed {r['seed']})")
@@ -266,18 +272,17 @@ def main() -> None:
             for seed in args.seeds:
                 sections = settings(scenario, seed)
                 dirs, rows = {}, {}
-                for way in ("none", "sync", "async"):
+                for way in WAYS:
                     name = f"{scenario}-seed{seed}-{way}"
                     started = time.monotonic()
                     if way == "sync":
                         dirs[way] = run_synchronous(work, name, sections)
                     else:
-                        extra = {"feedback": ACTING} if way == "async" else {}
-                        dirs[way] = run_flow(work, name, {**sections, **extra})
+                        dirs[way] = run_flow(work, name, {**sections, "feedback": FEEDBACK[way]})
                     rows[way] = measured(dirs[way], way, time.monotonic() - started)
                 compared = compare(rows, dirs)
                 result = {"scenario": scenario, "seed": seed, "runs": rows, "compared": compared}
-                result["targets"] = verdict(scenario, compared, rows)
+                result["targets"] = {way: verdict(scenario, way, compared, rows) for way in WAYS[2:]}
                 out.write(json.dumps(result) + "\n")
                 out.flush()
                 results.append(result)
@@ -288,17 +293,18 @@ def main() -> None:
             "benchmark": "feedback_convergence",
             "runs": len(results),
             "out": str(args.out),
-            "targets_met": {
-                s: {k: sum(r["targets"][k] for r in results if r["scenario"] == s) for k in results_keys(results, s)}
-                for s in args.scenarios
-            },
+            "targets_met": {s: targets_met([r for r in results if r["scenario"] == s]) for s in args.scenarios},
             "of": {s: sum(r["scenario"] == s for r in results) for s in args.scenarios},
         }
     )
 
 
-def results_keys(results: list[dict], scenario: str) -> list[str]:
-    return next(list(r["targets"]) for r in results if r["scenario"] == scenario)
+def targets_met(results: list[dict]) -> dict:
+    """Of a scenario's runs, how many met each target, by way."""
+    return {
+        way: {check: sum(r["targets"][way][check] for r in results) for check in results[0]["targets"][way]}
+        for way in WAYS[2:]
+    }
 
 
 if __name__ == "__main__":
