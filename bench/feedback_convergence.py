@@ -268,8 +268,8 @@ def main() -> None:
     results = []
     start_prefect()
     with args.out.open("w") as out:
-        for scenario in args.scenarios:
-            for seed in args.seeds:
+        for seed in args.seeds:  # every scenario once before the next seed
+            for scenario in args.scenarios:
                 sections = settings(scenario, seed)
                 dirs, rows = {}, {}
                 for way in WAYS:
