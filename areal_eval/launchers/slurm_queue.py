@@ -3,6 +3,9 @@
 A controller that does not answer (restarted, failed over, overloaded) is not a lost job: squeue
 then exits non-zero and prints nothing, and the slots wait it out. Only an answer that no longer
 lists a job says it is gone. One ``squeue`` serves every slot of the run.
+
+A slot's job is named ``areal-eval:<run>:<host>.<pid>:slot-<i>`` (its flow's: :data:`OWNER`), so
+the run's jobs that a killed flow left behind can be found and cancelled.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ import dataclasses
 import enum
 import os
 import re
+import socket
 import subprocess
 import threading
 import time
+
+import psutil
 
 from areal_eval.launchers.reaper import OWNER_ENV
 
@@ -142,3 +148,35 @@ class SlurmQueue:
         """The next question goes to the controller (a job was just submitted or cancelled)."""
         with self._lock:
             self._asked = -float("inf")
+
+
+OWNER = f"{socket.gethostname()}.{os.getpid()}"
+"""Whose slots a job holds: the flow's host and process (``areal-eval:<run>:<host>.<pid>:slot-<i>``)."""
+
+
+def run_jobs(run_name: str) -> list[tuple[str, str]]:
+    """(id, name) of this user's jobs of ``run_name``'s slots still known to the controller."""
+    shown = slurm("squeue", "--me", "-h", "-o", "%i %j").stdout.split("\n")
+    prefix = f"areal-eval:{run_name}:"
+    return [tuple(line.split(" ", 1)) for line in shown if " " in line and line.split(" ", 1)[1].startswith(prefix)]
+
+
+def alive(pid: int) -> bool:
+    """A process that runs (a killed flow whose parent has not reaped it yet is a zombie: dead)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def left_by_dead_flows(run_name: str) -> list[tuple[str, str]]:
+    """The run's jobs whose flow, on this host, is gone (``kill -9``): a live flow of the run (the
+    sweep beside the service, two trigger flow runs at once) keeps its own."""
+    host = socket.gethostname()
+    left = []
+    for job, name in run_jobs(run_name):
+        owner = name.split(":")[2] if name.count(":") >= 3 else ""
+        owner_host, _, pid = owner.rpartition(".")
+        if owner_host == host and pid.isdigit() and not alive(int(pid)):
+            left.append((job, name))
+    return left

@@ -13,11 +13,9 @@ import contextlib
 import dataclasses
 import getpass
 import itertools
-import os
 import re
 import shlex
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -25,14 +23,20 @@ import uuid
 from pathlib import Path
 from typing import ClassVar
 
-import psutil
-
 from areal_eval import jsonl
 from areal_eval.config.parsing import NON_NEGATIVE, POSITIVE, Bounds, ConfigError, Ranges, check_ranges
 from areal_eval.evaluation.interpreter import required_modules
 from areal_eval.launchers.slot_pool import ClusterSlot, SlotLost, SlotPool, log, rank_env
 from areal_eval.launchers.slurm_node import HEARTBEAT, STOP, Backoff, decode_reply, job_dir
-from areal_eval.launchers.slurm_queue import JobState, SlurmQueue, is_transient, slurm
+from areal_eval.launchers.slurm_queue import (
+    OWNER,
+    JobState,
+    SlurmQueue,
+    is_transient,
+    left_by_dead_flows,
+    run_jobs,
+    slurm,
+)
 
 
 @dataclasses.dataclass
@@ -122,36 +126,6 @@ def check_cluster(cfg) -> None:
 
 POOLS = itertools.count()
 """Pools of one process (two flows of a run in one process) name their slots apart: ``slot-0.1``."""
-OWNER = f"{socket.gethostname()}.{os.getpid()}"
-"""Whose slots a job holds: the flow's host and process (``areal-eval:<run>:<host>.<pid>:slot-<i>``)."""
-
-
-def run_jobs(run_name: str) -> list[tuple[str, str]]:
-    """(id, name) of this user's jobs of ``run_name``'s slots still known to the controller."""
-    shown = slurm("squeue", "--me", "-h", "-o", "%i %j").stdout.split("\n")
-    prefix = f"areal-eval:{run_name}:"
-    return [tuple(line.split(" ", 1)) for line in shown if " " in line and line.split(" ", 1)[1].startswith(prefix)]
-
-
-def alive(pid: int) -> bool:
-    """A process that runs (a killed flow whose parent has not reaped it yet is a zombie: dead)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def left_by_dead_flows(run_name: str) -> list[tuple[str, str]]:
-    """The run's jobs whose flow, on this host, is gone (``kill -9``): a live flow of the run (the
-    sweep beside the service, two trigger flow runs at once) keeps its own."""
-    host = socket.gethostname()
-    left = []
-    for job, name in run_jobs(run_name):
-        owner = name.split(":")[2] if name.count(":") >= 3 else ""
-        owner_host, _, pid = owner.rpartition(".")
-        if owner_host == host and pid.isdigit() and not alive(int(pid)):
-            left.append((job, name))
-    return left
 
 
 class SlurmSlot(ClusterSlot):

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from areal_eval.launchers.slurm_slots import run_jobs
+from areal_eval.launchers.slurm_queue import run_jobs
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker, TrackingConfig

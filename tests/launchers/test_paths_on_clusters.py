@@ -12,7 +12,8 @@ import pytest
 from areal_eval.checkpoints.manifest import Manifest
 from areal_eval.evaluation.jobs import EvalConfig, run_evaluation_job
 from areal_eval.launchers.ray_slots import RayConfig
-from areal_eval.launchers.slurm_slots import SlurmConfig, run_jobs
+from areal_eval.launchers.slurm_queue import run_jobs
+from areal_eval.launchers.slurm_slots import SlurmConfig
 from areal_eval.runs.ledger import Ledger
 from tests.helpers import copy_trained_run, mlflow_run, sqlite_mlflow_uri
 from tests.launchers.conftest import placement_groups_left, slot_actors_alive

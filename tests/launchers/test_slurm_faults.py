@@ -18,7 +18,8 @@ from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.jobs import EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
 from areal_eval.launchers.slurm_node import job_dir
-from areal_eval.launchers.slurm_slots import SlurmSlots, run_jobs
+from areal_eval.launchers.slurm_queue import run_jobs
+from areal_eval.launchers.slurm_slots import SlurmSlots
 from tests.helpers import wait_for
 from tests.launchers.conftest import HERE, evaluate_on
 from tests.launchers.test_slurm_slots import ONE_GPU, slurm_eval

@@ -12,7 +12,8 @@ from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.config.parsing import ConfigError
 from areal_eval.evaluation.jobs import EvalConfig, EvaluationFailed, run_evaluation_job
 from areal_eval.failures import is_permanent
-from areal_eval.launchers.slurm_slots import SlurmConfig, SlurmSlots, run_jobs
+from areal_eval.launchers.slurm_queue import run_jobs
+from areal_eval.launchers.slurm_slots import SlurmConfig, SlurmSlots
 from tests.launchers.conftest import evaluate_on, read_items
 
 pytestmark = pytest.mark.integration
