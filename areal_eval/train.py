@@ -24,7 +24,7 @@ from pathlib import Path
 from areal_eval import jsonl
 from areal_eval.checkpoints.freq_ctl import EpochStepTimeFreqCtl
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, checkpoint_name
-from areal_eval.checkpoints.store import open_store
+from areal_eval.checkpoints.store import S3Config, is_s3, open_store
 from areal_eval.disk import named_if_disk_full
 from areal_eval.evaluation.job_spec import read_spec
 from areal_eval.launchers.local import TorchrunJob
@@ -97,6 +97,20 @@ def wait_for_exit(
     return None
 
 
+def checkpoint_here(run: RunDir, event: CheckpointEvent, s3: S3Config) -> Path | str:
+    """Checkpoint ``event``'s directory on this machine: its local copy, else a copy fetched from
+    the store it was published to (the run's ``checkpoint-cache``); or why there is none."""
+    where = run.checkpoints / checkpoint_name(event.global_step)
+    if where.exists():
+        return where
+    if not is_s3(event.uri):
+        return f"{where} does not exist"
+    try:
+        return open_store(event.uri, s3).fetch(event.uri, event.files, run.root / "checkpoint-cache")
+    except Exception as exc:  # noqa: BLE001 - said by every rank alike: rank 0 hands it on
+        return f"{event.uri}: {exc}"
+
+
 def resume_point(run: RunDir, run_id: str) -> tuple[CheckpointEvent, dict] | None:
     """Where a restarted job goes on: the newest announced checkpoint and its resume state."""
     from areal_eval.checkpoints.saving import read_resume_state, resume_state_path
@@ -137,7 +151,11 @@ def train(spec: TrainJobSpec) -> None:
     tokenizer = task.load_tokenizer(tok_path)
     resume = resume_point(run, spec.run_id)
     if resume:
-        model = task.load_model(run.checkpoints / checkpoint_name(resume[0].global_step))
+        where = checkpoint_here(run, resume[0], spec.storage.s3) if rank == 0 else None
+        where = distributed.broadcast_object(where) if world > 1 else where
+        if isinstance(where, str):
+            raise CheckpointError(f"cannot resume from checkpoint {resume[0].global_step}: {where}")
+        model = task.load_model(where)
     elif spec.model.pretrained_path:
         model = task.load_model(spec.model.pretrained_path)
     else:
@@ -206,11 +224,15 @@ def train(spec: TrainJobSpec) -> None:
         """Weights, optimizer, schedule and data position of checkpoint ``to_step`` (rank 0 says
         whether it is there, so every rank does the same); global steps go on counting."""
         nonlocal position, lineage
-        where = run.checkpoints / checkpoint_name(to_step)
-        gone = None if where.exists() and resume_state_path(run.resume_states, to_step).exists() else where
-        gone = distributed.broadcast_object(gone) if world > 1 else gone
-        if gone is not None:
-            return f"its target, checkpoint {to_step}, is gone ({gone})"
+        where = None
+        if rank == 0:
+            event = next((e for e in Manifest(run.manifest).events() if e.global_step == to_step), None)
+            where = checkpoint_here(run, event, spec.storage.s3) if event else "it was never published"
+            if not resume_state_path(run.resume_states, to_step).exists():
+                where = f"no resume state ({resume_state_path(run.resume_states, to_step)})"
+        where = distributed.broadcast_object(where) if world > 1 else where
+        if isinstance(where, str):
+            return f"its target, checkpoint {to_step}, is gone: {where}"
         model.load_state_dict(task.load_model(where).state_dict())
         state = read_resume_state(run.resume_states, to_step)
         opt.load_state_dict(state["optimizer"])

@@ -21,7 +21,8 @@ from prefect.states import Failed
 from pydantic import Field
 
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest
-from areal_eval.checkpoints.store import is_s3, localize_manifest
+from areal_eval.checkpoints.remote_run import localize_manifest
+from areal_eval.checkpoints.store import is_s3
 from areal_eval.evaluation.jobs import EvalResult, check_validation_data
 from areal_eval.failures import is_known_failure, one_line
 from areal_eval.lifecycle.outcome import Attempt, Outcome, follow_outcome

@@ -15,7 +15,8 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from areal_eval.checkpoints.manifest import Manifest
-from areal_eval.checkpoints.store import S3Config, S3Store, is_s3, localize_manifest
+from areal_eval.checkpoints.remote_run import localize_manifest
+from areal_eval.checkpoints.store import S3Config, S3Store, is_s3
 from areal_eval.lifecycle.shared_run import SharedRun
 from areal_eval.pipeline.config import PipelineConfig, deployment_config_path, load_pipeline_config
 from areal_eval.pipeline.schema import PipelineParams, set_fields

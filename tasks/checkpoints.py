@@ -10,7 +10,8 @@ from prefect.events import emit_event
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
 from areal_eval.checkpoints.publisher import CHECKPOINT_SAVED, checkpoint_resource, event_payload
-from areal_eval.checkpoints.store import SHARED_RUN_FILES, open_store
+from areal_eval.checkpoints.remote_run import SHARED_RUN_FILES
+from areal_eval.checkpoints.store import open_store
 from areal_eval.pipeline.config import PipelineConfig
 from areal_eval.runs.directory import RunDir
 from areal_eval.runs.ledger import Ledger

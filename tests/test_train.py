@@ -275,3 +275,51 @@ def test_a_rollback_restores_the_best_checkpoints_weights_optimizer_schedule_and
     assert all(torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["step"], b["step"]) for a, b in moments)
     outcomes = {r["id"]: r["outcome"] for r in directive_records(run.root)}
     assert outcomes["rollback@8"] == f"applied at step {at}" and outcomes["rollback@0"].startswith("refused: its")
+
+
+def test_a_run_on_s3_keeping_no_local_copies_rolls_back_and_resumes_from_the_store(s3_server, s3_bucket, tmp_path):
+    # Checkpoints live on S3 only (the staging copies go once uploaded): a rollback to step 4 fetches
+    # its weights from there; killed with -9 after it and run again, the job resumes from its
+    # newest checkpoint, fetched from there too, and ends as announced.
+    import time
+
+    import torch
+
+    from areal_eval.checkpoints.store import S3Config, S3Store
+    from areal_eval.feedback import Directive
+    from areal_eval.runs.directives import Directives
+
+    storage = {"checkpoint_uri": f"s3://{s3_bucket}/ckpt", "s3": {"endpoint_url": s3_server.url}}
+    sections = {"storage": storage, "train": {"max_steps": 400, "epochs": 50, "save": {"freq_steps": 4}}}
+    run = prepare_run(tiny_config(tmp_path / "run", **sections))
+    box = Directives(run.root)
+    job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], 2, run.logs / "train.log")
+    deadline = time.monotonic() + 300
+    while 8 not in [e.global_step for e in Manifest(run.manifest).events()] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    box.issue([Directive("rollback@8", "rollback", (4, 8), "test", {}, "act", {"to_step": 4, "factor": 0.5})])
+    while not box.answers() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    [applied] = box.answers()
+    events = {e.global_step: e for e in Manifest(run.manifest).events()}
+    while applied.step not in events and time.monotonic() < deadline:  # its checkpoint, saved at once
+        time.sleep(0.005)
+        events = {e.global_step: e for e in Manifest(run.manifest).events()}
+    job.kill(grace_s=0)
+    assert applied.applied, applied.reason
+    assert not Manifest(run.manifest).events()[-1].final  # killed mid-run
+    assert not list(run.checkpoints.glob("global_step_*"))  # nothing to roll back to but S3's copies
+    store = S3Store(f"s3://{s3_bucket}/ckpt", S3Config(endpoint_url=s3_server.url))
+
+    def weights(step: int) -> dict:
+        event = events[step]
+        return load_model(store.fetch(event.uri, event.files, tmp_path / "check")).state_dict()
+
+    back, best = weights(applied.step), weights(4)
+    assert events[applied.step].train_metrics["weights_from_step"] == 4
+    assert all(torch.equal(back[k], best[k]) for k in best)
+    run_training(prepare_run(tiny_config(tmp_path / "run", **sections)))  # the same command: resumes
+    final = Manifest(run.manifest).events()[-1]
+    assert final.final and final.global_step == 400 and final.train_metrics["weights_from_step"] == 4
+    assert list((run.root / "checkpoint-cache").iterdir())  # what it resumed from came from S3
+    assert [a.id for a in box.answers()] == ["rollback@8"]  # applied once: its step was saved before the kill

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from areal_eval.checkpoints.lost_events import Sweep, find_sweeps, who_evaluates
 from areal_eval.checkpoints.manifest import CheckpointError, CheckpointEvent, Manifest, announcement, describe_files
+from areal_eval.checkpoints.remote_run import follow_requests
 from areal_eval.checkpoints.store import S3Config, StorageConfig, is_s3, open_store
 
 CHECKPOINT_SAVED = "areal.checkpoint.saved"
@@ -262,6 +263,7 @@ def publish_checkpoint(
         final=final,
         valid_data=str(Path(valid_data).resolve()) if valid_data else None,
     )
+    follow_requests(checkpoint_store, Path(manifest).parent, final=final)  # answers sent before the announcement
     Manifest(manifest).append(event)
     checkpoint_store.mirror(Path(manifest), "manifest.jsonl")
     api_url = api_url or os.environ.get("PREFECT_API_URL")

@@ -26,6 +26,7 @@ from areal_eval.checkpoints.manifest import (
     checkpoint_name,
     describe_files,
 )
+from areal_eval.checkpoints.remote_run import follow_requests
 from areal_eval.checkpoints.store import LocalStore
 from areal_eval.disk import named_if_disk_full
 
@@ -186,6 +187,7 @@ class CheckpointWriter:
             files=files,
             final=req.final,
         )
+        follow_requests(self.store, self.manifest.path.parent, final=req.final)  # answers sent before the announcement
         self.manifest.append(event)
         self.store.mirror(self.manifest.path, "manifest.jsonl")
         if self.on_durable:

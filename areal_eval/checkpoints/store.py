@@ -12,7 +12,6 @@ are never part of the config, so they cannot leak into params, tags or logs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import os
@@ -49,6 +48,13 @@ class S3Config:
     """Connection timeout per request."""
     read_timeout_s: float = 60.0
     """Read timeout per request (a stalled connection is retried)."""
+    control_poll_s: float = 5.0
+    """How often a trainer publishing here looks beside its checkpoints for what evaluation asks
+    of it (a stop, directives) and sends back its answers, from a thread of its own."""
+
+    def __post_init__(self):
+        if not isinstance(self.control_poll_s, (int, float)) or not self.control_poll_s > 0:
+            raise ValueError(f"storage.s3.control_poll_s: {self.control_poll_s!r} is not a positive number of seconds")
 
 
 @dataclasses.dataclass
@@ -145,6 +151,7 @@ class S3Store:
 
         self.root = root.rstrip("/")
         self.keep_local_copy = keep_local_copy
+        self.control_poll_s = cfg.control_poll_s
         self.bucket, self.prefix = split_s3_uri(self.root)
         self.client = boto3.client(
             "s3",
@@ -201,7 +208,7 @@ class S3Store:
 
     def mirror(self, local_file: Path, relative: str) -> None:
         """Copy a small run file (manifest, validation data) beside the checkpoints."""
-        self.client.put_object(Bucket=self.bucket, Key=self._key(relative), Body=Path(local_file).read_bytes())
+        self.write(relative, Path(local_file).read_bytes())
 
     def local_path(self, uri: str, files: tuple[FileEntry, ...], cache_dir: Path) -> Path:
         return Path(cache_dir) / content_key(files)
@@ -246,6 +253,16 @@ class S3Store:
             if objects:
                 self.client.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
 
+    def read(self, relative: str) -> bytes | None:
+        """A small run file beside the checkpoints, or None when there is none."""
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(relative))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def write(self, relative: str, body: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(relative), Body=body)
+
     def download_file(self, relative: str, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         self.client.download_file(self.bucket, self._key(relative), str(target), Config=self.transfer_config)
@@ -269,31 +286,3 @@ def open_store(root: str | None, s3: S3Config | None = None, keep_local_copy: bo
     if root is not None and is_s3(root):
         return S3Store(root, s3 or S3Config(), keep_local_copy)
     return LocalStore()
-
-
-def localize_manifest(manifest: str, s3: S3Config, work_dir: str | Path) -> Path:
-    """A local copy of a run's manifest and validation data, for an ``s3://.../manifest.jsonl``;
-    a local manifest is returned as it is."""
-    if not is_s3(manifest):
-        return Path(manifest)
-    root, _, name = manifest.rstrip("/").rpartition("/")
-    if name != "manifest.jsonl":
-        raise ValueError(f"{manifest}: an S3 manifest must be <run prefix>/manifest.jsonl")
-    store = S3Store(root, s3)
-    local = Path(work_dir).resolve() / "remote-runs" / store.bucket / store.prefix
-    for relative in ("manifest.jsonl", "data/valid.jsonl"):
-        try:
-            store.download_file(relative, local / relative)
-        except Exception as exc:
-            raise CheckpointError(f"{root}/{relative}: cannot read the run's mirrored file: {exc}") from exc
-    for relative in SHARED_RUN_FILES:  # the record of the flow that owned the run, if it mirrored one
-        if not (local / relative).exists():
-            with contextlib.suppress(Exception):
-                store.download_file(relative, local / relative)
-    return local / "manifest.jsonl"
-
-
-SHARED_RUN_FILES = ("ledger.jsonl", "evaluation_state.json", "pipeline_config.json")
-"""What a flow that owned an S3 run mirrors beside its manifest when it ends, so a sweep on
-another machine knows its decisions and judges the run by its settings (training mirrors the
-config at its start too). A local record, once there, is the one that counts."""

@@ -4,6 +4,7 @@ own: what one flow run evaluates beyond the checkpoint it was started for."""
 import dataclasses
 import json
 import shutil
+import time
 
 from areal_eval.checkpoints.manifest import checkpoint_name
 from areal_eval.checkpoints.publisher import publish_checkpoint
@@ -95,3 +96,59 @@ def test_a_step_not_in_the_manifest_fails_in_one_line_even_when_a_live_flow_owns
         and "it evaluates its own" in left.result()["reason"]
     )
     assert not run.ledger.exists()  # nothing recorded for either
+
+
+def test_a_trainer_on_another_machine_is_stopped_through_s3_and_its_answer_is_on_record(
+    prefect_server, s3_server, s3_bucket, tmp_path
+):
+    # The trainer (torchrun, 2 ranks) publishes to S3 from its own directory; the flow run of its
+    # checkpoint's event evaluates from a copy in a work directory of its own: S3 is all they share.
+    from areal_eval.checkpoints.manifest import Manifest
+    from areal_eval.launchers.local import TorchrunJob
+    from areal_eval.pipeline.setup import prepare_run
+    from areal_eval.runs.directives import Directives
+    from flows.evaluate_checkpoint import evaluate_checkpoint
+    from tests.conftest import tiny_config
+
+    s3 = {"endpoint_url": s3_server.url, "control_poll_s": 0.2}
+    trainer = prepare_run(
+        tiny_config(
+            tmp_path / "trainer",
+            storage={"checkpoint_uri": f"s3://{s3_bucket}/ckpt", "s3": s3},
+            train={"max_steps": 100000, "epochs": 100000, "save": {"freq_steps": 100, "eval_before_train": False}},
+        )
+    )
+    evaluator = tiny_config(
+        tmp_path / "evaluator",
+        storage={"s3": s3},
+        feedback={"stop": "act", "target": 0.0, "min_step": 1, "patience": 1, "max_lr_scales": 10},
+    )
+    params = json.loads(json.dumps(dataclasses.asdict(evaluator)))
+    manifest = f"s3://{s3_bucket}/ckpt/{trainer.run_id}/manifest.jsonl"
+    job = TorchrunJob("areal_eval.train", ["--config", str(trainer.train_config)], 2, trainer.logs / "train.log")
+    try:
+        deadline = time.monotonic() + 300
+        while not Manifest(trainer.manifest).events():
+            assert time.monotonic() < deadline and job.poll() is None, "no checkpoint published"
+            time.sleep(0.1)
+        first = evaluate_checkpoint(100, manifest, params=params)
+        job.wait(300)
+    finally:
+        job.kill(grace_s=0)
+    job.raise_for_status("training")
+    assert first["evaluated"]
+    # The trainer took the stop from S3 on both ranks, answered it and ended with a final checkpoint.
+    [stop] = Directives(trainer.root).all()
+    [answer] = Directives(trainer.root).answers()
+    final = Manifest(trainer.manifest).events()[-1]
+    assert stop.id == "stop@100" and answer.applied and final.final and final.global_step == answer.step < 100000
+    assert final.train_metrics["stopped"].startswith("stop@100: accuracy ")
+    # The flow runs of the later checkpoints' events, the final one's last, read the answer from
+    # S3: the run ends in MLflow with what came of the stop.
+    for event in Manifest(trainer.manifest).events()[1:]:
+        evaluate_checkpoint(event.global_step, manifest, params=params)
+    copy = RunDir(tmp_path / "evaluator" / "remote-runs" / s3_bucket / "ckpt" / trainer.run_id)
+    assert [a.id for a in Directives(copy.root).answers()] == ["stop@100"]
+    _, [recorded] = mlflow_run(evaluator)
+    assert recorded.data.tags["directive.stop_at_100"] == f"applied at step {answer.step}"
+    assert recorded.info.status == "FINISHED"
