@@ -117,7 +117,7 @@ class TrainerControl:
         self._done = threading.Event()
         self._failing = False
         threading.Thread(target=self._run, name="evaluation-requests", daemon=True).start()
-        atexit.register(self.sync)
+        atexit.register(self._at_exit)
 
     def sync(self) -> None:
         """Send answers not sent yet and take new requests; a fault of S3 is a warning, once."""
@@ -142,6 +142,16 @@ class TrainerControl:
             if (stat.st_mtime, stat.st_size) != self._sent:
                 self.store.write(ANSWERS, path.read_bytes())
                 self._sent = (stat.st_mtime, stat.st_size)
+
+    def _at_exit(self) -> None:
+        """Answers made since the last send go before the process does."""
+        if self._done.is_set():
+            return
+        try:
+            with self._lock:
+                self.send_answers()
+        except Exception as exc:  # noqa: BLE001 - said, at exit
+            logger.warning("the trainer's last answers did not reach %s: %r", self.store.root, exc)
 
     def _run(self) -> None:
         while not self._done.wait(self.poll_s):
