@@ -141,6 +141,10 @@ class FeedbackJudge:
     def active(self) -> bool:
         return any(mode != "off" for mode in (self.cfg.stop, self.cfg.lr_scale, self.cfg.rollback))
 
+    @property
+    def acting(self) -> bool:
+        return "act" in (self.cfg.stop, self.cfg.lr_scale, self.cfg.rollback)
+
     def directives(self, results: list[tuple[int, dict]]) -> list[Directive]:
         """Every directive the results call for, in step order: ``results`` are ``(step,
         metrics)`` of the evaluated checkpoints, in any order. Nothing follows a stop."""
@@ -176,6 +180,36 @@ class FeedbackJudge:
                 out.append(self._directive("stop", series, i, plateau, {}, cfg.stop))
                 break
         return out
+
+    def watching(self, results: list[tuple[int, dict]]) -> str | None:
+        """Why the next checkpoint is worth evaluating though the scheduler would skip it: a rule
+        in ``act`` mode is counting evaluations since the best (a plateau or a regression under
+        way) and may still act, past its cooldown. Patience counts evaluations, and the scheduler
+        evaluates flat stretches sparsely: this keeps the count moving with training. Shadow mode
+        changes nothing, the schedule included."""
+        cfg = self.cfg
+        if not self.acting:
+            return None
+        series = sorted((s, m) for s, m in results if s >= cfg.min_step and _finite(m.get(self.metric)))
+        made = self.directives(results)
+        if not series or any(d.action == "stop" for d in made):
+            return None  # nothing follows a stop
+        counts = {a: sum(d.action == a for d in made) for a in ("lr_scale", "rollback")}
+        plateau = cfg.stop == "act" or (cfg.lr_scale == "act" and counts["lr_scale"] < cfg.max_lr_scales)
+        may_act = (cfg.patience is not None and plateau) or (
+            cfg.rollback == "act" and counts["rollback"] < cfg.max_rollbacks
+        )
+        acted = [d.steps[-1] for d in made if d.mode == "act"]
+        if acted and sum(step > max(acted) for step, _ in series) <= cfg.cooldown:
+            return None
+        best = 0
+        for i, (_, metrics) in enumerate(series):
+            if self.sign * (metrics[self.metric] - series[best][1][self.metric]) > cfg.min_delta:
+                best = i
+        since = len(series) - 1 - best
+        if not may_act or since < 1:
+            return None
+        return f"feedback: {since} evaluation(s) since the best (step {series[best][0]}) without a better one"
 
     def _target(self, step: int, metrics: dict) -> Directive | None:
         value, stderr = metrics[self.metric], metrics.get(f"{self.metric}_stderr")

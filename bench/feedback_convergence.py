@@ -48,26 +48,41 @@ from pathlib import Path
 
 from common import ROOT, emit, prepared_run
 
-SCENARIOS = {
-    "healthy": {"train": {"max_steps": 400}},
-    "plateau": {},
-    "overfit": {"train": {"epochs": 60}, "data": {"synthetic": {"train_pairs": 400, "label_noise": 0.3}}},
-    "collapse": {"train": {"lr_jump_at": 300, "lr_jump_factor": 30}},
+SFT_MATH = ROOT / "configs" / "sft-math.yaml"
+SCENARIOS = {  # name: (kind, preset, settings over it)
+    "healthy": ("healthy", None, {"train": {"max_steps": 400}}),
+    "plateau": ("plateau", None, {}),
+    "overfit": (
+        "overfit",
+        None,
+        {"train": {"epochs": 60}, "data": {"synthetic": {"train_pairs": 400, "label_noise": 0.3}}},
+    ),
+    "collapse": ("collapse", None, {"train": {"lr_jump_at": 300, "lr_jump_factor": 30}}),
+    "sft-plateau": ("plateau", SFT_MATH, {"train": {"epochs": 3, "save": {"freq_steps": 25}}}),
 }
+"""The kind decides which targets apply; ``sft-*`` train the sft-math preset's causal LM (its
+metric: greedy accuracy of the generated answers)."""
 ACTING = {"stop": "act", "lr_scale": "act", "rollback": "act"}
 FEEDBACK = {"none": {}, "async": ACTING, "async-stop": {**ACTING, "max_lr_scales": 0}}
 """The feedback settings of the ways that run the flow (``none``: every rule in shadow mode)."""
 WAYS = ("none", "sync", "async", "async-stop")
 PATIENCE = 3
 """Evaluations without a better one before ``sync`` stops (EarlyStoppingCallback's patience)."""
-METRIC = "accuracy"
 
 
 def settings(scenario: str, seed: int) -> dict:
     from areal_eval.config.parsing import merge
 
-    base = {"train": {"seed": seed}, "data": {"synthetic": {"seed": seed}}, "tracking": {"sinks": ["mlflow"]}}
-    return merge(base, SCENARIOS[scenario])
+    _, preset, sections = SCENARIOS[scenario]
+    data = "math" if preset == SFT_MATH else "synthetic"
+    base = {"train": {"seed": seed}, "data": {data: {"seed": seed}}, "tracking": {"sinks": ["mlflow"]}}
+    return merge(base, sections)
+
+
+def metric_of(scenario: str) -> str:
+    from areal_eval.pipeline.config import load_pipeline_config
+
+    return load_pipeline_config(SCENARIOS[scenario][1]).scheduler.metric
 
 
 def start_prefect() -> None:
@@ -81,18 +96,18 @@ def start_prefect() -> None:
         client.hello()
 
 
-def run_flow(work: Path, name: str, sections: dict) -> Path:
+def run_flow(work: Path, name: str, sections: dict, preset: Path | None) -> Path:
     """The train-and-evaluate flow on this process's own Prefect API; the run's directory."""
     from areal_eval.config.parsing import merge
     from flows.train_and_evaluate import train_and_evaluate
 
     params = merge({"run_name": name, "work_dir": str(work)}, sections)
     params["tracking"]["tracking_uri"] = f"sqlite:///{work / 'mlflow.db'}"
-    train_and_evaluate(params=params)
+    train_and_evaluate(params=params, config_path=str(preset) if preset else None)
     return work / name
 
 
-def run_synchronous(work: Path, name: str, sections: dict) -> Path:
+def run_synchronous(work: Path, name: str, sections: dict, preset: Path | None, metric: str) -> Path:
     """Train with every published checkpoint evaluated while training waits, and early stopping."""
     import psutil
 
@@ -102,7 +117,7 @@ def run_synchronous(work: Path, name: str, sections: dict) -> Path:
     from areal_eval.launchers.local import TorchrunJob
     from areal_eval.runs.directory import StopSignal
 
-    cfg, run = prepared_run(name, work, **sections)
+    cfg, run = prepared_run(name, work, preset, **sections)
     job = TorchrunJob("areal_eval.train", ["--config", str(run.train_config)], cfg.train.nproc, run.logs / "train.log")
     best, worse, seen, final = None, 0, 0, False
     with WarmEvalWorkers(cfg.eval.nproc, run.evals) as workers:
@@ -123,7 +138,7 @@ def run_synchronous(work: Path, name: str, sections: dict) -> Path:
                     for rank in ranks:
                         with contextlib.suppress(psutil.NoSuchProcess):
                             rank.send_signal(signal.SIGCONT)
-                value = result.metrics[METRIC]
+                value = result.metrics[metric]
                 if best is None or value > best:
                     best, worse = value, 0
                 else:
@@ -151,20 +166,20 @@ def _signal_tree(process, sig) -> list:
     return sent
 
 
-def evaluated(run_dir: Path) -> dict[int, float]:
+def evaluated(run_dir: Path, metric: str) -> dict[int, float]:
     """Every evaluated checkpoint's metric, by step."""
     found = {}
     for path in sorted((run_dir / "evals").glob("global_step_????????.json")):
         metrics = json.loads(path.read_text()).get("metrics", {})
-        if METRIC in metrics:
-            found[int(path.stem.rsplit("_", 1)[1])] = metrics[METRIC]
+        if metric in metrics:
+            found[int(path.stem.rsplit("_", 1)[1])] = metrics[metric]
     return found
 
 
-def measured(run_dir: Path, way: str, wall_s: float) -> dict:
+def measured(run_dir: Path, way: str, wall_s: float, metric: str) -> dict:
     from areal_eval.runs.directives import directive_records
 
-    curve = evaluated(run_dir)
+    curve = evaluated(run_dir, metric)
     done = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()][-1]
     best_step = max(curve, key=lambda s: (curve[s], -s))
     final_step = max(curve)
@@ -174,8 +189,9 @@ def measured(run_dir: Path, way: str, wall_s: float) -> dict:
         "steps": done["step"],
         "train_cpu_s": done["cpu_s"],
         "wall_s": round(wall_s, 1),
-        "best": {"step": best_step, METRIC: curve[best_step]},
-        "end": {"step": ends_with, METRIC: curve[ends_with]},
+        "metric": metric,
+        "best": {"step": best_step, "value": curve[best_step]},
+        "end": {"step": ends_with, "value": curve[ends_with]},
         "steps_after_best": done["step"] - best_step,
         "evaluations": len(curve),
         "stopped": done.get("stopped"),
@@ -184,48 +200,48 @@ def measured(run_dir: Path, way: str, wall_s: float) -> dict:
     }
 
 
-def paired(run_a: Path, step_a: int, run_b: Path, step_b: int) -> dict:
+def paired(run_a: Path, step_a: int, run_b: Path, step_b: int, metric: str) -> dict:
     """``b - a`` on the validation items, with its paired standard error."""
     from areal_eval.evaluation.items import metric_scores, stored_items
     from areal_eval.paired import paired_difference
 
-    a, _ = metric_scores(stored_items(run_a / "evals", step_a), METRIC)
-    b, _ = metric_scores(stored_items(run_b / "evals", step_b), METRIC)
+    a, _ = metric_scores(stored_items(run_a / "evals", step_a), metric)
+    b, _ = metric_scores(stored_items(run_b / "evals", step_b), metric)
     d = paired_difference(a, b)
     return {"difference": round(d.difference, 4), "stderr": round(d.stderr, 4), "n": d.n}
 
 
 def compare(rows: dict[str, dict], dirs: dict[str, Path]) -> dict:
     """Each way against ``none``: compute saved, and quality paired on the same items."""
-    none = rows["none"]
+    none, metric = rows["none"], rows["none"]["metric"]
     out = {}
     for way in WAYS[1:]:
         row = rows[way]
         out[way] = {
             "compute_saved": round(1 - row["train_cpu_s"] / none["train_cpu_s"], 3),
             "steps_saved": round(1 - row["steps"] / none["steps"], 3),
-            "best_vs_none_best": paired(dirs["none"], none["best"]["step"], dirs[way], row["best"]["step"]),
-            "end_vs_none_best": paired(dirs["none"], none["best"]["step"], dirs[way], row["end"]["step"]),
-            "end_vs_none_end": paired(dirs["none"], none["end"]["step"], dirs[way], row["end"]["step"]),
+            "best_vs_none_best": paired(dirs["none"], none["best"]["step"], dirs[way], row["best"]["step"], metric),
+            "end_vs_none_best": paired(dirs["none"], none["best"]["step"], dirs[way], row["end"]["step"], metric),
+            "end_vs_none_end": paired(dirs["none"], none["end"]["step"], dirs[way], row["end"]["step"], metric),
             "wall_vs_sync": round(row["wall_s"] / rows["sync"]["wall_s"], 3),
         }
     return out
 
 
-def verdict(scenario: str, way: str, compared: dict, rows: dict) -> dict:
+def verdict(kind: str, way: str, compared: dict, rows: dict) -> dict:
     """The issue's targets, for an asynchronous ``way`` (2 paired standard errors decide "within"
     and "better")."""
     c = compared[way]
     within = abs(c["best_vs_none_best"]["difference"]) <= 2 * c["best_vs_none_best"]["stderr"]
     checks = {}
-    if scenario in ("plateau", "overfit"):
+    if kind in ("plateau", "overfit"):
         checks["compute_saved_20pct"] = c["compute_saved"] >= 0.2
         checks["best_within_error"] = within or c["best_vs_none_best"]["difference"] > 0
-    if scenario == "collapse":
+    if kind == "collapse":
         end_best, end_end = c["end_vs_none_best"], c["end_vs_none_end"]
         checks["ends_as_good_as_none_best"] = end_best["difference"] >= -2 * end_best["stderr"]
         checks["ends_better_than_none_end"] = end_end["difference"] > 2 * end_end["stderr"]
-    if scenario == "healthy":
+    if kind == "healthy":
         acted = [d for d in rows[way]["directives"] if d["mode"] == "act" and d["action"] in ("stop", "rollback")]
         checks["no_destructive_action"] = not acted
         checks["best_no_worse"] = within or c["best_vs_none_best"]["difference"] > 0
@@ -250,7 +266,7 @@ def plot(results: list[dict], out: Path) -> None:
         ax.set_title(f"{scenario} (seed {r['seed']})")
         ax.set_xlabel("global step")
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel(METRIC)
+        ax.set_ylabel(r["runs"]["none"]["metric"])
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
@@ -270,19 +286,20 @@ def main() -> None:
     with args.out.open("w") as out:
         for seed in args.seeds:  # every scenario once before the next seed
             for scenario in args.scenarios:
-                sections = settings(scenario, seed)
+                kind, preset, _ = SCENARIOS[scenario]
+                sections, metric = settings(scenario, seed), metric_of(scenario)
                 dirs, rows = {}, {}
                 for way in WAYS:
                     name = f"{scenario}-seed{seed}-{way}"
                     started = time.monotonic()
                     if way == "sync":
-                        dirs[way] = run_synchronous(work, name, sections)
+                        dirs[way] = run_synchronous(work, name, sections, preset, metric)
                     else:
-                        dirs[way] = run_flow(work, name, {**sections, "feedback": FEEDBACK[way]})
-                    rows[way] = measured(dirs[way], way, time.monotonic() - started)
+                        dirs[way] = run_flow(work, name, {**sections, "feedback": FEEDBACK[way]}, preset)
+                    rows[way] = measured(dirs[way], way, time.monotonic() - started, metric)
                 compared = compare(rows, dirs)
                 result = {"scenario": scenario, "seed": seed, "runs": rows, "compared": compared}
-                result["targets"] = {way: verdict(scenario, way, compared, rows) for way in WAYS[2:]}
+                result["targets"] = {way: verdict(kind, way, compared, rows) for way in WAYS[2:]}
                 out.write(json.dumps(result) + "\n")
                 out.flush()
                 results.append(result)

@@ -195,7 +195,8 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     The library's :class:`FollowLoop` with Prefect behind its effects. ``training`` None follows
     a run whose training is already over (or happens elsewhere).
     """
-    planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger), run_item_scores(run.evals))
+    feedback = cfg.feedback_judge(run_item_scores(run.evals))
+    planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger), run_item_scores(run.evals), feedback=feedback)
     loop_cfg = LoopConfig(
         poll_interval_s=cfg.poll_interval_s,
         slots=cfg.eval.slots,
@@ -216,7 +217,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
             loop_cfg,
             training,
             run_id=run.run_id,
-            feedback=cfg.feedback_judge(run_item_scores(run.evals)),
+            feedback=feedback,
         ).run()
         io.set_progress(1.0)
     return ledger

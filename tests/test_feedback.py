@@ -102,3 +102,23 @@ def test_drops_within_their_errors_are_no_regression():
 def test_bad_settings_are_refused_naming_the_field(field, value, named):
     with pytest.raises((FieldError, ValueError), match=named):
         FeedbackConfig(**{field: value})
+
+
+def test_an_acting_rule_asks_for_the_next_checkpoint_while_it_counts_and_shadow_asks_nothing():
+    # Rising: nothing to count. One result without a better one: a plateau or a regression may be
+    # under way, and an acting rule wants the next checkpoint judged. After its lr_scale, the
+    # cooldown's evaluations are not asked for; once it stopped, nothing is.
+    rising, flat = results([0.5, 0.6, 0.7]), results([0.5, 0.6, 0.7, 0.7])
+    acting = judge(stop="act", lr_scale="act", patience=3, max_lr_scales=1, cooldown=2)
+    assert acting.watching(rising) is None
+    assert acting.watching(flat) == "feedback: 1 evaluation(s) since the best (step 20) without a better one"
+    assert judge(patience=3).watching(flat) is None  # shadow mode changes nothing, the schedule included
+    scaled = results([0.5, 0.6, 0.7, 0.7, 0.7, 0.7])  # lr_scale@50
+    assert [d.id for d in acting.directives(scaled)] == ["lr_scale@50"]
+    assert acting.watching(scaled) is None and acting.watching(results([0.5, 0.6, 0.7] + [0.7] * 5)) is None
+    recovering = results([0.5, 0.6, 0.7, 0.7, 0.7, 0.7, 0.72, 0.73, 0.73])  # past the cooldown, one not better
+    assert acting.watching(recovering) == "feedback: 1 evaluation(s) since the best (step 70) without a better one"
+    stopped = results([0.5, 0.6, 0.7] + [0.7] * 9)
+    assert acting.directives(stopped)[-1].action == "stop" and acting.watching(stopped) is None
+    # Only lr_scale acting, its scales spent: nothing left to count for.
+    assert judge(lr_scale="act", max_lr_scales=1, cooldown=0).watching(results([0.5, 0.6, 0.7] + [0.7] * 5)) is None

@@ -17,6 +17,7 @@ from collections.abc import Collection
 from typing import Generic, TypeVar
 
 from areal_eval.checkpoints.manifest import CheckpointEvent
+from areal_eval.feedback import FeedbackJudge
 from areal_eval.paired import ItemScores, paired_stderrs
 from areal_eval.runs.ledger import FINAL_STATES, RETRIED, Ledger, LedgerEntry
 from areal_eval.scheduling.decision_history import DecisionHistory
@@ -88,9 +89,18 @@ class EvaluationPlanner:
     """Decisions, the queue and the ledger; thread-safe, so a :class:`DecisionThread` can offer
     checkpoints while the flow's loop takes work and records results."""
 
-    def __init__(self, cfg: SchedulerConfig, ledger: Ledger, items: ItemScores | None = None):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        ledger: Ledger,
+        items: ItemScores | None = None,
+        *,
+        feedback: FeedbackJudge | None = None,
+    ):
         """``items``: the run's per-item scores, so that probes, movement and regressions are
-        judged paired on them."""
+        judged paired on them; ``feedback``: the run's feedback rules, whose acting ones have a
+        checkpoint evaluated while they count (:meth:`FeedbackJudge.watching`)."""
+        self.feedback = feedback
         self._lock = threading.RLock()
         self.cfg = cfg
         self.ledger = ledger
@@ -147,11 +157,17 @@ class EvaluationPlanner:
         offered = self._decisions.offered_before(step)
         train = self._train_values(step)
         decision = decide(event, self._decisions.view(), self.cfg, offered, paired=self._paired, train=train)
+        if not decision.evaluate and self.feedback is not None and self.feedback.acting:
+            if why := self.feedback.watching(self._results()):
+                decision = Decision(True, why)
         if not decision.evaluate and self.probes:  # compared when it is done, with the full result before it
             decision = Decision(True, f"probe: {decision.reason}", probe=True)
         status = "scheduled" if decision.evaluate else "skipped"
         self._record(LedgerEntry(step, event.uri, status, decision.reason, probe="pending" if decision.probe else None))
         return decision
+
+    def _results(self) -> list[tuple[int, dict]]:
+        return [(e.step, e.metrics) for e in self.ledger.entries() if e.status == "evaluated"]
 
     def is_probe(self, step: int) -> bool:
         """``step`` is scheduled for a probe, not a full evaluation."""

@@ -70,7 +70,8 @@ class SharedRun:
     def _locked(self) -> Iterator[EvaluationPlanner]:
         """The run's planner, read fresh from the ledger, while this process holds the lock."""
         with file_lock(self.run.decisions_lock):
-            yield EvaluationPlanner(self.scheduler, Ledger(self.run.ledger), run_item_scores(self.run.evals))
+            items = run_item_scores(self.run.evals)
+            yield EvaluationPlanner(self.scheduler, Ledger(self.run.ledger), items, feedback=self._judge(items))
 
     def _state(self) -> dict:
         return read_state(self.run)
@@ -168,20 +169,17 @@ class SharedRun:
                 logged_by_evaluator=logged_by_evaluator,
                 deleted=deleted,
                 owner=owner,
-                feedback=self._judge(),
+                feedback=self._judge(run_item_scores(self.run.evals)),
             )
             if engine.notified != state.get("notified", {}):
                 self._save_state({**state, "notified": engine.notified})
         return outcome
 
-    def _judge(self) -> FeedbackJudge | None:
+    def _judge(self, items) -> FeedbackJudge | None:
         if self.feedback is None:
             return None
         return FeedbackJudge(
-            self.feedback,
-            metric=self.scheduler.metric,
-            higher_is_better=self.scheduler.higher_is_better,
-            items=run_item_scores(self.run.evals),
+            self.feedback, metric=self.scheduler.metric, higher_is_better=self.scheduler.higher_is_better, items=items
         )
 
     def delivered(self, step: int) -> None:

@@ -253,3 +253,27 @@ def test_the_training_metric_each_checkpoint_carries_reaches_the_scheduler(tmp_p
         if step == 50:
             assert not decision.evaluate and decision.reason.startswith("plateau")
     assert decision.evaluate and decision.reason.startswith("training moved: loss")
+
+
+def test_an_acting_feedback_rule_has_the_checkpoints_a_plateau_would_skip_evaluated_while_it_counts(tmp_path):
+    # A flat curve: the scheduler skips most of it; with the plateau rule acting, each checkpoint
+    # after the best is evaluated until the rule stops training, and in shadow mode none is.
+    from areal_eval.feedback import FeedbackConfig, FeedbackJudge
+
+    cfg = dataclasses.replace(CFG, max_interval_checkpoints=None)
+
+    def evaluated_steps(feedback: FeedbackConfig, name: str) -> list[int]:
+        judge = FeedbackJudge(feedback, metric="accuracy")
+        planner = EvaluationPlanner(cfg, Ledger(tmp_path / f"{name}.jsonl"), feedback=judge)
+        for step in range(0, 200, 10):
+            value = min(0.7, 0.5 + 0.1 * step / 10)
+            if planner.offer(ev(step)).evaluate:
+                planner.evaluated(planner.next(), {"accuracy": value, "accuracy_stderr": 0.01})
+        return [e.step for e in planner.ledger.entries() if e.status == "evaluated"]
+
+    acting = FeedbackConfig(stop="act", max_lr_scales=0, patience=3)
+    assert evaluated_steps(acting, "acting") == [0, 10, 20, 30, 40, 50]  # the best at 20, 3 more: stop@50
+    shadow = evaluated_steps(FeedbackConfig(max_lr_scales=0, patience=3), "shadow")
+    assert shadow[:3] == [0, 10, 20] and len([s for s in shadow if 20 < s <= 50]) < 3
+    ledger = Ledger(tmp_path / "acting.jsonl")
+    assert ledger.latest(40).reason == "feedback: 1 evaluation(s) since the best (step 20) without a better one"
