@@ -1,5 +1,5 @@
 """Evaluation steering training, measured: no feedback, the synchronous baseline, this project's
-asynchronous feedback, on the project's own reward-model runs.
+asynchronous feedback, on the project's own reward-model and causal-LM runs.
 
     .venv/bin/python bench/feedback_convergence.py [--seeds 1 2 3] [--scenarios healthy ...]
         [--out bench/results/feedback-convergence.jsonl] [--plot docs/images/feedback-convergence.png]
@@ -10,7 +10,10 @@ Scenarios (the demo's reward model, 2 DDP ranks, saving every 25 steps):
   learns through (400 steps);
 * ``plateau``: the demo as it is (3 epochs, 750 steps): flat from about step 350;
 * ``overfit``: 400 pairs, 30% flipped, 60 epochs (720 steps): the model learns the flipped labels;
-* ``collapse``: the demo with its learning rate raised 30x at step 300 (``--preset collapse``).
+* ``collapse``: the demo with its learning rate raised 30x at step 300 (``--preset collapse``);
+* ``sft-plateau``: the sft-math preset's causal LM (``--preset sft-math``, judged by the greedy
+  accuracy of its generated answers) trained 3 epochs (561 steps), saving every 25: at 1.0 from
+  about step 300.
 
 Ways, each a real run of the scenario with the same seed (same data, same validation items):
 
