@@ -10,7 +10,7 @@ from prefect import get_run_logger
 
 from areal_eval.alerts import Alert
 from areal_eval.checkpoints.manifest import CheckpointEvent
-from areal_eval.checkpoints.remote_run import push_requests, remote_store
+from areal_eval.checkpoints.remote_run import push_requests, push_results, remote_store
 from areal_eval.evaluation.jobs import EvalResult
 from areal_eval.feedback import Directive
 from areal_eval.lifecycle.outcome import decision_line
@@ -51,20 +51,23 @@ class FlowRunOutcomes:
     def deliver(self, event: CheckpointEvent, result: EvalResult, reason: str) -> None:
         log_evaluation(self.cfg, self.mlflow_run_id, result, reason, recorded_in=(self.run, event.run_id))
         self.shared.delivered(event.global_step)
+        self.tell_trainer()
 
     def send(self, alert: Alert) -> None:
         send_alert(alert, self.cfg, self.mlflow_run_id, self.run)
         if alert.stop_training:
-            self.ask_trainer()
+            self.tell_trainer()
 
     def say_directive(self, directive: Directive) -> None:
         announce_directive(self.shared.run_id or self.run.root.name, directive)
-        self.ask_trainer()
+        self.tell_trainer()
 
-    def ask_trainer(self) -> None:
-        """A run that lives on S3 (this is a local copy): what is asked of its trainer goes there."""
+    def tell_trainer(self) -> None:
+        """A run that lives on S3 (this is a local copy): what is asked of its trainer, and the
+        results, go there."""
         try:
             if (store := remote_store(self.run.root, self.cfg.storage.s3)) is not None:
                 push_requests(store, self.run.root)
+                push_results(store, self.run.root)
         except Exception as exc:  # noqa: BLE001 - the next request sends it with its own
             get_run_logger().warning("what was asked of training has not reached %s yet: %r", self.run.root, exc)

@@ -1,14 +1,15 @@
-"""A run on S3 seen from elsewhere: a flow's local copy of it, and what evaluation asks of its
-trainer, with the trainer's answers.
+"""A run on S3 seen from elsewhere: a flow's local copy of it, what evaluation asks of its
+trainer and tells it, and the trainer's answers.
 
 A trainer on another machine shares nothing with evaluation but the run's S3 prefix. A flow
 that evaluates from its local copy of such a run (the trigger, the service, the sweep: see
-:func:`localize_manifest`) sends its requests there, beside the manifest, as it makes them: the stop request and
-``directives.jsonl``. The trainer's rank 0 copies them into its own run directory from a thread
-of its own, every ``storage.s3.control_poll_s`` seconds, and its loop reads them there as it reads
-a local request (one ``stat`` a step: training never waits for S3). Its answers go the other
-way, at that pace and before each checkpoint is announced, so the flow that evaluates the
-checkpoint a stop ended training with knows what came of the stop.
+:func:`localize_manifest`) sends there, beside the manifest, its requests as it makes them (the
+stop request, ``directives.jsonl``) and its ledger with each result. The trainer's rank 0 copies
+them into its own run directory from a thread of its own, every ``storage.s3.control_poll_s``
+seconds, and its loop reads them there as it reads local ones (one ``stat`` a step: training
+never waits for S3; ``evaluation_results`` reads the ledger). Its answers go the other way, at
+that pace and before each checkpoint is announced, so the flow that evaluates the checkpoint a
+stop ended training with knows what came of the stop.
 
 Directives merge by id (:meth:`~areal_eval.runs.directives.Directives.issue`): a copy never loses
 a line another wrote, and one issued twice is one directive. Only the trainer writes answers.
@@ -29,7 +30,7 @@ from areal_eval.checkpoints.manifest import CheckpointError
 from areal_eval.checkpoints.store import S3Config, S3Store, is_s3
 from areal_eval.feedback import Directive
 from areal_eval.runs.directives import ANSWERS, DIRECTIVES, Directives
-from areal_eval.runs.directory import RunDir
+from areal_eval.runs.directory import RunDir, owned_by_live_process
 
 SHARED_RUN_FILES = ("ledger.jsonl", "evaluation_state.json", "pipeline_config.json")
 """What a flow that owned an S3 run mirrors beside its manifest when it ends, so a sweep on
@@ -101,6 +102,23 @@ def push_requests(store: S3Store, local_root: str | Path) -> None:
             store.write(relative, (local / relative).read_bytes())
 
 
+def push_results(store: S3Store, local_root: str | Path) -> None:
+    """Send this copy's ledger (what was evaluated, with the results) to S3."""
+    ledger = RunDir(local_root).ledger
+    if ledger.exists():
+        store.write(ledger.name, ledger.read_bytes())
+
+
+def pull_results(store: S3Store, local_root: str | Path) -> None:
+    """The ledger of the flow that evaluates the run elsewhere, unless a live flow here owns the
+    run directory (it writes the ledger itself)."""
+    run = RunDir(local_root)
+    if owned_by_live_process(run) or (body := store.read(run.ledger.name)) is None:
+        return
+    if not run.ledger.exists() or run.ledger.read_bytes() != body:
+        jsonl.write_atomic(run.ledger, body)
+
+
 def pull_answers(store: S3Store, local_root: str | Path) -> None:
     """The trainer's answers, as it last sent them."""
     if (body := store.read(ANSWERS)) is not None:
@@ -127,6 +145,7 @@ class TrainerControl:
             with self._lock:
                 self.send_answers()
                 pull_requests(self.store, self.root)
+                pull_results(self.store, self.root)
             if self._failing:
                 logger.info("evaluation's requests reach this trainer again through %s", self.store.root)
             self._failing = False

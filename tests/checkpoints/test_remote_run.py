@@ -1,5 +1,6 @@
-"""A run on S3 seen from elsewhere: what a flow on another machine asks of the trainer reaches the
-trainer's own directory through moto's S3 server, and the trainer's answers come back."""
+"""A run on S3 seen from elsewhere: what a flow on another machine asks of the trainer, and the
+results it has, reach the trainer's own directory through moto's S3 server, and the trainer's
+answers come back."""
 
 import time
 
@@ -8,11 +9,12 @@ import pytest
 
 from areal_eval.checkpoints import remote_run
 from areal_eval.checkpoints.publisher import publish_checkpoint
-from areal_eval.checkpoints.remote_run import REMOTE, localize_manifest, push_requests, remote_store
+from areal_eval.checkpoints.remote_run import REMOTE, localize_manifest, push_requests, push_results, remote_store
 from areal_eval.checkpoints.store import S3Config
 from areal_eval.feedback import Directive
-from areal_eval.runs.directives import Directives, Inbox, directive_records
+from areal_eval.runs.directives import Directives, Inbox, directive_records, evaluation_results
 from areal_eval.runs.directory import RunDir, StopSignal
+from areal_eval.runs.ledger import Ledger, LedgerEntry
 from tests.checkpoints.test_publisher import written_checkpoint
 
 
@@ -38,9 +40,13 @@ def test_a_flow_elsewhere_asks_the_trainer_through_s3_and_reads_its_answer(s3_se
         local = localize_manifest(f"s3://{s3_bucket}/ckpts/run-7/manifest.jsonl", s3, tmp_path / machine).parent
         return local, remote_store(local, s3)
 
-    # The evaluator's copy knows where the run lives; a stop from an alert and a directive go up.
+    # The evaluator's copy knows where the run lives; its result, a stop from an alert and a
+    # directive go up.
     local, store = copy("evaluator")
     assert (local / REMOTE).exists() and local.is_relative_to(tmp_path / "evaluator")
+    result = {"accuracy": 0.7, "accuracy_stderr": 0.02}
+    Ledger(RunDir(local).ledger).append(LedgerEntry(40, "s3://x", "evaluated", "first checkpoint", result))
+    push_results(store, local)
     lower = Directive("lr_scale@40", "lr_scale", (40,), "accuracy flat", {"rule": "plateau"}, "act", {"factor": 0.5})
     Directives(local).issue([lower])
     StopSignal(RunDir(local).stop_file).request("alert drop: accuracy fell")
@@ -58,6 +64,7 @@ def test_a_flow_elsewhere_asks_the_trainer_through_s3_and_reads_its_answer(s3_se
     [taken] = until(inbox.take, "the directive in the trainer's directory")
     assert taken == Directives(local).all()[0]
     assert until(lambda: StopSignal(RunDir(trainer).stop_file).requested(), "the stop") == "alert drop: accuracy fell"
+    assert until(lambda: evaluation_results(trainer), "the results in the trainer's directory") == [(40, result)]
     inbox.answer(taken, 43)
     # Its answer reaches the evaluator's next copy of the run: the record says what came of it.
     until(lambda: store.read("directive_answers.jsonl"), "the answer on S3")

@@ -106,7 +106,7 @@ def test_a_trainer_on_another_machine_is_stopped_through_s3_and_its_answer_is_on
     from areal_eval.checkpoints.manifest import Manifest
     from areal_eval.launchers.local import TorchrunJob
     from areal_eval.pipeline.setup import prepare_run
-    from areal_eval.runs.directives import Directives
+    from areal_eval.runs.directives import Directives, evaluation_results
     from flows.evaluate_checkpoint import evaluate_checkpoint
     from tests.conftest import tiny_config
 
@@ -143,6 +143,7 @@ def test_a_trainer_on_another_machine_is_stopped_through_s3_and_its_answer_is_on
     final = Manifest(trainer.manifest).events()[-1]
     assert stop.id == "stop@100" and answer.applied and final.final and final.global_step == answer.step < 100000
     assert final.train_metrics["stopped"].startswith("stop@100: accuracy ")
+    assert [step for step, _ in evaluation_results(trainer.root)] == [100]  # what the trainer's own code reads
     # The flow runs of the later checkpoints' events, the final one's last, read the answer from
     # S3: the run ends in MLflow with what came of the stop.
     for event in Manifest(trainer.manifest).events()[1:]:
