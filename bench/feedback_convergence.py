@@ -35,7 +35,10 @@ and the model each ends with). Writes a row a run to ``--out``; prints one JSON 
 
 On this 2-core machine the flow's evaluations share the cores with training (on a cluster they run
 on devices of their own), so ``async``'s wall time carries its evaluations' CPU; ``sync``'s does
-too, serially.
+too, serially. ``--pin`` gives each its own core instead, in every way alike: the training job's
+processes core 0, everything else (the evaluation workers, the flow, MLflow) core 1: the layout
+of a cluster where evaluation has devices of its own, on which ``sync``'s training waits while
+its evaluation core works and the other way round.
 """
 
 from __future__ import annotations
@@ -97,6 +100,32 @@ def start_prefect() -> None:
 
     with get_client(sync_client=True) as client:
         client.hello()
+
+
+class TrainingOnItsOwnCore:
+    """``--pin``: this process (and what it starts) on core 1, the training job on core 0: a
+    thread moves each process of a training job (``areal_eval.train``) as it appears."""
+
+    def __init__(self):
+        import threading
+
+        os.sched_setaffinity(0, {1})
+        self._done = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._done.wait(0.02):
+            for proc in psutil.process_iter(["cmdline"]):
+                with contextlib.suppress(psutil.Error):
+                    if "areal_eval.train" in (proc.info["cmdline"] or []) and proc.cpu_affinity() != [0]:
+                        for p in [proc, *proc.children(recursive=True)]:
+                            with contextlib.suppress(psutil.Error):
+                                p.cpu_affinity([0])
+
+    def close(self) -> None:
+        self._done.set()
 
 
 def run_flow(work: Path, name: str, sections: dict, preset: Path | None) -> Path:
@@ -281,7 +310,10 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "feedback-convergence.jsonl")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "feedback-convergence.png")
+    parser.add_argument("--pin", action="store_true", help="training on core 0, the rest on core 1")
     args = parser.parse_args()
+    if args.pin:
+        TrainingOnItsOwnCore()
     work = Path(tempfile.mkdtemp(prefix="bench-feedback-"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = []
