@@ -50,6 +50,7 @@ def test_publish_to_s3_uploads_verifies_and_mirrors_the_manifest(s3_server, s3_b
         store=f"s3://{s3_bucket}/ckpts",
         s3=S3Config(endpoint_url=s3_server.url),
         api_url=webhook.url,
+        final=True,  # (training is over: nothing polls S3 for evaluation's requests after this test)
     )
     assert event.uri == f"s3://{s3_bucket}/ckpts/run-7/step-40"
     keys = {
