@@ -9,7 +9,8 @@ same results give the same directives, with the same ids, on every path.
 - on a plateau: ``patience`` evaluations in a row, after the best, none of them better than the
   best by more than ``min_delta``, and the newest not above the result ``patience`` evaluations
   before it by more than ``min_delta`` on a paired test (``improve_stderrs``) where both kept
-  their items. A plateau scales the learning rate (``lr_scale``, ``factor``) up to
+  their items; not where the newest lies below the best by ``regression_stderrs`` (a drop is the
+  regression rule's). A plateau scales the learning rate (``lr_scale``, ``factor``) up to
   ``max_lr_scales`` times, ``cooldown`` evaluations apart; a plateau after that stops training.
 
 - ``rollback`` on a confirmed regression: the two newest results in a row below the best, each
@@ -169,7 +170,7 @@ class FeedbackJudge:
                     continue
             if cfg.patience is None or i - best_i < cfg.patience:
                 continue
-            plateau = self._plateau(series, i)
+            plateau = self._plateau(series, i, best_i)
             if plateau is None:
                 continue
             if scales < cfg.max_lr_scales and cfg.lr_scale != "off":
@@ -244,8 +245,14 @@ class FeedbackJudge:
         steps = (to_step, series[i - 1][0], step)
         return Directive(f"rollback@{step}", "rollback", steps, said, evidence, cfg.rollback, args)
 
-    def _plateau(self, series: list[tuple[int, dict]], i: int) -> dict | None:
-        """The evidence that the curve is flat at ``series[i]``, or None where it still climbs."""
+    def _plateau(self, series: list[tuple[int, dict]], i: int, best_i: int) -> dict | None:
+        """The evidence that the curve is flat at ``series[i]``, or None where it still climbs, or
+        where ``series[i]`` lies confirmed below the best (a drop, for the regression rule: a stop
+        there would end training on a damaged model)."""
+        drop, drop_stderr, _ = self._difference(series[best_i], series[i])
+        drop = -self.sign * drop
+        if drop_stderr is not None and drop - self.cfg.min_delta > self.cfg.regression_stderrs * drop_stderr:
+            return None
         start, now = series[i - self.cfg.patience], series[i]
         delta, stderr, n = self._difference(start, now)
         rise = self.sign * delta

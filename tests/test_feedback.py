@@ -122,3 +122,15 @@ def test_an_acting_rule_asks_for_the_next_checkpoint_while_it_counts_and_shadow_
     assert acting.directives(stopped)[-1].action == "stop" and acting.watching(stopped) is None
     # Only lr_scale acting, its scales spent: nothing left to count for.
     assert judge(lr_scale="act", max_lr_scales=1, cooldown=0).watching(results([0.5, 0.6, 0.7] + [0.7] * 5)) is None
+
+
+def test_a_sharp_drop_after_a_plateau_is_no_plateau_but_a_regression_to_roll_back():
+    # Flat long enough for a stop, then a result far below the best: stopping there would end
+    # training on the damaged model. It is the regression rule's: two in a row, a rollback.
+    flat = [0.5, 0.6, 0.7, 0.7, 0.7, 0.7]
+    acting = judge(stop="act", rollback="act", max_lr_scales=0, patience=4)
+    assert acting.directives(results(flat + [0.5])) == []
+    said = acting.directives(results(flat + [0.5, 0.45]))
+    assert [(d.id, d.args.get("to_step")) for d in said] == [("rollback@70", 20)]
+    # Within its errors of the best, the same result is part of the plateau.
+    assert [d.id for d in acting.directives(results(flat + [0.69]))] == ["stop@60"]
