@@ -221,8 +221,8 @@ def train(spec: TrainJobSpec) -> None:
         lineage = state.get("lineage", {})
 
     def roll_back(to_step: int) -> str | None:
-        """Weights, optimizer, schedule and data position of checkpoint ``to_step`` (rank 0 says
-        whether it is there, so every rank does the same); global steps go on counting."""
+        """Weights, optimizer, schedule and data position of checkpoint ``to_step`` (rank 0 finds
+        it, here or on the store, so every rank does the same); global steps go on counting."""
         nonlocal position, lineage
         where = None
         if rank == 0:

@@ -195,8 +195,9 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
     The library's :class:`FollowLoop` with Prefect behind its effects. ``training`` None follows
     a run whose training is already over (or happens elsewhere).
     """
-    feedback = cfg.feedback_judge(run_item_scores(run.evals))
-    planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger), run_item_scores(run.evals), feedback=feedback)
+    items = run_item_scores(run.evals)
+    feedback = cfg.feedback_judge(items)
+    planner = EvaluationPlanner(cfg.scheduler, Ledger(run.ledger), items, feedback=feedback)
     loop_cfg = LoopConfig(
         poll_interval_s=cfg.poll_interval_s,
         slots=cfg.eval.slots,
@@ -212,7 +213,7 @@ def follow_and_evaluate(cfg: PipelineConfig, run: RunDir, mlflow_run_id: str, tr
             planner,
             Manifest(run.manifest),
             run.train_log,
-            AlertEngine(cfg.alerts, items=run_item_scores(run.evals)),
+            AlertEngine(cfg.alerts, items=items),
             io,
             loop_cfg,
             training,
