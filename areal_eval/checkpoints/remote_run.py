@@ -135,17 +135,19 @@ class TrainerControl:
         self._done = threading.Event()
         self._failing = False
         threading.Thread(target=self._run, name="evaluation-requests", daemon=True).start()
-        atexit.register(self._at_exit)
+        atexit.register(self.sync, pull=False)  # answers made since the last send go before the process
 
-    def sync(self) -> None:
-        """Send answers not sent yet and take new requests; a fault of S3 is a warning, once."""
+    def sync(self, *, pull: bool = True) -> None:
+        """Send answers not sent yet and (``pull``) take new requests and results; a fault of S3 is
+        a warning, once."""
         if self._done.is_set():
             return
         try:
             with self._lock:
                 self.send_answers()
-                pull_requests(self.store, self.root)
-                pull_results(self.store, self.root)
+                if pull:
+                    pull_requests(self.store, self.root)
+                    pull_results(self.store, self.root)
             if self._failing:
                 logger.info("evaluation's requests reach this trainer again through %s", self.store.root)
             self._failing = False
@@ -161,16 +163,6 @@ class TrainerControl:
             if (stat.st_mtime, stat.st_size) != self._sent:
                 self.store.write(ANSWERS, path.read_bytes())
                 self._sent = (stat.st_mtime, stat.st_size)
-
-    def _at_exit(self) -> None:
-        """Answers made since the last send go before the process does."""
-        if self._done.is_set():
-            return
-        try:
-            with self._lock:
-                self.send_answers()
-        except Exception as exc:  # noqa: BLE001 - said, at exit
-            logger.warning("the trainer's last answers did not reach %s: %r", self.store.root, exc)
 
     def _run(self) -> None:
         while not self._done.wait(self.poll_s):
@@ -194,6 +186,6 @@ def follow_requests(store, local_root: str | Path, *, final: bool = False) -> No
     control = _followed.get(root)
     if control is None:
         control = _followed[root] = TrainerControl(store, root, store.control_poll_s)
-    control.sync()
+    control.sync(pull=False)  # the thread takes requests; the publish only waits for the answers
     if final:
         _followed.pop(root).close()
