@@ -59,6 +59,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def alive(process: psutil.Process) -> bool:
+    """Whether ``process`` still runs (a zombie does not); one that ends while being asked is not
+    alive (``is_running`` then ``status`` races its exit)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def live_processes(needle: str) -> list[int]:
     """PIDs of live (non-zombie) processes whose command line contains ``needle``."""
     pids = []

@@ -24,7 +24,7 @@ from areal_eval.runs.ledger import FINAL_STATES, Ledger
 from areal_eval.tracking import Tracker, TrackingConfig
 from tests import sink_points
 from tests.conftest import TINY
-from tests.helpers import sqlite_mlflow_uri, tmpfs, wait_for
+from tests.helpers import alive, sqlite_mlflow_uri, tmpfs, wait_for
 from tests.prefect_services import with_migrated_database
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,7 @@ def test_kill_9_leaves_nothing_running_and_the_same_command_resumes(tmp_path):
         flow.wait(10)
 
         def all_gone():
-            return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            return not [p for p in family if alive(p)]
 
         wait_for(all_gone, 60, "training, workers and the temporary server to end")
         first_id = run.run_id
@@ -212,9 +212,7 @@ def test_ctrl_c_or_sigterm_stops_everything_in_one_line_and_ends_mlflow_killed(t
         assert settings["api_url"] == f"{ui}/api"
         os.killpg(flow.pid, sig)
         assert flow.wait(120) == 128 + sig
-        wait_for(
-            lambda: not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 30, "all gone"
-        )
+        wait_for(lambda: not [p for p in family if alive(p)], 30, "all gone")
     finally:
         if flow.poll() is None:
             os.killpg(flow.pid, signal.SIGKILL)

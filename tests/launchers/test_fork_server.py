@@ -11,7 +11,7 @@ import pytest
 
 from areal_eval.launchers import fork_server
 from areal_eval.launchers.local import TorchrunJob, group_alive
-from tests.helpers import live_processes, wait_for
+from tests.helpers import alive, live_processes, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +89,7 @@ def test_a_killed_job_takes_its_ranks_and_kill_9_of_the_owner_leaves_nothing(tmp
     assert str(tmp_path) in " ".join(psutil.Process(job.pid).cmdline())
     job.kill()
     assert job.poll() is not None and not group_alive(job.pid)
-    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in ranks if alive(p)]
 
     # An owner that starts a job and is then killed outright: its server, the job's agent and
     # ranks all end.
@@ -110,7 +110,7 @@ def test_a_killed_job_takes_its_ranks_and_kill_9_of_the_owner_leaves_nothing(tmp
     owner.wait(10)
 
     def gone():
-        return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return not [p for p in family if alive(p)]
 
     wait_for(gone, 60, "the server, agent and ranks of a killed owner to end")
 

@@ -5,7 +5,7 @@ import psutil
 import pytest
 
 from areal_eval.launchers.process_control import lower_priority
-from tests.helpers import wait_for
+from tests.helpers import alive, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -40,4 +40,4 @@ def test_a_process_dies_with_its_parent_and_carries_its_name():
     wait_for(lambda: process.name() == "eval-test-child", 60, "the child to name itself")
     outer.kill()
     outer.wait(10)
-    wait_for(lambda: not process.is_running() or process.status() == psutil.STATUS_ZOMBIE, 30, "the child to die")
+    wait_for(lambda: not alive(process), 30, "the child to die")
