@@ -11,7 +11,8 @@ same results give the same directives, with the same ids, on every path.
   before it by more than ``min_delta`` on a paired test (``improve_stderrs``) where both kept
   their items; not where the newest lies below the best by ``regression_stderrs`` (a drop is the
   regression rule's). A plateau scales the learning rate (``lr_scale``, ``factor``) up to
-  ``max_lr_scales`` times, ``cooldown`` evaluations apart; a plateau after that stops training.
+  ``max_lr_scales`` times, ``cooldown`` evaluations apart; a plateau after that stops training
+  (an acting ``stop`` beside a shadow or off ``lr_scale`` stops at the first plateau).
 
 - ``rollback`` on a confirmed regression: the two newest results in a row below the best, each
   by more than ``min_delta`` plus ``regression_stderrs`` (paired) standard errors. Training goes
@@ -38,7 +39,8 @@ Mode = Literal["off", "shadow", "act"]
 class FeedbackConfig:
     stop: Mode = "shadow"
     """A stop on a target reached, or on a plateau once the learning rate was scaled
-    ``max_lr_scales`` times: ``off``, ``shadow`` (only recorded) or ``act`` (training stops)."""
+    ``max_lr_scales`` times (at the first plateau where ``lr_scale`` does not act): ``off``,
+    ``shadow`` (only recorded) or ``act`` (training stops)."""
     lr_scale: Mode = "shadow"
     """A lower learning rate on a plateau: ``off``, ``shadow`` or ``act``."""
     rollback: Mode = "shadow"
@@ -173,7 +175,9 @@ class FeedbackJudge:
             plateau = self._plateau(series, i, best_i)
             if plateau is None:
                 continue
-            if scales < cfg.max_lr_scales and cfg.lr_scale != "off":
+            # A stop that acts beside a shadow ``lr_scale`` waits for no cut that is never made.
+            cuts = cfg.lr_scale == "act" or (cfg.lr_scale == "shadow" and cfg.stop != "act")
+            if scales < cfg.max_lr_scales and cuts:
                 scales += 1
                 out.append(self._directive("lr_scale", series, i, plateau, {"factor": cfg.factor}, cfg.lr_scale))
                 since_action = 0

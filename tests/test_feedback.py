@@ -28,6 +28,16 @@ def test_a_plateau_scales_the_learning_rate_then_stops_and_each_directive_says_w
     assert first.evidence["rule"] == "plateau" and first.evidence["n_items"] is None
     acted = judge(patience=3, lr_scale="act", stop="off").directives(flat)
     assert [(d.id, d.mode) for d in acted] == [("lr_scale@50", "act"), ("lr_scale@80", "act")]
+    both = judge(patience=3, lr_scale="act", stop="act", max_lr_scales=1).directives(flat)
+    assert [(d.id, d.mode) for d in both] == [("lr_scale@50", "act"), ("stop@80", "act")]
+
+
+def test_a_stop_that_acts_beside_a_shadow_learning_rate_rule_stops_at_the_first_plateau():
+    # No cut was made, so none is waited for; the shadow record of the defaults is unchanged.
+    flat = results([0.5, 0.6, 0.7] + [0.7] * 11)
+    assert [(d.id, d.mode) for d in judge(patience=3, stop="act").directives(flat)] == [("stop@50", "act")]
+    assert [d.id for d in judge(patience=3, stop="act", lr_scale="off").directives(flat)] == ["stop@50"]
+    assert [d.id for d in judge(patience=3, lr_scale="shadow").directives(flat)][-1] == "stop@110"
 
 
 def test_the_same_results_in_any_order_give_the_same_directives():
