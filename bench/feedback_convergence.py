@@ -304,6 +304,8 @@ def verdict(kind: str, way: str, compared: dict, rows: dict) -> dict:
 
 
 def plot(results: list[dict], out: Path) -> None:
+    """Each scenario's first seed: the metric against global step, and against the seconds until
+    each result was known (rows that have them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,15 +314,26 @@ def plot(results: list[dict], out: Path) -> None:
     firsts = {}
     for r in results:
         firsts.setdefault(r["scenario"], r)
-    fig, axes = plt.subplots(1, len(firsts), figsize=(4 * len(firsts), 3.4), dpi=110, squeeze=False)
-    for ax, (scenario, r) in zip(axes[0], firsts.items(), strict=True):
+    timed = all("known_at_s" in r["runs"]["none"] for r in firsts.values())
+    fig, axes = plt.subplots(
+        1 + timed, len(firsts), figsize=(4 * len(firsts), 3.4 * (1 + timed)), dpi=110, squeeze=False
+    )
+    for col, (scenario, r) in enumerate(firsts.items()):
         for way, style in (("none", "k-"), ("sync", "C1--"), ("async", "C0-"), ("async-stop", "C2:")):
-            steps, values = zip(*r["runs"][way]["curve"], strict=True)
-            ax.plot(steps, values, style, marker=".", label=f"{way} ({r['runs'][way]['steps']} steps)")
-        ax.set_title(f"{scenario} (seed {r['seed']})")
-        ax.set_xlabel("global step")
-        ax.legend(fontsize=7)
-        ax.set_ylabel(r["runs"]["none"]["metric"])
+            run = r["runs"][way]
+            steps, values = zip(*run["curve"], strict=True)
+            axes[0][col].plot(steps, values, style, marker=".", label=f"{way} ({run['steps']} steps)")
+            if timed:
+                known = dict(run["known_at_s"])
+                axes[1][col].plot([known[s] for s in steps], values, style, marker=".", label=way)
+        axes[0][col].set_title(f"{scenario} (seed {r['seed']})")
+        axes[0][col].set_xlabel("global step")
+        for row in axes[:, col]:
+            row.legend(fontsize=7)
+            row.set_ylabel(r["runs"]["none"]["metric"])
+        if timed:
+            axes[1][col].axhline(r["runs"]["sync"]["end"]["value"], color="C1", lw=0.6)
+            axes[1][col].set_xlabel("seconds until the result was known")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
@@ -333,7 +346,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "feedback-convergence.jsonl")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "feedback-convergence.png")
     parser.add_argument("--pin", action="store_true", help="training on core 0, the rest on core 1")
+    parser.add_argument("--replot", action="store_true", help="only plot the rows already in --out")
     args = parser.parse_args()
+    if args.replot:
+        plot([json.loads(line) for line in args.out.read_text().splitlines()], args.plot)
+        return
     if args.pin:
         TrainingOnItsOwnCore()
     work = Path(tempfile.mkdtemp(prefix="bench-feedback-"))
