@@ -3,6 +3,7 @@ asynchronous feedback, on the project's own reward-model and causal-LM runs.
 
     .venv/bin/python bench/feedback_convergence.py [--seeds 1 2 3] [--scenarios healthy ...]
         [--out bench/results/feedback-convergence.jsonl] [--plot docs/images/feedback-convergence.png]
+        [--pin] [--rejudge WORK]
 
 Scenarios (the demo's reward model, 2 DDP ranks, saving every 25 steps):
 
@@ -240,11 +241,16 @@ def measured(run_dir: Path, way: str, started: float, metric: str) -> dict:
     }
 
 
-def seconds_to(row: dict, quality: float) -> float | None:
-    """Seconds from the run's start until a result of at least ``quality`` was known; None if never."""
+def seconds_to_match(run_dir: Path, row: dict, ref: tuple[Path, int]) -> float | None:
+    """Seconds from the run's start until it knew a result as good as the checkpoint ``ref`` (run
+    directory, step): not below it by 2 paired standard errors. None if never."""
     known = dict(row["known_at_s"])
-    reached = [known[step] for step, value in row["curve"] if value >= quality]
-    return min(reached, default=None)
+    matched = [known[step] for step, _ in row["curve"] if as_good(paired(*ref, run_dir, step, row["metric"]))]
+    return min(matched, default=None)
+
+
+def as_good(d: dict) -> bool:
+    return d["difference"] >= -2 * d["stderr"]
 
 
 def paired(run_a: Path, step_a: int, run_b: Path, step_b: int, metric: str) -> dict:
@@ -266,7 +272,8 @@ def compare(rows: dict[str, dict], dirs: dict[str, Path]) -> dict:
     """Each way against ``none``: compute saved, and quality paired on the same items; and the wall
     time until it had a result as good as the model ``sync`` ends with, against ``sync``'s."""
     none, metric = rows["none"], rows["none"]["metric"]
-    quality = rows["sync"]["end"]["value"]
+    ref = (dirs["sync"], rows["sync"]["end"]["step"])
+    sync_s = seconds_to_match(dirs["sync"], rows["sync"], ref)
     out = {}
     for way in WAYS[1:]:
         row = rows[way]
@@ -277,7 +284,8 @@ def compare(rows: dict[str, dict], dirs: dict[str, Path]) -> dict:
             "end_vs_none_best": paired(dirs["none"], none["best"]["step"], dirs[way], row["end"]["step"], metric),
             "end_vs_none_end": paired(dirs["none"], none["end"]["step"], dirs[way], row["end"]["step"], metric),
             "wall_vs_sync": round(row["wall_s"] / rows["sync"]["wall_s"], 3),
-            "to_sync_quality_vs_sync": _ratio(seconds_to(row, quality), seconds_to(rows["sync"], quality)),
+            "to_sync_quality_s": (to := seconds_to_match(dirs[way], row, ref)),
+            "to_sync_quality_vs_sync": _ratio(to, sync_s),
         }
     return out
 
@@ -286,19 +294,17 @@ def verdict(kind: str, way: str, compared: dict, rows: dict) -> dict:
     """The issue's targets, for an asynchronous ``way`` (2 paired standard errors decide "within"
     and "better")."""
     c = compared[way]
-    within = abs(c["best_vs_none_best"]["difference"]) <= 2 * c["best_vs_none_best"]["stderr"]
     checks = {}
     if kind in ("plateau", "overfit"):
         checks["compute_saved_20pct"] = c["compute_saved"] >= 0.2
-        checks["best_within_error"] = within or c["best_vs_none_best"]["difference"] > 0
+        checks["best_within_error"] = as_good(c["best_vs_none_best"])
     if kind == "collapse":
-        end_best, end_end = c["end_vs_none_best"], c["end_vs_none_end"]
-        checks["ends_as_good_as_none_best"] = end_best["difference"] >= -2 * end_best["stderr"]
-        checks["ends_better_than_none_end"] = end_end["difference"] > 2 * end_end["stderr"]
+        checks["ends_as_good_as_none_best"] = as_good(c["end_vs_none_best"])
+        checks["ends_better_than_none_end"] = c["end_vs_none_end"]["difference"] > 2 * c["end_vs_none_end"]["stderr"]
     if kind == "healthy":
         acted = [d for d in rows[way]["directives"] if d["mode"] == "act" and d["action"] in ("stop", "rollback")]
         checks["no_destructive_action"] = not acted
-        checks["best_no_worse"] = within or c["best_vs_none_best"]["difference"] > 0
+        checks["best_no_worse"] = as_good(c["best_vs_none_best"])
     checks["less_wall_than_sync"] = c["to_sync_quality_vs_sync"] is not None and c["to_sync_quality_vs_sync"] < 1
     return checks
 
@@ -346,11 +352,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "feedback-convergence.jsonl")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "feedback-convergence.png")
     parser.add_argument("--pin", action="store_true", help="training on core 0, the rest on core 1")
-    parser.add_argument("--replot", action="store_true", help="only plot the rows already in --out")
+    parser.add_argument(
+        "--rejudge", type=Path, metavar="WORK", help="judge the rows in --out again from their runs in WORK"
+    )
     args = parser.parse_args()
-    if args.replot:
-        plot([json.loads(line) for line in args.out.read_text().splitlines()], args.plot)
-        return
+    if args.rejudge:
+        results = [judged(json.loads(line), args.rejudge) for line in args.out.read_text().splitlines()]
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in results))
+        return summarize(results, args)
     if args.pin:
         TrainingOnItsOwnCore()
     work = Path(tempfile.mkdtemp(prefix="bench-feedback-"))
@@ -360,32 +369,46 @@ def main() -> None:
     with args.out.open("w") as out:
         for seed in args.seeds:  # every scenario once before the next seed
             for scenario in args.scenarios:
-                kind, preset, _ = SCENARIOS[scenario]
+                _, preset, _ = SCENARIOS[scenario]
                 sections, metric = settings(scenario, seed), metric_of(scenario)
-                dirs, rows = {}, {}
+                rows = {}
                 for way in WAYS:
-                    name = f"{scenario}-seed{seed}-{way}"
-                    started = time.time()
+                    name, started = f"{scenario}-seed{seed}-{way}", time.time()
                     if way == "sync":
-                        dirs[way] = run_synchronous(work, name, sections, preset, metric)
+                        run_dir = run_synchronous(work, name, sections, preset, metric)
                     else:
-                        dirs[way] = run_flow(work, name, {**sections, "feedback": FEEDBACK[way]}, preset)
-                    rows[way] = measured(dirs[way], way, started, metric)
-                compared = compare(rows, dirs)
-                result = {"scenario": scenario, "seed": seed, "runs": rows, "compared": compared}
-                result["targets"] = {way: verdict(kind, way, compared, rows) for way in WAYS[2:]}
+                        run_dir = run_flow(work, name, {**sections, "feedback": FEEDBACK[way]}, preset)
+                    rows[way] = measured(run_dir, way, started, metric)
+                result = judged({"scenario": scenario, "seed": seed, "runs": rows}, work)
                 out.write(json.dumps(result) + "\n")
                 out.flush()
                 results.append(result)
                 print(json.dumps({k: result[k] for k in ("scenario", "seed", "compared", "targets")}), flush=True)
+    summarize(results, args)
+
+
+def judged(result: dict, work: Path) -> dict:
+    """A scenario's row with its ways compared and the targets judged (its runs are in ``work``)."""
+    dirs = {way: work / f"{result['scenario']}-seed{result['seed']}-{way}" for way in WAYS}
+    compared = compare(result["runs"], dirs)
+    kind = SCENARIOS[result["scenario"]][0]
+    return {
+        **result,
+        "compared": compared,
+        "targets": {way: verdict(kind, way, compared, result["runs"]) for way in WAYS[2:]},
+    }
+
+
+def summarize(results: list[dict], args) -> None:
     plot(results, args.plot)
+    scenarios = list(dict.fromkeys(r["scenario"] for r in results))
     emit(
         {
             "benchmark": "feedback_convergence",
             "runs": len(results),
             "out": str(args.out),
-            "targets_met": {s: targets_met([r for r in results if r["scenario"] == s]) for s in args.scenarios},
-            "of": {s: sum(r["scenario"] == s for r in results) for s in args.scenarios},
+            "targets_met": {s: targets_met([r for r in results if r["scenario"] == s]) for s in scenarios},
+            "of": {s: sum(r["scenario"] == s for r in results) for s in scenarios},
         }
     )
 
