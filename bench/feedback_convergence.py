@@ -27,7 +27,9 @@ Ways, each a real run of the scenario with the same seed (same data, same valida
   beat the best; its model at the end is its best checkpoint;
 * ``async``: the flow with ``feedback.stop``, ``lr_scale`` and ``rollback`` acting, the rules'
   defaults otherwise (a stop only once the learning rate was lowered twice);
-* ``async-stop``: the same with ``feedback.max_lr_scales: 0``: a stop at the first confirmed plateau.
+* ``async-stop``: the same with ``feedback.max_lr_scales: 0``: a stop at the first confirmed plateau;
+* ``async-every``: ``async`` with every checkpoint evaluated (``scheduler.policy: fixed``), as
+  ``sync`` evaluates them: the same evaluations, but training never waits for them.
 
 For each run: training steps and the ranks' CPU seconds (the trainer's own count), wall seconds,
 the best and the final evaluated checkpoint, steps trained after the best, and the directives.
@@ -74,9 +76,14 @@ SCENARIOS = {  # name: (kind, preset, settings over it)
 """The kind decides which targets apply; ``sft-*`` train the sft-math preset's causal LM (its
 metric: greedy accuracy of the generated answers)."""
 ACTING = {"stop": "act", "lr_scale": "act", "rollback": "act"}
-FEEDBACK = {"none": {}, "async": ACTING, "async-stop": {**ACTING, "max_lr_scales": 0}}
-"""The feedback settings of the ways that run the flow (``none``: every rule in shadow mode)."""
-WAYS = ("none", "sync", "async", "async-stop")
+FLOW_SETTINGS = {
+    "none": {},
+    "async": {"feedback": ACTING},
+    "async-stop": {"feedback": {**ACTING, "max_lr_scales": 0}},
+    "async-every": {"feedback": ACTING, "scheduler": {"policy": "fixed", "fixed_interval_steps": 1}},
+}
+"""The settings of the ways that run the flow (``none``: every feedback rule in shadow mode)."""
+WAYS = ("none", "sync", "async", "async-stop", "async-every")
 PATIENCE = 3
 """Evaluations without a better one before ``sync`` stops (EarlyStoppingCallback's patience)."""
 
@@ -325,7 +332,7 @@ def plot(results: list[dict], out: Path) -> None:
         1 + timed, len(firsts), figsize=(4 * len(firsts), 3.4 * (1 + timed)), dpi=110, squeeze=False
     )
     for col, (scenario, r) in enumerate(firsts.items()):
-        for way, style in (("none", "k-"), ("sync", "C1--"), ("async", "C0-"), ("async-stop", "C2:")):
+        for way, style in zip(WAYS, ("k-", "C1--", "C0-", "C2:", "C3-."), strict=True):
             run = r["runs"][way]
             steps, values = zip(*run["curve"], strict=True)
             axes[0][col].plot(steps, values, style, marker=".", label=f"{way} ({run['steps']} steps)")
@@ -346,6 +353,8 @@ def plot(results: list[dict], out: Path) -> None:
 
 
 def main() -> None:
+    from areal_eval.config.parsing import merge
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
@@ -377,7 +386,7 @@ def main() -> None:
                     if way == "sync":
                         run_dir = run_synchronous(work, name, sections, preset, metric)
                     else:
-                        run_dir = run_flow(work, name, {**sections, "feedback": FEEDBACK[way]}, preset)
+                        run_dir = run_flow(work, name, merge(sections, FLOW_SETTINGS[way]), preset)
                     rows[way] = measured(run_dir, way, started, metric)
                 result = judged({"scenario": scenario, "seed": seed, "runs": rows}, work)
                 out.write(json.dumps(result) + "\n")
