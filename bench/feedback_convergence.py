@@ -337,8 +337,9 @@ def plot(results: list[dict], out: Path) -> None:
             steps, values = zip(*run["curve"], strict=True)
             axes[0][col].plot(steps, values, style, marker=".", label=f"{way} ({run['steps']} steps)")
             if timed:
-                known = dict(run["known_at_s"])
-                axes[1][col].plot([known[s] for s in steps], values, style, marker=".", label=way)
+                known = dict(run["known_at_s"])  # in the order they were known (a look-back comes late)
+                seconds, by_time = zip(*sorted((known[s], v) for s, v in run["curve"]), strict=True)
+                axes[1][col].plot(seconds, by_time, style, marker=".", label=way)
         axes[0][col].set_title(f"{scenario} (seed {r['seed']})")
         axes[0][col].set_xlabel("global step")
         for row in axes[:, col]:
