@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, emit, prepared_run
+from convergence_plot import plot
 
 SFT_MATH = ROOT / "configs" / "sft-math.yaml"
 SCENARIOS = {  # name: (kind, preset, settings over it)
@@ -316,43 +317,6 @@ def verdict(kind: str, way: str, compared: dict, rows: dict) -> dict:
     return checks
 
 
-def plot(results: list[dict], out: Path) -> None:
-    """Each scenario's first seed: the metric against global step, and against the seconds until
-    each result was known (rows that have them)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    firsts = {}
-    for r in results:
-        firsts.setdefault(r["scenario"], r)
-    timed = all("known_at_s" in r["runs"]["none"] for r in firsts.values())
-    fig, axes = plt.subplots(
-        1 + timed, len(firsts), figsize=(4 * len(firsts), 3.4 * (1 + timed)), dpi=110, squeeze=False
-    )
-    for col, (scenario, r) in enumerate(firsts.items()):
-        for way, style in zip(WAYS, ("k-", "C1--", "C0-", "C2:", "C3-."), strict=True):
-            run = r["runs"][way]
-            steps, values = zip(*run["curve"], strict=True)
-            axes[0][col].plot(steps, values, style, marker=".", label=f"{way} ({run['steps']} steps)")
-            if timed:
-                known = dict(run["known_at_s"])  # in the order they were known (a look-back comes late)
-                seconds, by_time = zip(*sorted((known[s], v) for s, v in run["curve"]), strict=True)
-                axes[1][col].plot(seconds, by_time, style, marker=".", label=way)
-        axes[0][col].set_title(f"{scenario} (seed {r['seed']})")
-        axes[0][col].set_xlabel("global step")
-        for row in axes[:, col]:
-            row.legend(fontsize=7)
-            row.set_ylabel(r["runs"]["none"]["metric"])
-        if timed:
-            axes[1][col].axhline(r["runs"]["sync"]["end"]["value"], color="C1", lw=0.6)
-            axes[1][col].set_xlabel("seconds until the result was known")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-
-
 def main() -> None:
     from areal_eval.config.parsing import merge
 
@@ -410,7 +374,7 @@ def judged(result: dict, work: Path) -> dict:
 
 
 def summarize(results: list[dict], args) -> None:
-    plot(results, args.plot)
+    plot(results, args.plot, WAYS)
     scenarios = list(dict.fromkeys(r["scenario"] for r in results))
     emit(
         {

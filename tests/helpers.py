@@ -63,7 +63,7 @@ def alive(process: psutil.Process) -> bool:
     """Whether ``process`` still runs (a zombie does not); one that ends while being asked is not
     alive (``is_running`` then ``status`` races its exit)."""
     try:
-        return process.status() != psutil.STATUS_ZOMBIE
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
