@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import ClassVar, Literal
 
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, FieldError, Ranges, check_ranges
-from areal_eval.paired import ItemScores, NoCommonItems, paired_difference
+from areal_eval.paired import ItemScores, NoCommonItems, mean_scores, paired_difference
 
 
 @dataclasses.dataclass
@@ -335,14 +335,7 @@ class AlertEngine:
         bases = [self._item_scores(s, rule.metric) for s in steps]
         if current is None or not bases or any(b is None for b in bases):
             return None
-        scores = [b[0] for b in bases]
-        if all(s.keys() >= current[0].keys() for s in scores):
-            common = list(current[0])
-        else:
-            common = [k for k in current[0] if all(k in s for s in scores)]
-        # Each common item's scores at the baseline steps, then their mean.
-        columns = zip(*([s[k] for k in common] for s in scores), strict=True)
-        baseline = dict(zip(common, (total / len(scores) for total in map(sum, columns)), strict=True))
+        baseline = mean_scores([b[0] for b in bases])
         try:
             paired = paired_difference(baseline, current[0], current[1])
         except NoCommonItems:

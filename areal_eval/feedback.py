@@ -14,10 +14,13 @@ same results give the same directives, with the same ids, on every path.
   ``max_lr_scales`` times, ``cooldown`` evaluations apart; a plateau after that stops training
   (an acting ``stop`` beside a shadow or off ``lr_scale`` stops at the first plateau).
 
-- ``rollback`` on a confirmed regression: the two newest results in a row below the best, each
-  by more than ``min_delta`` plus ``regression_stderrs`` (paired) standard errors. Training goes
-  back to the best checkpoint's weights, optimizer, schedule and data position, its learning rate
-  times ``factor``; up to ``max_rollbacks`` times, ``cooldown`` evaluations apart.
+- ``rollback`` on a confirmed regression: the two newest results in a row below the best level
+  the run held (the best mean of ``level_results`` results in a row before them), each by more
+  than ``min_delta`` plus ``regression_stderrs`` (paired) standard errors. The best single result
+  of many sits above the true level by its noise, more so the more results there are: a level
+  held over several does not. Training goes back to the best checkpoint's weights, optimizer,
+  schedule and data position, its learning rate times ``factor``; up to ``max_rollbacks`` times,
+  ``cooldown`` evaluations apart.
 
 Each action is ``off``, ``shadow`` (recorded with what it would have done, never applied; the
 default) or ``act``.
@@ -30,7 +33,7 @@ import math
 from typing import ClassVar, Literal
 
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
-from areal_eval.paired import ItemScores, NoCommonItems, paired_difference
+from areal_eval.paired import ItemScores, NoCommonItems, mean_scores, paired_difference
 
 Mode = Literal["off", "shadow", "act"]
 
@@ -47,8 +50,13 @@ class FeedbackConfig:
     """Back to the best checkpoint on a confirmed regression, the learning rate times ``factor``:
     ``off``, ``shadow`` or ``act``."""
     regression_stderrs: float = 2.0
-    """A regression: each of the two newest results lies below the best by more than ``min_delta``
-    plus this many (paired) standard errors."""
+    """A regression: each of the two newest results lies below the best level by more than
+    ``min_delta`` plus this many (paired) standard errors."""
+    level_results: int = 2
+    """The best level a regression is measured from: the best mean of this many results in a row
+    before the two newest (paired on their items' means). The best single result (1) is the high
+    point of the noise too, and the more often a run is evaluated, the higher: two results in a
+    row below it are then often noise. A level held as long as the drop confirming it is not."""
     max_rollbacks: int = 1
     """Rollbacks in one run; a regression after that is only recorded."""
     metric: str | None = None
@@ -85,6 +93,7 @@ class FeedbackConfig:
         "factor": POSITIVE,
         "max_lr_scales": NON_NEGATIVE,
         "regression_stderrs": NON_NEGATIVE,
+        "level_results": AT_LEAST_1,
         "max_rollbacks": NON_NEGATIVE,
         "cooldown": NON_NEGATIVE,
         "min_step": NON_NEGATIVE,
@@ -230,21 +239,24 @@ class FeedbackJudge:
         return Directive(f"stop@{step}", "stop", (step,), said, evidence, self.cfg.stop)
 
     def _regression(self, series: list[tuple[int, dict]], best_i: int, i: int) -> Directive | None:
-        """A rollback to ``series[best_i]`` where the two newest results lie confirmed below it."""
-        best, cfg, drops = series[best_i], self.cfg, []
+        """A rollback to ``series[best_i]`` where the two newest results lie confirmed below the
+        best level before them."""
+        cfg, drops = self.cfg, []
+        level = self._level(series[: i - 1])
         for j in (i - 1, i):
-            delta, stderr, n = self._difference(best, series[j])
+            delta, stderr, n = self._difference(level, series[j])
             drop = -self.sign * delta
             if drop - cfg.min_delta <= cfg.regression_stderrs * (stderr or 0.0) or drop <= cfg.min_delta:
                 return None
             drops.append({"step": series[j][0], "delta": delta, "stderr": stderr, "n_items": n})
-        step, to_step = series[i][0], best[0]
-        worst = drops[-1]
-        said = f"{self.metric} below the best (step {to_step}) in 2 evaluations in a row ({worst['delta']:+.4g}"
+        step, to_step = series[i][0], series[best_i][0]
+        worst, held = drops[-1], [s for s, _ in level]
+        where = f"step {held[0]}" if len(held) == 1 else f"steps {held[0]}-{held[-1]}"
+        said = f"{self.metric} below its best level ({where}) in 2 evaluations in a row ({worst['delta']:+.4g}"
         said += f", stderr {worst['stderr']:.2g})" if worst["stderr"] is not None else ")"
-        said += f": back to step {to_step}, learning rate x{cfg.factor:g}"
+        said += f": back to the best, step {to_step}, learning rate x{cfg.factor:g}"
         evidence = {"rule": "regression", "metric": self.metric, "best_step": to_step, "drops": drops}
-        evidence |= {"regression_stderrs": cfg.regression_stderrs, "min_delta": cfg.min_delta}
+        evidence |= {"level_steps": held, "regression_stderrs": cfg.regression_stderrs, "min_delta": cfg.min_delta}
         args = {"to_step": to_step, "factor": cfg.factor}
         steps = (to_step, series[i - 1][0], step)
         return Directive(f"rollback@{step}", "rollback", steps, said, evidence, cfg.rollback, args)
@@ -275,21 +287,34 @@ class FeedbackJudge:
             "min_delta": self.cfg.min_delta,
         }
 
-    def _difference(self, a: tuple[int, dict], b: tuple[int, dict]) -> tuple[float, float | None, int | None]:
-        """``b - a`` in the metric, with its paired standard error where both kept their items
-        (else the two errors combined, or None without them) and the items paired."""
+    def _level(self, before: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+        """The results in a row, ``level_results`` of them (or all there are), whose mean is the
+        best: the earliest of equals."""
+        k = min(self.cfg.level_results, len(before))
+        runs = [before[start : start + k] for start in range(len(before) - k + 1)]
+        return max(runs, key=lambda run: self.sign * math.fsum(m[self.metric] for _, m in run))
+
+    def _difference(
+        self, a: tuple[int, dict] | list[tuple[int, dict]], b: tuple[int, dict]
+    ) -> tuple[float, float | None, int | None]:
+        """``b - a`` in the metric (``a`` one result, or several: their mean), with its paired
+        standard error where all kept their items (else the errors combined, or None without
+        them) and the items paired."""
+        base = a if isinstance(a, list) else [a]
         if self._items is not None:
-            scores_a, scores_b = self._item_scores(a[0]), self._item_scores(b[0])
-            if scores_a is not None and scores_b is not None:
+            scores = [self._item_scores(step) for step, _ in [*base, b]]
+            if all(s is not None for s in scores):
                 try:
-                    paired = paired_difference(scores_a[0], scores_b[0], scores_b[1])
+                    paired = paired_difference(mean_scores([s[0] for s in scores[:-1]]), scores[-1][0], scores[-1][1])
                     return paired.difference, paired.guarded_stderr, paired.n
                 except NoCommonItems:
                     pass
-        delta = b[1][self.metric] - a[1][self.metric]
-        errors = [m.get(f"{self.metric}_stderr") for _, m in (a, b)]
-        stderr = math.hypot(*errors) if all(_finite(e) for e in errors) else None
-        return delta, stderr, None
+        level = math.fsum(m[self.metric] for _, m in base) / len(base)
+        errors = [m.get(f"{self.metric}_stderr") for _, m in base]
+        stderr = None
+        if all(_finite(e) for e in errors) and _finite(b[1].get(f"{self.metric}_stderr")):
+            stderr = math.hypot(math.hypot(*errors) / len(base), b[1][f"{self.metric}_stderr"])
+        return b[1][self.metric] - level, stderr, None
 
     def _item_scores(self, step: int) -> tuple[dict, dict | None] | None:
         if step not in self._scores:

@@ -9,6 +9,7 @@ change those errors hide (Miller 2024, "Adding Error Bars to Evals", arXiv 2411.
   standard error (clustered where items share a cluster, such as the samples of one prompt),
   a normal confidence interval, and the unpaired error for comparison.
 - :func:`mcnemar_exact`: McNemar's exact test for 0/1 scores.
+- :func:`mean_scores`: each item's mean over several evaluations, a baseline to pair against.
 
 Pure Python: the scheduler, the alerts and ``areal-eval compare`` import it in any process.
 """
@@ -127,6 +128,16 @@ def paired_difference(
         mcnemar_p=mcnemar_exact(xs, ys) if binary and groups in (None, n) else None,
         guarded_stderr=guarded,
     )
+
+
+def mean_scores(scores: list[Mapping[Hashable, float]]) -> dict[Hashable, float]:
+    """Each item's mean score over several evaluations, on the items all of them scored: a
+    baseline of several results to pair one result against."""
+    first, rest = scores[0], scores[1:]
+    common = (
+        list(first) if all(s.keys() >= first.keys() for s in rest) else [k for k in first if all(k in s for s in rest)]
+    )
+    return {k: math.fsum(s[k] for s in scores) / len(scores) for k in common}
 
 
 def _stderr(values: list[float], mean: float) -> float:

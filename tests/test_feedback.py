@@ -84,14 +84,45 @@ def test_a_confirmed_regression_rolls_back_to_the_best_once_and_each_drop_is_in_
     back = said[0]
     assert back.mode == "act" and back.args == {"to_step": 30, "factor": 0.5} and back.steps == (30, 70, 80)
     assert back.reason == (
-        "accuracy below the best (step 30) in 2 evaluations in a row (-0.25, stderr 0.014): "
-        "back to step 30, learning rate x0.5"
+        "accuracy below its best level (steps 50-60) in 2 evaluations in a row (-0.245, stderr 0.012): "
+        "back to the best, step 30, learning rate x0.5"
     )
     assert [d["step"] for d in back.evidence["drops"]] == [70, 80] and back.evidence["rule"] == "regression"
+    assert back.evidence["level_steps"] == [50, 60]
     # A second rollback once allowed, after the cooldown; the default mode only records.
     twice = judge(patience=None, max_rollbacks=2, cooldown=2).directives(curve)
     assert [(d.id, d.mode) for d in twice] == [("rollback@80", "shadow"), ("rollback@110", "shadow")]
     assert judge(rollback="off", patience=None).directives(curve) == []
+
+
+def test_a_high_result_among_dense_evaluations_is_no_level_to_fall_from():
+    # One result high by its noise (0.83 at step 40) among its neighbours: the next two lie 0.04
+    # below it, 2.8 errors, but within the noise of the level the run held (0.805 over 30-40).
+    # Measured from the best single result (level_results 1) that was a rollback.
+    dense = [0.5, 0.7, 0.80, 0.78, 0.83, 0.79, 0.79]
+    assert judge(patience=None, rollback="act").directives(results(dense)) == []
+    assert [d.id for d in judge(patience=None, level_results=1).directives(results(dense))] == ["rollback@60"]
+    # A real drop after it: back to the best checkpoint, measured from the best level before it.
+    said = judge(patience=None, rollback="act").directives(results(dense + [0.70, 0.69]))
+    assert [(d.id, d.args["to_step"], d.evidence["level_steps"]) for d in said] == [("rollback@80", 40, [40, 50])]
+
+
+def test_the_level_is_paired_on_the_mean_of_its_items():
+    # 400 items: 300 and 310 right at steps 0 and 10, then 250 and 240. Each drop is paired on the
+    # items' mean over the level's two steps; the stated errors (0.5) would hide it.
+    right = {0: 300, 10: 310, 20: 250, 30: 240}
+    items = {s: {k: float(k < n) for k in range(400)} for s, n in right.items()}
+    values = [(s, {"accuracy": n / 400, "accuracy_stderr": 0.5}) for s, n in right.items()]
+    paired = FeedbackJudge(
+        FeedbackConfig(patience=None, rollback="act"), metric="accuracy", items=lambda s, m: (items[s], None)
+    )
+    (back,) = paired.directives(values)
+    assert back.id == "rollback@30" and back.evidence["level_steps"] == [0, 10]
+    first = back.evidence["drops"][0]
+    assert first["n_items"] == 400 and first["delta"] == pytest.approx(250 / 400 - 610 / 800)
+    assert first["stderr"] < 0.05
+    unpaired = FeedbackJudge(FeedbackConfig(patience=None, rollback="act"), metric="accuracy")
+    assert unpaired.directives(values) == []
 
 
 def test_drops_within_their_errors_are_no_regression():

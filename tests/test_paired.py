@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from areal_eval.paired import NoCommonItems, mcnemar_exact, paired_difference
+from areal_eval.paired import NoCommonItems, mcnemar_exact, mean_scores, paired_difference
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +139,9 @@ def test_mcnemar_z_is_the_normal_deviate_of_the_exact_p(stats):
     a, b = {i: 1.0 for i in range(6)}, {i: 0.0 if i < 3 else 1.0 for i in range(6)}
     assert paired_difference(a, b, {i: i // 3 for i in range(6)}).mcnemar_z is None  # one prompt's samples
     assert paired_difference(a, b, {i: i for i in range(6)}).mcnemar_p == pytest.approx(0.25)  # singletons
+
+
+def test_mean_scores_average_each_item_over_the_evaluations_that_all_scored_it():
+    means = mean_scores([{"a": 1.0, "b": 0.0, "c": 1.0}, {"a": 0.0, "b": 0.0}, {"b": 1.0, "a": 1.0, "d": 1.0}])
+    assert means == {"a": pytest.approx(2 / 3), "b": pytest.approx(1 / 3)}
+    assert mean_scores([{"x": 0.25}]) == {"x": 0.25}
