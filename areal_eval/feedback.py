@@ -9,8 +9,8 @@ same results give the same directives, with the same ids, on every path.
 - on a plateau: ``patience`` evaluations in a row, after the best, none of them better than the
   best by more than ``min_delta``, and the newest not above the result ``patience`` evaluations
   before it by more than ``min_delta`` on a paired test (``improve_stderrs``) where both kept
-  their items; not where the newest lies below the best by ``regression_stderrs`` (a drop is the
-  regression rule's). A plateau scales the learning rate (``lr_scale``, ``factor``) up to
+  their items; not where the newest lies below the best level by ``regression_stderrs`` (a drop
+  is the regression rule's). A plateau scales the learning rate (``lr_scale``, ``factor``) up to
   ``max_lr_scales`` times, ``cooldown`` evaluations apart; a plateau after that stops training
   (an acting ``stop`` beside a shadow or off ``lr_scale`` stops at the first plateau).
 
@@ -181,7 +181,7 @@ class FeedbackJudge:
                     continue
             if cfg.patience is None or i - best_i < cfg.patience:
                 continue
-            plateau = self._plateau(series, i, best_i)
+            plateau = self._plateau(series, i)
             if plateau is None:
                 continue
             # A stop that acts beside a shadow ``lr_scale`` waits for no cut that is never made.
@@ -261,11 +261,11 @@ class FeedbackJudge:
         steps = (to_step, series[i - 1][0], step)
         return Directive(f"rollback@{step}", "rollback", steps, said, evidence, cfg.rollback, args)
 
-    def _plateau(self, series: list[tuple[int, dict]], i: int, best_i: int) -> dict | None:
+    def _plateau(self, series: list[tuple[int, dict]], i: int) -> dict | None:
         """The evidence that the curve is flat at ``series[i]``, or None where it still climbs, or
-        where ``series[i]`` lies confirmed below the best (a drop, for the regression rule: a stop
-        there would end training on a damaged model)."""
-        drop, drop_stderr, _ = self._difference(series[best_i], series[i])
+        where ``series[i]`` lies confirmed below the best level, the regression rule's (a drop,
+        for that rule: a stop there would end training on a damaged model)."""
+        drop, drop_stderr, _ = self._difference(self._level(series[: max(1, i - 1)]), series[i])
         drop = -self.sign * drop
         if drop_stderr is not None and drop - self.cfg.min_delta > self.cfg.regression_stderrs * drop_stderr:
             return None

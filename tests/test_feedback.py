@@ -107,6 +107,15 @@ def test_a_high_result_among_dense_evaluations_is_no_level_to_fall_from():
     assert [(d.id, d.args["to_step"], d.evidence["level_steps"]) for d in said] == [("rollback@80", 40, [40, 50])]
 
 
+def test_a_flat_stretch_after_a_high_result_is_a_plateau_not_a_drop():
+    # The results after a noise-high best (0.83) lie 2.8 errors below it but at the level held:
+    # flat, so the plateau rule stops. From the best single result they would be a drop, neither
+    # rule's: a (shadow) rollback, and no stop.
+    flat = results([0.5, 0.7, 0.80, 0.78, 0.83, 0.79, 0.79, 0.79])
+    assert [d.id for d in judge(patience=3, stop="act").directives(flat)] == ["stop@70"]
+    assert [d.id for d in judge(patience=3, stop="act", level_results=1).directives(flat)] == ["rollback@60"]
+
+
 def test_the_level_is_paired_on_the_mean_of_its_items():
     # 400 items: 300 and 310 right at steps 0 and 10, then 250 and 240. Each drop is paired on the
     # items' mean over the level's two steps; the stated errors (0.5) would hide it.
