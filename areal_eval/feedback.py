@@ -162,6 +162,7 @@ class FeedbackJudge:
         metrics)`` of the evaluated checkpoints, in any order. Nothing follows a stop."""
         cfg, out = self.cfg, []
         series = sorted((s, m) for s, m in results if s >= cfg.min_step and _finite(m.get(self.metric)))
+        levels = self._levels(series)
         best_i, since_action, scales, rollbacks = None, None, 0, 0
         for i, (step, metrics) in enumerate(series):
             value = metrics[self.metric]
@@ -175,13 +176,13 @@ class FeedbackJudge:
             if since_action is not None and since_action <= cfg.cooldown:
                 continue
             if cfg.rollback != "off" and rollbacks < cfg.max_rollbacks and i - best_i >= 2:
-                if back := self._regression(series, best_i, i):
+                if back := self._regression(series, best_i, i, levels[i - 1]):
                     out.append(back)
                     rollbacks, since_action = rollbacks + 1, 0
                     continue
             if cfg.patience is None or i - best_i < cfg.patience:
                 continue
-            plateau = self._plateau(series, i)
+            plateau = self._plateau(series, i, levels[max(1, i - 1)])
             if plateau is None:
                 continue
             # A stop that acts beside a shadow ``lr_scale`` waits for no cut that is never made.
@@ -238,11 +239,12 @@ class FeedbackJudge:
         evidence["target"] = self.cfg.target
         return Directive(f"stop@{step}", "stop", (step,), said, evidence, self.cfg.stop)
 
-    def _regression(self, series: list[tuple[int, dict]], best_i: int, i: int) -> Directive | None:
-        """A rollback to ``series[best_i]`` where the two newest results lie confirmed below the
-        best level before them."""
+    def _regression(
+        self, series: list[tuple[int, dict]], best_i: int, i: int, level: list[tuple[int, dict]]
+    ) -> Directive | None:
+        """A rollback to ``series[best_i]`` where the two newest results lie confirmed below
+        ``level``, the best level before them."""
         cfg, drops = self.cfg, []
-        level = self._level(series[: i - 1])
         for j in (i - 1, i):
             delta, stderr, n = self._difference(level, series[j])
             drop = -self.sign * delta
@@ -261,11 +263,11 @@ class FeedbackJudge:
         steps = (to_step, series[i - 1][0], step)
         return Directive(f"rollback@{step}", "rollback", steps, said, evidence, cfg.rollback, args)
 
-    def _plateau(self, series: list[tuple[int, dict]], i: int) -> dict | None:
+    def _plateau(self, series: list[tuple[int, dict]], i: int, level: list[tuple[int, dict]]) -> dict | None:
         """The evidence that the curve is flat at ``series[i]``, or None where it still climbs, or
-        where ``series[i]`` lies confirmed below the best level, the regression rule's (a drop,
-        for that rule: a stop there would end training on a damaged model)."""
-        drop, drop_stderr, _ = self._difference(self._level(series[: max(1, i - 1)]), series[i])
+        where ``series[i]`` lies confirmed below ``level``, the regression rule's (a drop, for
+        that rule: a stop there would end training on a damaged model)."""
+        drop, drop_stderr, _ = self._difference(level, series[i])
         drop = -self.sign * drop
         if drop_stderr is not None and drop - self.cfg.min_delta > self.cfg.regression_stderrs * drop_stderr:
             return None
@@ -287,12 +289,21 @@ class FeedbackJudge:
             "min_delta": self.cfg.min_delta,
         }
 
-    def _level(self, before: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
-        """The results in a row, ``level_results`` of them (or all there are), whose mean is the
-        best: the earliest of equals."""
-        k = min(self.cfg.level_results, len(before))
-        runs = [before[start : start + k] for start in range(len(before) - k + 1)]
-        return max(runs, key=lambda run: self.sign * math.fsum(m[self.metric] for _, m in run))
+    def _levels(self, series: list[tuple[int, dict]]) -> list[list[tuple[int, dict]]]:
+        """``levels[m]``, the best level in ``series[:m]`` (m >= 1): the ``level_results`` results
+        in a row (or all there are) whose mean is the best, the earliest of equals. One pass: a
+        judgement reads every prefix."""
+        k, levels, best, top = self.cfg.level_results, [[]], [], -math.inf
+        for m in range(1, len(series) + 1):
+            if m < k:
+                best = series[:m]
+            else:
+                run = series[m - k : m]
+                score = self.sign * math.fsum(metrics[self.metric] for _, metrics in run)
+                if m == k or score > top:
+                    best, top = run, score
+            levels.append(best)
+        return levels
 
     def _difference(
         self, a: tuple[int, dict] | list[tuple[int, dict]], b: tuple[int, dict]
