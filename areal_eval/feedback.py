@@ -272,7 +272,7 @@ class FeedbackJudge:
         if drop_stderr is not None and drop - self.cfg.min_delta > self.cfg.regression_stderrs * drop_stderr:
             return None
         start, now = series[i - self.cfg.patience], series[i]
-        delta, stderr, n = self._difference(start, now)
+        delta, stderr, n = self._difference([start], now)
         rise = self.sign * delta
         if stderr is not None and rise - self.cfg.min_delta > self.cfg.improve_stderrs * stderr:
             return None  # still improving, through the noise
@@ -305,18 +305,17 @@ class FeedbackJudge:
             levels.append(best)
         return levels
 
-    def _difference(
-        self, a: tuple[int, dict] | list[tuple[int, dict]], b: tuple[int, dict]
-    ) -> tuple[float, float | None, int | None]:
-        """``b - a`` in the metric (``a`` one result, or several: their mean), with its paired
+    def _difference(self, base: list[tuple[int, dict]], b: tuple[int, dict]) -> tuple[float, float | None, int | None]:
+        """``b`` minus the mean of ``base`` (one result or several) in the metric, with its paired
         standard error where all kept their items (else the errors combined, or None without
         them) and the items paired."""
-        base = a if isinstance(a, list) else [a]
         if self._items is not None:
             scores = [self._item_scores(step) for step, _ in [*base, b]]
             if all(s is not None for s in scores):
+                *before, (now, clusters) = scores
+                baseline = before[0][0] if len(before) == 1 else mean_scores([s[0] for s in before])
                 try:
-                    paired = paired_difference(mean_scores([s[0] for s in scores[:-1]]), scores[-1][0], scores[-1][1])
+                    paired = paired_difference(baseline, now, clusters)
                     return paired.difference, paired.guarded_stderr, paired.n
                 except NoCommonItems:
                     pass
