@@ -3,7 +3,7 @@ asynchronous feedback, on the project's own reward-model and causal-LM runs.
 
     .venv/bin/python bench/feedback_convergence.py [--seeds 1 2 3] [--scenarios healthy ...]
         [--out bench/results/feedback-convergence.jsonl] [--plot docs/images/feedback-convergence.png]
-        [--pin] [--rejudge WORK]
+        [--pin] [--rejudge WORK] [--keep-weights]
 
 Scenarios (the demo's reward model, 2 DDP ranks, saving every 25 steps):
 
@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -329,6 +330,7 @@ def main() -> None:
     parser.add_argument(
         "--rejudge", type=Path, metavar="WORK", help="judge the rows in --out again from their runs in WORK"
     )
+    parser.add_argument("--keep-weights", action="store_true", help="keep every run's checkpoints (GBs a scenario)")
     args = parser.parse_args()
     if args.rejudge:
         results = [judged(json.loads(line), args.rejudge) for line in args.out.read_text().splitlines()]
@@ -354,10 +356,13 @@ def main() -> None:
                         run_dir = run_flow(work, name, merge(sections, FLOW_SETTINGS[way]), preset)
                     rows[way] = measured(run_dir, way, started, metric)
                 result = judged({"scenario": scenario, "seed": seed, "runs": rows}, work)
+                if not args.keep_weights:
+                    drop_weights(work, scenario, seed)
                 out.write(json.dumps(result) + "\n")
                 out.flush()
                 results.append(result)
-                print(json.dumps({k: result[k] for k in ("scenario", "seed", "compared", "targets")}), flush=True)
+                said = {k: result[k] for k in ("scenario", "seed", "compared", "targets")}
+                print(json.dumps({**said, "work": str(work)}), flush=True)
     summarize(results, args)
 
 
@@ -371,6 +376,14 @@ def judged(result: dict, work: Path) -> dict:
         "compared": compared,
         "targets": {way: verdict(kind, way, compared, result["runs"]) for way in WAYS[2:]},
     }
+
+
+def drop_weights(work: Path, scenario: str, seed: int) -> None:
+    """Remove a judged scenario's checkpoints and resume states (75 runs keep about 60 GB of
+    them); the records ``--rejudge`` reads stay."""
+    for way in WAYS:
+        for weights in ("checkpoints", "resume"):
+            shutil.rmtree(work / f"{scenario}-seed{seed}-{way}" / weights, ignore_errors=True)
 
 
 def summarize(results: list[dict], args) -> None:
