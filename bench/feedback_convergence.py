@@ -3,7 +3,7 @@ asynchronous feedback, on the project's own reward-model and causal-LM runs.
 
     .venv/bin/python bench/feedback_convergence.py [--seeds 1 2 3] [--scenarios healthy ...]
         [--out bench/results/feedback-convergence.jsonl] [--plot docs/images/feedback-convergence.png]
-        [--pin] [--rejudge WORK] [--keep-weights]
+        [--pin] [--rejudge WORK] [--keep-weights] [--ways async ...]
 
 Scenarios (the demo's reward model, 2 DDP ranks, saving every 25 steps):
 
@@ -38,7 +38,8 @@ and the model each ends with). Wall time at equal quality, as time-to-accuracy b
 it: the seconds from a way's start until a result at least as good as the model ``sync`` ends
 with was known (its result file written), against ``sync``'s own (the target
 ``less_wall_than_sync``); the whole runs' ratio is ``wall_vs_sync``. Writes a row a run to
-``--out``; prints one JSON line.
+``--out``; prints one JSON line. ``--ways`` runs only some ways: such rows are judged once their
+runs are joined with the others' in one work directory (``--rejudge``).
 
 On this 2-core machine the flow's evaluations share the cores with training (on a cluster they run
 on devices of their own), so ``async``'s wall time carries its evaluations' CPU; ``sync``'s does
@@ -330,6 +331,9 @@ def main() -> None:
     parser.add_argument(
         "--rejudge", type=Path, metavar="WORK", help="judge the rows in --out again from their runs in WORK"
     )
+    parser.add_argument(
+        "--ways", nargs="+", choices=WAYS, default=list(WAYS), help="run only these (a row is judged with all five)"
+    )
     parser.add_argument("--keep-weights", action="store_true", help="keep every run's checkpoints (GBs a scenario)")
     args = parser.parse_args()
     if args.rejudge:
@@ -348,22 +352,25 @@ def main() -> None:
                 _, preset, _ = SCENARIOS[scenario]
                 sections, metric = settings(scenario, seed), metric_of(scenario)
                 rows = {}
-                for way in WAYS:
+                for way in args.ways:
                     name, started = f"{scenario}-seed{seed}-{way}", time.time()
                     if way == "sync":
                         run_dir = run_synchronous(work, name, sections, preset, metric)
                     else:
                         run_dir = run_flow(work, name, merge(sections, FLOW_SETTINGS[way]), preset)
                     rows[way] = measured(run_dir, way, started, metric)
-                result = judged({"scenario": scenario, "seed": seed, "runs": rows}, work)
+                result = {"scenario": scenario, "seed": seed, "runs": rows}
+                if len(rows) == len(WAYS):
+                    result = judged(result, work)
                 if not args.keep_weights:
                     drop_weights(work, scenario, seed)
                 out.write(json.dumps(result) + "\n")
                 out.flush()
                 results.append(result)
-                said = {k: result[k] for k in ("scenario", "seed", "compared", "targets")}
+                said = {k: result[k] for k in ("scenario", "seed", "compared", "targets") if k in result}
                 print(json.dumps({**said, "work": str(work)}), flush=True)
-    summarize(results, args)
+    if all("targets" in r for r in results):
+        summarize(results, args)
 
 
 def judged(result: dict, work: Path) -> dict:
