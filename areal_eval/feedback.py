@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 from typing import ClassVar, Literal
 
 from areal_eval.config.parsing import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldError, Ranges, check_ranges
@@ -197,13 +196,12 @@ class FeedbackJudge:
                 break
         return out
 
-    def watching(self, results: list[tuple[int, dict]], *, pending: Iterable[int] = ()) -> str | None:
+    def watching(self, results: list[tuple[int, dict]]) -> str | None:
         """Why the next checkpoint is worth evaluating though the scheduler would skip it: a rule
         in ``act`` mode is counting evaluations since the best (a plateau or a regression under
-        way), or may be (a checkpoint after the best is still being evaluated: ``pending``, the
-        steps scheduled and not yet evaluated), and may still act, past its cooldown. Patience
-        counts evaluations, and the scheduler evaluates flat stretches sparsely: this keeps the
-        count moving with training. Shadow mode changes nothing, the schedule included."""
+        way) and may still act, past its cooldown. Patience counts evaluations, and the scheduler
+        evaluates flat stretches sparsely: this keeps the count moving with training. Shadow mode
+        changes nothing, the schedule included."""
         cfg = self.cfg
         if not self.acting:
             return None
@@ -223,15 +221,10 @@ class FeedbackJudge:
         for i, (_, metrics) in enumerate(series):
             if self.sign * (metrics[self.metric] - series[best][1][self.metric]) > cfg.min_delta:
                 best = i
-        since, best_step = len(series) - 1 - best, series[best][0]
-        if not may_act:
+        since = len(series) - 1 - best
+        if not may_act or since < 1:
             return None
-        if since >= 1:
-            return f"feedback: {since} evaluation(s) since the best (step {best_step}) without a better one"
-        if later := [step for step in pending if step > best_step]:
-            # Its result either starts the count or is a new best: this checkpoint counts either way.
-            return f"feedback: step {min(later)} is being evaluated after the best (step {best_step})"
-        return None
+        return f"feedback: {since} evaluation(s) since the best (step {series[best][0]}) without a better one"
 
     def _target(self, step: int, metrics: dict) -> Directive | None:
         value, stderr = metrics[self.metric], metrics.get(f"{self.metric}_stderr")

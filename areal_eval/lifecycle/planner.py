@@ -158,8 +158,7 @@ class EvaluationPlanner:
         train = self._train_values(step)
         decision = decide(event, self._decisions.view(), self.cfg, offered, paired=self._paired, train=train)
         if not decision.evaluate and self.feedback is not None and self.feedback.acting:
-            pending = [e.step for e in self.ledger.pending() if e.probe != "pending"]
-            if why := self.feedback.watching(self._results(), pending=pending):
+            if why := self.feedback.watching(self._results()):
                 decision = Decision(True, why)
         if not decision.evaluate and self.probes:  # compared when it is done, with the full result before it
             decision = Decision(True, f"probe: {decision.reason}", probe=True)

@@ -277,29 +277,3 @@ def test_an_acting_feedback_rule_has_the_checkpoints_a_plateau_would_skip_evalua
     assert shadow[:3] == [0, 10, 20] and len([s for s in shadow if 20 < s <= 50]) < 3
     ledger = Ledger(tmp_path / "acting.jsonl")
     assert ledger.latest(40).reason == "feedback: 1 evaluation(s) since the best (step 20) without a better one"
-
-
-def test_a_checkpoint_after_the_best_still_being_evaluated_has_the_next_one_evaluated_for_an_acting_rule(tmp_path):
-    # The best at 50, 70 still being evaluated when 80 is offered: 70's result starts the count or
-    # is a new best, so 80 counts either way (else a slow evaluation costs the count a checkpoint
-    # after each best). Shadow mode skips 80, as the scheduler alone does.
-    from areal_eval.feedback import FeedbackConfig, FeedbackJudge
-
-    cfg = dataclasses.replace(CFG, max_interval_checkpoints=2)
-    values = {0: 0.5, 10: 0.6, 20: 0.7, 30: 0.71, 50: 0.72, 70: None}
-
-    def decision_on_80(feedback: FeedbackConfig, name: str):
-        judge = FeedbackJudge(feedback, metric="accuracy")
-        planner = EvaluationPlanner(cfg, Ledger(tmp_path / f"{name}.jsonl"), feedback=judge)
-        for step in range(0, 80, 10):
-            assert planner.offer(ev(step)).evaluate == (step in values), step
-            if step in values:
-                event = planner.next()
-                if values[step] is not None:
-                    planner.evaluated(event, {"accuracy": values[step], "accuracy_stderr": 0.01})
-        return planner.offer(ev(80))
-
-    shadow = decision_on_80(FeedbackConfig(max_lr_scales=0, patience=3), "shadow")
-    assert not shadow.evaluate and shadow.reason.startswith("plateau")
-    acting = decision_on_80(FeedbackConfig(stop="act", max_lr_scales=0, patience=3), "acting")
-    assert acting.evaluate and acting.reason == "feedback: step 70 is being evaluated after the best (step 50)"
